@@ -1,0 +1,397 @@
+"""The D-Attn vision-language model (reference implementation in PyTorch).
+
+vision tower -> mlp2x_gelu adapter -> RMSNorm -> + row/column position embeddings -> LLM norm -> visual
+stream; the LLM's decoder layers (Mistral or Gemma 2 weights and names) run two streams:
+  * visual: V2V is diagonal (each token attends only to itself) so a layer's visual K/V depend on the
+    image alone: `encode_visual` computes them once per image and any prompt reuses them;
+  * text: one `decomposed_attention` call per layer over [visual K/V (unrotated) ; text K/V (causal)].
+`dattn_mode="sattn"` turns the decomposition off (full causal V2V, RoPE everywhere, positions shared):
+conventional self-attention over [visual ; text].
+
+Only torch and transformers are imported (plus the sibling attention/config files) so this file can
+ship in a Hub repo for `trust_remote_code=True`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import CLIPVisionModel, PreTrainedModel, SiglipVisionModel
+from transformers.modeling_outputs import ModelOutput
+from transformers.models.gemma2.modeling_gemma2 import (
+    Gemma2MLP,
+    Gemma2RMSNorm,
+    Gemma2RotaryEmbedding,
+    Gemma2TextScaledWordEmbedding,
+)
+from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSNorm, MistralRotaryEmbedding, rotate_half
+
+from .attention import causal_mask, decomposed_attention
+from .configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
+
+KV = tuple[Tensor, Tensor]  # (key, value), each (batch, kv_heads, seq, head_dim)
+
+
+@dataclass(frozen=True)
+class Family:
+    norm: type[nn.Module]
+    mlp: type[nn.Module]
+    rotary: type[nn.Module]
+    sandwich_norms: bool  # Gemma 2: norms after attention and around the MLP
+
+
+FAMILIES = {
+    "dattn_mistral": Family(MistralRMSNorm, MistralMLP, MistralRotaryEmbedding, sandwich_norms=False),
+    "dattn_gemma2": Family(Gemma2RMSNorm, Gemma2MLP, Gemma2RotaryEmbedding, sandwich_norms=True),
+}
+
+
+def rms_normalize(x: Tensor, eps: float = 1e-5) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def linear_fp32(layer: nn.Linear, x: Tensor) -> Tensor:
+    return F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (B, H, S, D) by per-position cos/sin (B, S, D)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+# --- the multimodal front -------------------------------------------------------------------------
+
+
+class MMRMSNorm(nn.Module):
+    """weight * x * rsqrt(mean(x^2) + 1e-5) in fp32 (mm_rand_norm, mm_rand_llm_norm)."""
+
+    def __init__(self, dim: int, init: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (rms_normalize(x.float()) * self.weight.float()).to(x.dtype)
+
+
+class GridPositionEmbedding(nn.Module):
+    """Learnable embedding of a (fractional) row or column index, RMS-normalised (mm_rand_pos_h/_w).
+
+    Sinusoidal features of the index (transformer frequencies over `feature_dim`) go through
+    Linear-GELU-Linear in fp32.
+    """
+
+    def __init__(self, feature_dim: int, hidden_size: int):
+        super().__init__()
+        self.feature_dim = feature_dim
+        self.mlp = nn.Sequential(nn.Linear(feature_dim, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, index: Tensor) -> Tensor:
+        half = self.feature_dim // 2
+        freqs = torch.exp(torch.arange(half, device=index.device, dtype=torch.float32) * (-math.log(10000.0) / half))
+        angles = index.float()[:, None] * freqs
+        features = torch.cat([angles.sin(), angles.cos()], dim=-1)
+        hidden = F.gelu(linear_fp32(self.mlp[0], features))
+        return rms_normalize(linear_fp32(self.mlp[2], hidden))
+
+
+class MLPProjector(nn.Module):
+    """mlp2x_gelu: Linear-GELU-Linear (tensor names model.0 / model.2)."""
+
+    def __init__(self, in_dim: int, hidden_size: int):
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(in_dim, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+
+class VisionTower(nn.Module):
+    """SigLIP or CLIP tower under the released name `vision_model`; features from a selectable layer."""
+
+    def __init__(self, config):
+        super().__init__()
+        tower_config = config.vision_tower_config
+        self.is_clip = tower_config.model_type == "clip_vision_model"
+        self.vision_model = (CLIPVisionModel if self.is_clip else SiglipVisionModel)(tower_config)
+        self.select_layer = config.mm_vision_select_layer
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        out = self.vision_model(pixel_values, output_hidden_states=True)
+        features = out.hidden_states[self.select_layer]
+        return features[:, 1:] if self.is_clip else features  # CLIP: drop the class token (LLaVA "patch")
+
+
+# --- the decoder ---------------------------------------------------------------------------------
+
+
+class DAttnAttention(nn.Module):
+    """The layer's own q/k/v/o projections; D-Attn adds no attention weights."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = getattr(config, "attention_bias", False)
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.scale = getattr(config, "query_pre_attn_scalar", self.head_dim) ** -0.5
+        self.softcap = getattr(config, "attn_logit_softcapping", None)
+        self.merge = config.merge
+
+    def heads(self, proj: nn.Linear, x: Tensor) -> Tensor:
+        """(B, S, hidden) -> (B, heads, S, head_dim)."""
+        return proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+
+    def output(self, attn: Tensor) -> Tensor:
+        """(B, heads, S, head_dim) -> (B, S, hidden)."""
+        return self.o_proj(attn.transpose(1, 2).flatten(2))
+
+    def attend(self, q_txt, k_txt, v_txt, txt_mask, q_vis=None, visual: KV | None = None, vis_mask=None) -> Tensor:
+        k_vis, v_vis = visual if visual is not None else (None, None)
+        return decomposed_attention(
+            q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, vis_mask,
+            scale=self.scale, softcap=self.softcap, merge=self.merge,
+        )  # fmt: skip
+
+
+class DAttnDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        family = FAMILIES[config.model_type]
+        self.self_attn = DAttnAttention(config, layer_idx)
+        self.mlp = family.mlp(config)
+        self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.sandwich_norms = family.sandwich_norms
+        if family.sandwich_norms:
+            self.pre_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.diagonal = config.use_diagonal
+        self.debias = config.use_debias
+
+    def residual_mlp(self, residual: Tensor, attn_out: Tensor) -> Tensor:
+        """Everything after the attention: residual add, the MLP and the family's norms."""
+        if self.sandwich_norms:
+            h = residual + self.post_attention_layernorm(attn_out)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = residual + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def visual_forward(self, h: Tensor, rope: tuple[Tensor, Tensor], v2v_mask: Tensor | None) -> tuple[Tensor, KV]:
+        """One layer of the visual stream: its output and the visual K/V that text queries will read."""
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        k, v = attn.heads(attn.k_proj, x), attn.heads(attn.v_proj, x)
+        k_rot = apply_rope(k, *rope)
+        if self.diagonal:  # softmax over the token's own key alone is 1: the output is its value
+            out = v.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
+        else:
+            out = attn.attend(apply_rope(attn.heads(attn.q_proj, x), *rope), k_rot, v, v2v_mask)
+        return self.residual_mlp(h, attn.output(out)), (k if self.debias else k_rot, v)
+
+    def text_forward(
+        self, h: Tensor, rope, past: KV | None, visual: KV | None, txt_mask: Tensor, vis_mask: Tensor | None
+    ) -> tuple[Tensor, KV]:
+        """One layer of the text stream; returns its output and the text K/V cache (past + new)."""
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        q = attn.heads(attn.q_proj, x)
+        q_rot, k = apply_rope(q, *rope), apply_rope(attn.heads(attn.k_proj, x), *rope)
+        v = attn.heads(attn.v_proj, x)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        out = attn.attend(q_rot, k, v, txt_mask, q if self.debias else q_rot, visual, vis_mask)
+        return self.residual_mlp(h, attn.output(out)), (k, v)
+
+
+class DAttnPreTrainedModel(PreTrainedModel):
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["DAttnDecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, MMRMSNorm):
+            module.weight.fill_(self.config.mm_std)
+        elif isinstance(module, Gemma2RMSNorm):
+            module.weight.zero_()  # Gemma 2 scales by (1 + weight)
+
+
+class DAttnModel(DAttnPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        family = FAMILIES[config.model_type]
+        hidden = config.hidden_size
+        if family.sandwich_norms:
+            self.embed_tokens = Gemma2TextScaledWordEmbedding(
+                config.vocab_size, hidden, config.pad_token_id, embed_scale=hidden**0.5
+            )
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        self.layers = nn.ModuleList(DAttnDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = family.norm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = family.rotary(config)
+        self.mm_vis = VisionTower(config)
+        self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
+        self.mm_rand_norm = MMRMSNorm(hidden, config.mm_std)
+        self.mm_rand_pos_h = GridPositionEmbedding(config.mm_pos_feature_dim, hidden)
+        self.mm_rand_pos_w = GridPositionEmbedding(config.mm_pos_feature_dim, hidden)
+        self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
+        self.windows = [config.sliding_window_of(i) for i in range(config.num_hidden_layers)]
+        self.post_init()
+
+    def embed_images(self, pixel_values: Tensor) -> Tensor:
+        """(B, images, 3, H, W) pixels -> (B, images * tokens_per_image, hidden) visual embeddings."""
+        batch, images = pixel_values.shape[:2]
+        features = self.mm_vis(pixel_values.flatten(0, 1).to(self.dtype))
+        x = self.mm_rand_norm(self.mm_rand_projector(features))
+        grid = torch.arange(self.config.patch_grid, device=x.device)
+        pos = self.mm_rand_pos_h(grid)[:, None, :] + self.mm_rand_pos_w(grid)[None, :, :]  # (rows, cols, hidden)
+        x = self.mm_rand_llm_norm(x + pos.flatten(0, 1).to(x.dtype))
+        return x.unflatten(0, (batch, images)).flatten(1, 2)
+
+    def encode_visual(self, visual_embeds: Tensor, visual_mask: Tensor | None = None) -> list[KV]:
+        """Every layer's visual K/V: a function of the image alone, reusable for any prompt."""
+        batch, num_visual = visual_embeds.shape[:2]
+        valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask.bool()
+        positions = torch.arange(num_visual, device=visual_embeds.device).expand(batch, -1)
+        rope = self.rotary_emb(visual_embeds, positions)
+        h, visual_kv = visual_embeds, []
+        for layer, window in zip(self.layers, self.windows):
+            v2v_mask = None if layer.diagonal else causal_mask(valid, num_visual, window)
+            h, kv = layer.visual_forward(h, rope, v2v_mask)
+            visual_kv.append(kv)
+        return visual_kv
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values: list[KV] | None = None,
+        visual_key_values: list[KV] | None = None,
+        visual_mask: Tensor | None = None,
+    ) -> tuple[Tensor, list[KV]]:
+        """The text stream. attention_mask (B, past + T) marks real text tokens (left padding allowed);
+        visual_mask (B, V) marks real visual tokens. Returns the final hidden states and the text cache."""
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, num_new = h.shape[:2]
+        num_past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        num_visual = 0 if visual_key_values is None else visual_key_values[0][0].shape[2]
+        text_valid = (
+            torch.ones(batch, num_past + num_new, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        )
+        visual_valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask.bool()
+        # Debiased: text positions count text tokens only. Otherwise the visual tokens come first.
+        offset = 0 if self.config.use_debias else num_visual
+        if position_ids is None:
+            position_ids = offset + (text_valid.long().cumsum(-1) - 1).clamp_min(0)[:, -num_new:]
+        rope = self.rotary_emb(h, position_ids)
+
+        masks = {}  # per distinct window: (text mask, visual mask)
+        for window in set(self.windows):
+            if self.config.use_debias:
+                vis_mask = visual_valid[:, None, :].expand(batch, num_new, num_visual)
+                masks[window] = (causal_mask(text_valid, num_new, window), vis_mask)
+            else:  # one causal order over [visual ; text] slots, as in conventional attention
+                full = causal_mask(torch.cat([visual_valid, text_valid], dim=1), num_new, window)
+                masks[window] = (full[..., num_visual:], full[..., :num_visual])
+
+        present = []
+        for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
+            past = None if past_key_values is None else past_key_values[i]
+            visual = None if visual_key_values is None else visual_key_values[i]
+            h, kv = layer.text_forward(h, rope, past, visual, *masks[window])
+            present.append(kv)
+        return self.norm(h), present
+
+
+@dataclass
+class DAttnOutput(ModelOutput):
+    logits: Tensor | None = None
+    past_key_values: list[KV] | None = None
+    visual_key_values: list[KV] | None = None
+
+
+class DAttnForCausalLM(DAttnPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = DAttnModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        pixel_values: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values: list[KV] | None = None,
+        visual_key_values: list[KV] | None = None,
+        visual_mask: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+    ) -> DAttnOutput:
+        """Logits for the text tokens. Images come as `pixel_values` (B, images, 3, H, W), or as the
+        `visual_key_values` an earlier call returned."""
+        if pixel_values is not None and visual_key_values is None:
+            visual_key_values = self.model.encode_visual(self.model.embed_images(pixel_values), visual_mask)
+        hidden, present = self.model(
+            input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, visual_key_values, visual_mask
+        )
+        logits = self.lm_head(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return DAttnOutput(logits=logits, past_key_values=present, visual_key_values=visual_key_values)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        pixel_values: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        max_new_tokens: int = 20,
+        visual_key_values: list[KV] | None = None,
+        eos_token_id: int | None = None,
+    ) -> Tensor:
+        """Greedy decoding with the text KV cache; the image's visual K/V are computed once (or reused)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        out = self(input_ids, pixel_values, attention_mask, visual_key_values=visual_key_values)
+        tokens = []
+        for step in range(max_new_tokens):
+            next_token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(next_token)
+            if step == max_new_tokens - 1 or (eos_token_id is not None and (next_token == eos_token_id).all()):
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones_like(next_token)], dim=1)
+            out = self(
+                next_token,
+                attention_mask=attention_mask,
+                past_key_values=out.past_key_values,
+                visual_key_values=out.visual_key_values,
+            )
+        return torch.cat(tokens, dim=1)
+
+
+class DAttnMistralForCausalLM(DAttnForCausalLM):
+    config_class = DAttnMistralConfig
+
+
+class DAttnGemma2ForCausalLM(DAttnForCausalLM):
+    config_class = DAttnGemma2Config
+
+
+MODEL_CLASSES = {"dattn_mistral": DAttnMistralForCausalLM, "dattn_gemma2": DAttnGemma2ForCausalLM}

@@ -1,0 +1,64 @@
+"""Tiny configs for tests and the demo (hidden size <= 256), and a random initialisation that makes
+every weight matter (O(1) logits, non-uniform attention) so that comparisons can fail."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .configuration_dattn import CONFIG_CLASSES
+from .modeling_dattn import MMRMSNorm, Gemma2RMSNorm
+
+TINY_VISION = {
+    "siglip": dict(
+        model_type="siglip_vision_model", hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, image_size=32, patch_size=8, num_channels=3,
+    ),
+    "clip": dict(
+        model_type="clip_vision_model", hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, image_size=32, patch_size=8, num_channels=3, projection_dim=48,
+    ),
+}  # fmt: skip
+
+TINY_TEXT = {
+    "mistral": dict(
+        model_type="dattn_mistral", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=None,
+        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
+    "gemma2": dict(
+        model_type="dattn_gemma2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
+}  # fmt: skip
+
+FAMILY_NAMES = tuple(TINY_TEXT)
+
+
+def tiny_config(family: str = "mistral", *, vision: str = "siglip", **overrides):
+    """A tiny D-Attn config of `family` (mistral | gemma2) with a tiny `vision` tower (siglip | clip)."""
+    fields = {**TINY_TEXT[family], "mm_vision_tower": f"dattn-export/tiny-{vision}", **overrides}
+    fields.setdefault("vision_config", dict(TINY_VISION[vision]))
+    return CONFIG_CLASSES[fields.pop("model_type")](**fields)
+
+
+@torch.no_grad()
+def randomize_weights(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Matrices ~ N(0, 1/fan_in); norm weights around their neutral value (+-10%); biases ~ N(0, 0.1)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=generator)
+        if param.ndim >= 2:
+            param.copy_(noise * param[0].numel() ** -0.5)
+            continue
+        owner = model.get_submodule(name.rpartition(".")[0])
+        is_norm = isinstance(owner, nn.LayerNorm) or "RMSNorm" in type(owner).__name__
+        if not (is_norm and name.endswith("weight")) or isinstance(owner, Gemma2RMSNorm):
+            param.copy_(0.1 * noise)  # biases, class embeddings, Gemma 2 norms (which scale by 1 + weight)
+        else:
+            neutral = model.config.mm_std if isinstance(owner, MMRMSNorm) else 1.0
+            param.copy_(neutral * (1 + 0.1 * noise))
+    return model

@@ -1,0 +1,128 @@
+"""The CLI as a user runs it: real subprocesses, exit codes, one-line errors."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dattn_export import __version__
+from dattn_export.demo import DEMO_PROMPT, write_demo_checkpoint
+from dattn_export.loading import load_model
+from dattn_export.processing import load_image_processor, load_images, load_tokenizer
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "dattn_export", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoint(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint")
+
+
+def test_version_and_help():
+    result = run_cli("--version")
+    assert result.returncode == 0 and __version__ in result.stdout
+    result = run_cli("--help")
+    assert result.returncode == 0 and "demo" in result.stdout and "generate" in result.stdout
+
+
+def test_demo_end_to_end(tmp_path):
+    result = run_cli("demo", tmp_path / "out", "--max-new-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    generated = json.loads(re.search(r"generated ids \(\d+\): (\[.*\])", result.stdout).group(1))
+    # recompute in-process from the written checkpoint with the library calls the user would make
+    checkpoint = tmp_path / "out" / "checkpoint"
+    model = load_model(checkpoint)
+    tokenizer = load_tokenizer(checkpoint, model.config)
+    pixels = load_images([checkpoint / "demo.png"], load_image_processor(checkpoint, model.config))
+    inputs = tokenizer(DEMO_PROMPT, return_tensors="pt")
+    expected = model.generate(inputs["input_ids"], pixels, inputs["attention_mask"], max_new_tokens=8, eos_token_id=2)
+    assert generated == expected[0].tolist()
+    assert len(list(checkpoint.glob("model-*-of-*.safetensors"))) > 1  # sharded like a real training output
+    assert not list((tmp_path / "out").glob(".checkpoint.partial-*"))
+
+
+def drop_tensor(folder, name):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"].pop(name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def truncate_first_shard(folder):
+    shard = sorted(folder.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    return shard.name
+
+
+def huge_header_length(folder):
+    shard = sorted(folder.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[:8] = (10**12).to_bytes(8, "little")
+    shard.write_bytes(bytes(data))
+    return shard.name
+
+
+BAD_INPUTS = {
+    "missing tensor": (lambda d: drop_tensor(d, "model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight"),
+    "unknown model_type": (lambda d: edit_config(d, model_type="llava_next"), "model_type 'llava_next'"),
+    "shape contradicts config": (lambda d: edit_config(d, intermediate_size=96), "mlp.gate_proj.weight has shape"),
+    "bad attention mode": (lambda d: edit_config(d, dattn_mode="flash"), "dattn_mode"),
+    "no vision_config": (lambda d: edit_config(d, vision_config=None), "vision_config"),
+    "missing config.json": (lambda d: (d / "config.json").unlink(), "has no config.json"),
+    "config not JSON": (lambda d: (d / "config.json").write_text("{oops"), "config.json: not readable JSON"),
+    "index names a missing shard": (
+        lambda d: (d / "model-00002-of-00005.safetensors").unlink(), "missing shard model-00002-of-00005"
+    ),
+    "truncated shard": (truncate_first_shard, "model-00001-of-00005.safetensors: not a readable safetensors"),
+    "header length beyond file": (huge_header_length, "model-00001-of-00005.safetensors: not a readable safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_checkpoint_gives_one_line_error(demo_checkpoint, tmp_path, case):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(demo_checkpoint, folder)
+    damage, expected = BAD_INPUTS[case]
+    damage(folder)
+    result = run_cli("generate", folder, "--prompt", "hi", "--max-new-tokens", "1")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert expected in lines[0] and str(folder) in lines[0], lines[0]
+
+
+def test_shape_error_names_the_tensor_and_file(demo_checkpoint, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(demo_checkpoint, folder)
+    edit_config(folder, num_key_value_heads=4)
+    result = run_cli("generate", folder, "--prompt", "hi")
+    assert result.returncode == 2
+    assert re.search(r"model-\d+-of-\d+\.safetensors: tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape "
+                     r"\[32, 64\] but config\.json implies \[64, 64\]", result.stderr), result.stderr  # fmt: skip
+
+
+def test_generate_with_image_matches_library(demo_checkpoint):
+    result = run_cli("generate", demo_checkpoint, "--prompt", "hello", "--image", demo_checkpoint / "demo.png",
+                     "--max-new-tokens", "5")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "visual tokens │ 16" in result.stdout
+    model = load_model(demo_checkpoint)
+    torch.testing.assert_close(model.model.embed_tokens.weight, load_file(
+        demo_checkpoint / "model-00001-of-00005.safetensors")["model.embed_tokens.weight"])  # fmt: skip

@@ -1,0 +1,179 @@
+"""The reference model against transformers' own Mistral / Gemma 2, and D-Attn's defining identities."""
+
+import pytest
+import torch
+from conftest import build_model, images, left_padded_batch
+from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+
+from dattn_export.loading import saved_state_dict
+
+HF_CLASSES = {"dattn_mistral": (MistralConfig, MistralForCausalLM), "dattn_gemma2": (Gemma2Config, Gemma2ForCausalLM)}
+ATOL = 1e-5
+
+
+def transformers_llm(model):
+    """transformers' own causal LM with the same LLM weights (names are identical)."""
+    config_class, model_class = HF_CLASSES[model.config.model_type]
+    fields = {k: v for k, v in model.config.to_dict().items() if k in config_class.__dataclass_fields__}
+    hf = model_class(config_class(**fields, attn_implementation="eager")).eval()
+    llm_weights = {k: v for k, v in saved_state_dict(model).items() if not k.startswith("model.mm_")}
+    missing, unexpected = hf.load_state_dict(llm_weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return hf
+
+
+def valid_positions(mask):
+    return mask.bool()
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [("mistral", {}), ("gemma2", {}), ("gemma2", {"attn_logit_softcapping": 1.5})],  # a cap that bites on O(1) logits
+)
+def test_sattn_text_only_equals_transformers(family, overrides):
+    model = build_model(family, dattn_mode="sattn", **overrides)
+    hf = transformers_llm(model)
+    ids, mask = left_padded_batch([13, 9, 4])  # longer than Gemma's 8-token sliding window
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask).logits
+        theirs = hf(input_ids=ids, attention_mask=mask).logits
+    keep = valid_positions(mask)
+    torch.testing.assert_close(ours[keep], theirs[keep], atol=ATOL, rtol=0)
+    assert theirs[keep].std() > 0.3  # logits are O(1): the comparison can fail
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_decomposition_identity(family, num_images):
+    """D-Attn with diagonal OFF, debias OFF, alpha merge == conventional causal attention over [visual ; text]."""
+    ablated = build_model(family, dattn_diagonal=False, dattn_debias=False)
+    sattn = build_model(family, dattn_mode="sattn")
+    ids, mask = left_padded_batch([11, 6, 3])
+    pixels = images(3, num_images)
+    with torch.no_grad():
+        decomposed = ablated(ids, pixels, attention_mask=mask).logits
+        visual = sattn.model.embed_images(pixels)
+        text = sattn.model.embed_tokens(ids)
+        full_mask = torch.cat([torch.ones(3, visual.shape[1], dtype=torch.long), mask], dim=1)
+        hidden, _ = sattn.model(inputs_embeds=torch.cat([visual, text], dim=1), attention_mask=full_mask)
+        conventional = sattn.lm_head(hidden[:, visual.shape[1] :])
+        if family == "gemma2":
+            conventional = torch.tanh(conventional / 30.0) * 30.0
+    keep = valid_positions(mask)
+    torch.testing.assert_close(decomposed[keep], conventional[keep], atol=ATOL, rtol=0)
+    with torch.no_grad():  # and the real D-Attn differs: the identity is not vacuous
+        dattn = build_model(family)(ids, pixels, attention_mask=mask).logits
+    assert (dattn[keep] - conventional[keep]).abs().max() > 0.1
+
+
+def test_diagonal_visual_stream_equals_transformers_on_single_tokens(family):
+    """Diagonal V2V: each visual token attends only to itself, i.e. it is a one-token sequence. transformers'
+    own model run on each visual token alone (position 0: RoPE is the identity) caches the same K/V."""
+    model = build_model(family)
+    hf = transformers_llm(model)
+    with torch.no_grad():
+        visual = model.model.embed_images(images(2, 2))
+        ours = model.model.encode_visual(visual)
+        batch, num_visual, hidden = visual.shape
+        cache = hf.model(inputs_embeds=visual.reshape(batch * num_visual, 1, hidden), use_cache=True).past_key_values
+    for layer, (k, v) in enumerate(ours):
+        for got, theirs in ((k, cache.layers[layer].keys), (v, cache.layers[layer].values)):
+            expected = theirs.reshape(batch, num_visual, *theirs.shape[1:]).squeeze(3).transpose(1, 2)
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["dattn", "dattn-sum"])
+def test_visual_kv_independent_of_text(family, mode):
+    model = build_model(family, dattn_mode=mode)
+    pixels = images(2)
+    with torch.no_grad():
+        ids_a, mask_a = left_padded_batch([5, 3], seed=1)
+        ids_b, mask_b = left_padded_batch([12, 12], seed=2)
+        a = model(ids_a, pixels, mask_a).visual_key_values
+        b = model(ids_b, pixels, mask_b).visual_key_values
+    for (ka, va), (kb, vb) in zip(a, b):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("mode", ["dattn", "dattn-sum"])
+def test_text_position_shift_leaves_logits_unchanged(family, mode):
+    """Debiased T2V and relative T2T: moving the text to other positions changes nothing."""
+    model = build_model(family, dattn_mode=mode)
+    ids, mask = left_padded_batch([7, 7])
+    pixels = images(2)
+    positions = torch.arange(7).expand(2, -1)
+    with torch.no_grad():
+        at_zero = model(ids, pixels, mask, position_ids=positions).logits
+        shifted = model(ids, pixels, mask, position_ids=positions + 37).logits
+        sattn = build_model(family, dattn_mode="sattn")
+        conv_zero = sattn(ids, pixels, mask, position_ids=positions + 16).logits
+        conv_shift = sattn(ids, pixels, mask, position_ids=positions + 53).logits
+    torch.testing.assert_close(at_zero, shifted, atol=ATOL, rtol=0)
+    assert (conv_zero - conv_shift).abs().max() > 1e-3  # conventional attention is position-biased
+
+
+@pytest.mark.parametrize("mode", ["dattn", "dattn-sum", "sattn"])
+def test_incremental_decoding_equals_full_forward(family, mode):
+    model = build_model(family, dattn_mode=mode)
+    ids, mask = left_padded_batch([10, 6])  # crosses Gemma's sliding window while decoding
+    pixels = images(2, 2)
+    with torch.no_grad():
+        full = model(ids, pixels, mask).logits
+        visual_kv = model.model.encode_visual(model.model.embed_images(pixels))  # an earlier call's K/V
+        prompt = 4
+        out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], visual_key_values=visual_kv)
+        steps = [out.logits]
+        for t in range(prompt, ids.shape[1]):
+            out = model(
+                ids[:, t : t + 1], attention_mask=mask[:, : t + 1],
+                past_key_values=out.past_key_values, visual_key_values=visual_kv,
+            )  # fmt: skip
+            steps.append(out.logits)
+    incremental = torch.cat(steps, dim=1)
+    keep = valid_positions(mask)
+    torch.testing.assert_close(incremental[keep], full[keep], atol=ATOL, rtol=0)
+
+
+def test_greedy_generate_matches_argmax_of_full_forward(family):
+    model = build_model(family)
+    ids, mask = left_padded_batch([6, 4])
+    pixels = images(2)
+    generated = model.generate(ids, pixels, mask, max_new_tokens=6)
+    with torch.no_grad():  # re-derive each token from a full forward over prompt + generated prefix
+        for step in range(generated.shape[1]):
+            seq = torch.cat([ids, generated[:, :step]], dim=1)
+            seq_mask = torch.cat([mask, torch.ones_like(generated[:, :step])], dim=1)
+            logits = model(seq, pixels, seq_mask).logits[:, -1]
+            assert torch.equal(logits.argmax(-1), generated[:, step])
+
+
+@pytest.mark.parametrize("vision", ["siglip", "clip"])
+def test_multimodal_front_matches_literal_formula(vision):
+    """tower features (hidden_states[-2], CLIP's class token dropped) -> mlp2x_gelu -> RMSNorm
+    -> + RMS-normalised row/column embeddings of sinusoidal features -> LLM norm (DATTN.md section 1)."""
+    model = build_model("mistral", vision=vision, mm_std=0.7)
+    m = model.model
+    pixels = images(1)
+    with torch.no_grad():
+        got = m.embed_images(pixels)[0]
+        features = m.mm_vis.vision_model(pixels[:, 0], output_hidden_states=True).hidden_states[-2][0]
+        features = features[1:] if vision == "clip" else features
+        p0, p2 = m.mm_rand_projector.model[0], m.mm_rand_projector.model[2]
+        x = torch.nn.functional.gelu(features @ p0.weight.T + p0.bias) @ p2.weight.T + p2.bias
+
+        def rms(t, weight=None):
+            t = t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5)
+            return t if weight is None else t * weight
+
+        def position(embedding, index):
+            half = 32  # mm_pos_feature_dim / 2
+            angle = index[:, None] / 10000.0 ** (torch.arange(half) / half)
+            features = torch.cat([angle.sin(), angle.cos()], dim=-1)
+            l0, l2 = embedding.mlp[0], embedding.mlp[2]
+            return rms(torch.nn.functional.gelu(features @ l0.weight.T + l0.bias) @ l2.weight.T + l2.bias)
+
+        grid = torch.arange(4.0)
+        rows, cols = torch.meshgrid(grid, grid, indexing="ij")
+        pos = position(m.mm_rand_pos_h, rows.flatten()) + position(m.mm_rand_pos_w, cols.flatten())
+        expected = rms(rms(x, m.mm_rand_norm.weight) + pos, m.mm_rand_llm_norm.weight)
+    assert got.shape == (16, 64)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
