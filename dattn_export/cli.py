@@ -71,3 +71,95 @@ def generate(checkpoint: Path, prompt: str, images: tuple[Path, ...], max_new_to
 
     result = run_prompt(checkpoint, prompt, list(images), max_new_tokens)
     print_prompt_result("dattn-export generate", result, [("checkpoint", str(checkpoint))])
+
+
+def source_options(command):
+    """--base and --vision-heads: how to complete a checkpoint that lacks a part."""
+    command = click.option("--vision-heads", type=click.IntRange(min=1),
+                           help="Attention heads of the vision tower, to infer its config from tensor shapes "
+                           "when config.json has no vision_config and the tower is not a known one.")(command)  # fmt: skip
+    return click.option("--base", type=click.Path(exists=True, path_type=Path),
+                        help="Base model folder for an adapter-only save (mm_projector.bin).")(command)  # fmt: skip
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@source_options
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def info(checkpoint: Path, base: Path | None, vision_heads: int | None, as_json: bool):
+    """Detect a checkpoint's layout and show its architecture, parameters, dtypes, size and problems."""
+    import json
+
+    from .info import describe
+    from .ui import out, summary_table
+
+    report = describe(checkpoint, base, vision_heads)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    arch = report["architecture"] or {}
+    rows = [
+        ("layout", f"{report['layout']} ({'; '.join(report['notes'])})"),
+        *((key.replace("_", " "), str(value)) for key, value in arch.items()),
+        ("parameters", ", ".join(f"{k} {v:,}" for k, v in report["parameters"].items())),
+        ("tensors", f"{report['tensors']:,} ({', '.join(f'{k} {v}' for k, v in report['dtypes'].items())})"),
+        ("bytes", f"{report['bytes']:,}"),
+        ("problems", "\n".join(report["problems"]) or "none"),
+    ]
+    out.print(summary_table(f"dattn-export info {checkpoint}", rows))
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output folder (written beside, then renamed into place).")  # fmt: skip
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
+              help="auto: the dtype config.json declares, else the dtype most weights are stored in.")  # fmt: skip
+@click.option("--max-shard-size", default="5GB", show_default=True)
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@source_options
+def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force: bool, base, vision_heads):
+    """Convert training output (HF, Trainer, DeepSpeed ZeRO, adapter-only) to verified sharded safetensors."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from .convert import convert as run_convert
+    from .ui import err, out as stdout, summary_table
+
+    progress = Progress(
+        TextColumn("{task.description:<48.48}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeRemainingColumn(), console=err, transient=True,
+    )  # fmt: skip
+    result = run_convert(checkpoint, out, dtype, max_shard_size, force, base, vision_heads, progress)
+    shards = sorted(n for n in result.files if n.endswith(".safetensors"))
+    rows = [
+        ("source", f"{checkpoint} ({result.source.reader.layout}; {'; '.join(result.source.reader.notes)})"),
+        ("vision config", result.source.vision_origin),
+        ("output", f"{out} ({len(shards)} shard(s), {len(result.files) + 1} files incl. manifest)"),
+        ("tensors", f"{result.tensor_count:,} as {str(result.dtype).removeprefix('torch.')}"
+                    + (f"; stored once: {', '.join(result.dropped)}" if result.dropped else "")),  # fmt: skip
+        ("bytes", f"{result.weight_bytes:,}"),
+        ("time", f"{result.seconds:.2f} s ({result.weight_bytes / max(result.seconds, 1e-9) / 1e6:.0f} MB/s)"),
+    ]
+    stdout.print(summary_table("dattn-export convert", rows))
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--against", type=click.Path(path_type=Path), help="The source checkpoint to compare every tensor with.")
+@source_options
+def verify(out: Path, against: Path | None, base, vision_heads):
+    """Check a converted folder: manifest hashes, every tensor reloads exactly, the model loads and runs."""
+    from rich.table import Table
+
+    from .ui import out as stdout
+    from .verify import verify as run_verify
+
+    checks = run_verify(out, against, base, vision_heads)
+    table = Table(title=f"dattn-export verify {out}", title_justify="left")
+    for column in ("check", "result", "detail"):
+        table.add_column(column)
+    for check in checks:
+        table.add_row(check.name, "[green]ok[/]" if check.ok else "[red]FAILED[/]", check.detail)
+    stdout.print(table)
+    if not all(c.ok for c in checks):
+        raise SystemExit(1)

@@ -10,7 +10,7 @@ from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from .converters.safetensors_writer import plan_shards, write_shards
+from .converters.safetensors_writer import PlannedTensor, plan_shards, write_shards
 from .loading import saved_state_dict
 from .modeling_dattn import MODEL_CLASSES
 from .presets import randomize_weights, tiny_config
@@ -63,9 +63,10 @@ def write_demo_checkpoint(out: Path, family: str = "mistral", seed: int = 0) -> 
     model_class = MODEL_CLASSES[config.model_type]
     config.architectures = [model_class.__name__]
     model = randomize_weights(model_class(config), seed).eval()
-    tensors = saved_state_dict(model)
-    sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
-    write_shards(plan_shards(sizes, SHARD_BYTES), tensors.__getitem__, out)
+    planned = [
+        PlannedTensor(name, t.dtype, tuple(t.shape), produce=lambda t=t: t) for name, t in saved_state_dict(model).items()
+    ]
+    write_shards(plan_shards(planned, SHARD_BYTES), out)
     config.save_pretrained(out)
     build_tokenizer(config.vocab_size).save_pretrained(out)
     size = config.vision_config["image_size"]

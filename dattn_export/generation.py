@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .loading import load_model
+from .names import COMPONENTS, component_of
 from .processing import load_image_processor, load_images, load_tokenizer
 from .ui import stage
 
@@ -23,12 +25,11 @@ class PromptResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def parameter_counts(model) -> dict[str, int]:
-    """Parameters per component: vision tower, adapter (projector, norms, position embeddings), LLM."""
-    counts = {"vision tower": 0, "adapter": 0, "LLM": 0}
-    for name, param in model.named_parameters():
-        part = "vision tower" if ".mm_vis." in name else "adapter" if ".mm_rand_" in name else "LLM"
-        counts[part] += param.numel()
+def parameter_counts(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Parameters per component (vision tower, adapter, LLM) from canonical names and shapes."""
+    counts = dict.fromkeys(COMPONENTS, 0)
+    for name, shape in shapes.items():
+        counts[component_of(name)] += math.prod(shape)
     return counts
 
 
@@ -61,6 +62,6 @@ def run_prompt(folder: Path, prompt: str, image_paths: list[Path], max_new_token
         generated_ids=generated,
         text=tokenizer.decode(generated, skip_special_tokens=True),
         visual_tokens=0 if visual_kv is None else visual_kv[0][0].shape[2],
-        parameters=parameter_counts(model),
+        parameters=parameter_counts({n: tuple(p.shape) for n, p in model.named_parameters()}),
         seconds=seconds,
     )

@@ -11,6 +11,10 @@ import re
 RENAMES: list[tuple[re.Pattern, str]] = [
     # transformers 5.x vision towers have no `vision_model` wrapper: their keys start at `embeddings.`
     (re.compile(r"^model\.mm_vis\.(?!vision_model\.)"), "model.mm_vis.vision_model."),
+    # DeepSpeed engines and DDP wrap the model: their names may carry the wrapper's prefix
+    (re.compile(r"^(module\.)+"), ""),
+    # LLaVA-style adapter saves name the projector mm_projector.{0,2}
+    (re.compile(r"^model\.mm_projector\.(\d+)\."), r"model.mm_rand_projector.model.\1."),
 ]
 
 
@@ -18,3 +22,15 @@ def canonical_name(name: str) -> str:
     for pattern, replacement in RENAMES:
         name = pattern.sub(replacement, name)
     return name
+
+
+COMPONENTS = ("vision tower", "adapter", "LLM")
+
+
+def component_of(name: str) -> str:
+    """Which part of the model a canonical tensor name belongs to."""
+    if name.startswith("model.mm_vis."):
+        return "vision tower"
+    if name.startswith("model.mm_rand_"):
+        return "adapter"  # projector, norms, position embeddings
+    return "LLM"

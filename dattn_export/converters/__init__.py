@@ -1,6 +1,6 @@
-"""Checkpoint readers (one registry of layouts) and writers."""
+"""Checkpoint readers (one registry of layouts, detected in priority order) and the safetensors writer."""
 
-from . import hf  # noqa: F401  (registers the Hugging Face layouts)
+from . import adapter, deepspeed, hf  # noqa: F401  (each module registers its layouts)
 from .registry import READERS, CheckpointReader, open_checkpoint
 
 __all__ = ["READERS", "CheckpointReader", "open_checkpoint"]

@@ -1,44 +1,106 @@
-"""Hugging Face sharded safetensors: `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`."""
+"""Hugging Face sharded safetensors, written as a stream: one tensor in memory at a time.
+
+`model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` (or a single `model.safetensors`).
+The header is known before any data (names, dtypes, shapes come from the plan), so each shard is written
+front to back and hashed as it is written. The safetensors library reads the result back in `verify`.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+
+from .lazy import SAFETENSORS_NAMES
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+@dataclass
+class PlannedTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]  # loads (and casts) the tensor when its turn comes
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class WrittenFile:
+    size: int
+    sha256: str
+
+
+def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
     """Group tensors in order into shards of at most `max_shard_bytes` (a larger tensor gets its own)."""
-    shards: list[list[str]] = [[]]
+    shards: list[list[PlannedTensor]] = [[]]
     used = 0
-    for name, nbytes in sizes:
-        if shards[-1] and used + nbytes > max_shard_bytes:
+    for tensor in tensors:
+        if shards[-1] and used + tensor.nbytes > max_shard_bytes:
             shards.append([])
             used = 0
-        shards[-1].append(name)
-        used += nbytes
+        shards[-1].append(tensor)
+        used += tensor.nbytes
     return shards
 
 
+def shard_names(count: int) -> list[str]:
+    return ["model.safetensors"] if count == 1 else [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+
+
+def _header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> bytes:
+    entries, offset = {"__metadata__": {"format": "pt", **metadata}}, 0
+    for t in tensors:
+        entries[t.name] = {"dtype": SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # data starts 8-byte aligned
+    return len(header).to_bytes(8, "little") + header
+
+
+def write_safetensors(
+    file: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None,
+    on_written: Callable[[PlannedTensor], None] | None = None,
+) -> WrittenFile:  # fmt: skip
+    header = _header(tensors, metadata or {})
+    digest, size = hashlib.sha256(header), len(header)
+    with open(file, "wb") as f:
+        f.write(header)
+        for planned in tensors:
+            tensor = planned.produce()
+            if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
+                raise ValueError(f"{planned.name}: produced {tensor.dtype} {list(tensor.shape)}, planned "
+                                 f"{planned.dtype} {list(planned.shape)}")  # fmt: skip
+            data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+            f.write(data)
+            digest.update(data)
+            size += len(data)
+            if on_written:
+                on_written(planned)
+    return WrittenFile(size, digest.hexdigest())
+
+
 def write_shards(
-    shards: list[list[str]], load: Callable[[str], torch.Tensor], out_dir: Path, metadata: dict | None = None
-) -> dict:
-    """Write each shard (loading its tensors only then) and the index; returns the index."""
+    shards: list[list[PlannedTensor]], out_dir: Path, on_written: Callable[[PlannedTensor], None] | None = None
+) -> dict[str, WrittenFile]:
+    """Write every shard and, when there are several, the index; returns each file written."""
     out_dir = Path(out_dir)
-    weight_map, total = {}, 0
-    single = len(shards) == 1
-    for k, names in enumerate(shards, start=1):
-        file = "model.safetensors" if single else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: load(name).contiguous() for name in names}
-        save_file(tensors, out_dir / file, metadata={"format": "pt", **(metadata or {})})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map.update(dict.fromkeys(names, file))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    if not single:
-        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    return index
+    files = {}
+    weight_map = {}
+    for name, tensors in zip(shard_names(len(shards)), shards):
+        files[name] = write_safetensors(out_dir / name, tensors, on_written=on_written)
+        weight_map.update(dict.fromkeys((t.name for t in tensors), name))
+    if len(shards) > 1:
+        total = sum(t.nbytes for tensors in shards for t in tensors)
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        (out_dir / INDEX_NAME).write_text(index)
+        files[INDEX_NAME] = WrittenFile(len(index.encode()), hashlib.sha256(index.encode()).hexdigest())
+    return files

@@ -1,0 +1,202 @@
+"""`convert`: any training output -> a clean Hugging Face model folder with a manifest.
+
+Tensors stream one at a time from the source (read with pread) into sharded safetensors written in a
+temporary folder beside OUT, which is renamed into place only when everything, manifest included, is done.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from . import __version__
+from .converters.registry import Lazy
+from .converters.safetensors_writer import PlannedTensor, WrittenFile, plan_shards, shard_names, write_shards
+from .errors import InputError
+from .fileio import atomic_dir
+from .generation import parameter_counts
+from .loading import Source, expected_shapes, open_source, tied_names
+from .modeling_dattn import MODEL_CLASSES
+
+MANIFEST_NAME = "dattn_manifest.json"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FP16_MAX = torch.finfo(torch.float16).max
+CARRIED_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "generation_config.json", "chat_template.json", "chat_template.jinja",
+    "preprocessor_config.json", "processor_config.json",
+)  # fmt: skip
+REMOTE_CODE = ("configuration_dattn.py", "modeling_dattn.py", "attention.py")  # so OUT loads with trust_remote_code
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in SIZE_UNITS:
+        raise InputError("--max-shard-size", f"{text!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+
+
+def output_dtype(requested: str, source: Source) -> torch.dtype:
+    """auto: the dtype config.json declares (the training dtype); if none, the dtype most weights have."""
+    if requested != "auto":
+        return DTYPES[requested]
+    declared = source.config.dtype  # config.json's torch_dtype (4.x) or dtype (5.x)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    if isinstance(declared, torch.dtype) and declared.is_floating_point:
+        return declared
+    sizes: dict[torch.dtype, int] = {}
+    for t in source.tensors.values():
+        if t.dtype.is_floating_point:
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.nbytes
+    return max(sizes, key=sizes.get)
+
+
+def checked_cast(stored_name: str, lazy: Lazy, dtype: torch.dtype) -> torch.Tensor:
+    """Load one tensor, refuse NaN/Inf and values that would overflow the target dtype, cast."""
+    tensor = lazy.load()
+    if not tensor.is_floating_point():
+        return tensor
+    if tensor.numel():
+        peak = tensor.abs().amax().float()  # NaN and Inf surface here in the same pass
+        if not torch.isfinite(peak):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise InputError(lazy.file, f"tensor {stored_name} has {bad} NaN/Inf value(s)")
+        if dtype == torch.float16 and tensor.dtype != torch.float16 and peak > FP16_MAX:
+            raise InputError(
+                lazy.file, f"tensor {stored_name} has max |value| {peak.item():.6g}, beyond fp16's {FP16_MAX:.0f}: "
+                "use --dtype bf16 or fp32",
+            )  # fmt: skip
+    return tensor.to(dtype)
+
+
+def untie(source: Source) -> list[str]:
+    """Tied tensors are stored once: drop the copies, after checking they really are equal."""
+    dropped = []
+    for name, target in MODEL_CLASSES[source.config.model_type]._tied_weights_keys.items():
+        if name in tied_names(source.config) and name in source.tensors:
+            copy, original = source.tensors[name], source.tensors[target]
+            if copy != original and not torch.equal(copy.load(), original.load()):
+                raise InputError(copy.file, f"tensor {source.stored_names[name]} differs from {target}, but config.json "
+                                            "ties them (tie_word_embeddings=true)")  # fmt: skip
+            dropped.append(name)
+    return dropped
+
+
+def output_config(source: Source, dtype: torch.dtype) -> dict:
+    """config.json normalised: model_type, dtype, the full vision_config, architectures and auto_map."""
+    config = source.config
+    model_class = MODEL_CLASSES[config.model_type]
+    fields = config.to_dict()
+    fields.update(
+        architectures=[model_class.__name__],
+        auto_map={"AutoConfig": f"configuration_dattn.{config.__class__.__name__}",
+                  "AutoModelForCausalLM": f"modeling_dattn.{model_class.__name__}"},
+        dtype=str(dtype).removeprefix("torch."),
+        torch_dtype=str(dtype).removeprefix("torch."),  # the key transformers 4.x reads
+    )  # fmt: skip
+    return fields
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass
+class ConvertResult:
+    source: Source
+    out: Path
+    dtype: torch.dtype
+    files: dict[str, WrittenFile]
+    tensor_count: int
+    weight_bytes: int
+    dropped: list[str]
+    seconds: float
+
+
+def convert(
+    checkpoint: Path, out: Path, dtype: str = "auto", max_shard_size: str = "5GB", force: bool = False,
+    base: Path | None = None, vision_heads: int | None = None, progress=None,
+) -> ConvertResult:  # fmt: skip
+    start = time.perf_counter()
+    max_bytes = parse_size(max_shard_size)
+    source = open_source(checkpoint, base, vision_heads)
+    source.raise_first_problem()
+    target = output_dtype(dtype, source)
+    dropped = untie(source)
+    order = [n for n in expected_shapes(source.config) if n in source.tensors and n not in dropped]
+    planned = []
+    for name in order:
+        lazy = source.tensors[name]
+        out_dtype = target if lazy.dtype.is_floating_point else lazy.dtype
+        planned.append(PlannedTensor(
+            name, out_dtype, tuple(lazy.shape),
+            produce=lambda n=name, t=lazy, d=out_dtype: checked_cast(source.stored_names[n], t, d),
+        ))  # fmt: skip
+    weight_bytes = sum(t.nbytes for t in planned)
+    shards = plan_shards(planned, max_bytes)
+    with atomic_dir(out, overwrite=force) as tmp:
+        with progress or Progress(disable=True) as bar:
+            task = bar.add_task("writing tensors", total=weight_bytes)
+            files = write_shards(shards, tmp, on_written=lambda t: bar.update(task, advance=t.nbytes, description=t.name))
+        (tmp / "config.json").write_text(json.dumps(output_config(source, target), indent=2, sort_keys=True) + "\n")
+        for name in CARRIED_FILES:
+            if (source.reader.config_dir / name).is_file():
+                shutil.copyfile(source.reader.config_dir / name, tmp / name)
+        for name in REMOTE_CODE:
+            shutil.copyfile(Path(__file__).parent / name, tmp / name)
+        for path in sorted(tmp.iterdir()):
+            if path.name not in files:
+                files[path.name] = WrittenFile(path.stat().st_size, sha256_file(path))
+        manifest = build_manifest(source, target, files, shards)
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    return ConvertResult(source, Path(out), target, files, len(planned), weight_bytes, dropped, time.perf_counter() - start)
+
+
+def build_manifest(
+    source: Source, dtype: torch.dtype, files: dict[str, WrittenFile], shards: list[list[PlannedTensor]]
+) -> dict:
+    planned = [t for shard in shards for t in shard]
+    shard_of = {t.name: file for file, shard in zip(shard_names(len(shards)), shards) for t in shard}
+    return {
+        "format": "dattn-export-manifest/1",
+        "tool": {"name": "dattn-export", "version": __version__},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "source": {
+            "path": str(Path(source.reader.path).absolute()),
+            "layout": source.reader.layout,
+            "notes": source.reader.notes,
+            "vision_config": source.vision_origin,
+        },
+        "model": {
+            "model_type": source.config.model_type,
+            "dattn_mode": source.config.dattn_mode,
+            "parameters": parameter_counts({t.name: t.shape for t in planned}),
+        },
+        "dtype": str(dtype).removeprefix("torch."),
+        "files": {name: {"size": f.size, "sha256": f.sha256} for name, f in sorted(files.items())},
+        "tensors": {
+            t.name: {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "file": shard_of[t.name],
+                "source_name": source.stored_names[t.name],
+                "source_dtype": str(source.tensors[t.name].dtype).removeprefix("torch."),
+            }
+            for t in planned
+        },
+    }

@@ -1,0 +1,29 @@
+"""LLaVA-style adapter-only saves (`mm_projector.bin`): the stage-1 adapter, combined with a base model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .hf import read_state_dict_file
+from .registry import CheckpointReader, register
+
+ADAPTER_FILE = "mm_projector.bin"
+
+
+@register
+class AdapterReader(CheckpointReader):
+    layout = "adapter-only"
+    description = f"{ADAPTER_FILE} (needs --base)"
+    priority = 5  # before the Hugging Face layouts: such a folder may also carry a config
+    adapter_only = True
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        return (path.is_dir() and (path / ADAPTER_FILE).is_file()) or (path.is_file() and path.name == ADAPTER_FILE)
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        file = path / ADAPTER_FILE if path.is_dir() else path
+        self.config_dir = file.parent
+        self.tensors = read_state_dict_file(file)
+        self.notes.append(f"{len(self.tensors)} adapter tensor(s) in {file.name}")

@@ -1,0 +1,214 @@
+"""convert / verify / info: every training-output layout round-trips to exactly the original parameters."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from conftest import build_model, images, left_padded_batch
+from safetensors.torch import load_file, save_file
+from zero_format import HAVE_DEEPSPEED, write_zero_checkpoint
+
+from dattn_export.convert import MANIFEST_NAME, convert
+from dattn_export.converters import open_checkpoint
+from dattn_export.demo import build_tokenizer
+from dattn_export.info import describe
+from dattn_export.loading import load_model, saved_state_dict
+from dattn_export.verify import verify
+
+
+class Payload:
+    """A pickle that runs `touch` when unpickled by anything that executes pickled code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def model_and_tensors(family="gemma2", seed=0):
+    model = build_model(family, seed=seed)
+    return model, saved_state_dict(model)
+
+
+def write_hf(folder, model, tensors, fmt="safetensors", shards=2):
+    """fmt: safetensors, bin (torch.save zip), or legacy-bin (the pre-1.6 non-zip torch format)."""
+    folder.mkdir(parents=True)
+    model.config.save_pretrained(folder)
+    build_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    names = list(tensors)
+    parts = [names[i::shards] for i in range(shards)]
+    stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+    files = [f"{stem}.{ext}"] if shards == 1 else [f"{stem}-{k:05d}-of-{shards:05d}.{ext}" for k in range(1, shards + 1)]
+    for file, part in zip(files, parts):
+        shard = {n: tensors[n].contiguous() for n in part}
+        if fmt == "safetensors":
+            save_file(shard, folder / file, metadata={"format": "pt"})
+        else:
+            torch.save(shard, folder / file, _use_new_zipfile_serialization=fmt == "bin")
+    if shards > 1:
+        weight_map = {n: f for f, part in zip(files, parts) for n in part}
+        (folder / f"{stem}.{ext}.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def zero_split(model, tensors):
+    """Trainable LLM + adapter (fp32 masters), frozen bf16 vision tower, tied lm_head as a shared param."""
+    trainable = {n: t for n, t in tensors.items() if not n.startswith("model.mm_vis.")}
+    frozen = {n: t.to(torch.bfloat16) for n, t in tensors.items() if n.startswith("model.mm_vis.")}
+    shared = {"lm_head.weight": "model.embed_tokens.weight"} if model.config.tie_word_embeddings else {}
+    expected = {**trainable, **{n: t.float() for n, t in frozen.items()}}
+    return trainable, frozen, shared, expected
+
+
+def assert_converted_equals(out, expected):
+    tensors = {}
+    for shard in out.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    assert set(tensors) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(tensors[name], tensor), name
+
+
+def logits(model):
+    ids, mask = left_padded_batch([6, 4])
+    with torch.no_grad():
+        return model(ids, images(2), mask).logits
+
+
+@pytest.mark.parametrize("fmt, shards", [("safetensors", 1), ("safetensors", 3), ("bin", 1), ("bin", 2), ("legacy-bin", 2)])
+def test_hf_layouts_round_trip(tmp_path, fmt, shards):
+    model, tensors = model_and_tensors()
+    source = write_hf(tmp_path / "src", model, tensors, fmt, shards)
+    result = convert(source, tmp_path / "out", dtype="fp32", max_shard_size="300KB")
+    assert_converted_equals(tmp_path / "out", tensors)
+    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) == 4  # 1.1 MB in 300 KB shards
+    torch.testing.assert_close(logits(load_model(tmp_path / "out")), logits(model), atol=0, rtol=0)
+    assert all(check.ok for check in verify(tmp_path / "out", against=source))
+    assert (tmp_path / "out" / "tokenizer.json").is_file() and result.dtype == torch.float32
+
+
+ZERO_CASES = [(1, 1, True), (1, 2, False), (2, 1, False), (2, 2, True), (2, 3, True), (3, 1, False), (3, 2, True), (3, 3, True)]
+
+
+@pytest.mark.parametrize("stage, world_size, bf16_prefix", ZERO_CASES)
+def test_zero_round_trip(tmp_path, stage, world_size, bf16_prefix):
+    model, tensors = model_and_tensors()
+    trainable, frozen, shared, expected = zero_split(model, tensors)
+    if world_size == 3:  # uneven partitions: tensors of 64-multiples do not divide by 3, so ranks carry padding
+        assert any(t.numel() % 3 for t in trainable.values())
+    checkpoint = tmp_path / "checkpoint-10"
+    write_hf(checkpoint, model, {"placeholder": torch.zeros(0)}, shards=1)  # ZeRO-3 without gathering: empty save
+    write_zero_checkpoint(checkpoint / "global_step10", trainable, stage=stage, world_size=world_size, frozen=frozen,
+                          shared=shared, bf16_prefix=bf16_prefix)  # fmt: skip
+    (checkpoint / "latest").write_text("global_step10")
+    marker = tmp_path / "pwned"
+    (checkpoint / "training_args.bin").write_bytes(pickle.dumps(Payload(marker)))  # never read
+    convert(checkpoint, tmp_path / "out", dtype="fp32")
+    assert_converted_equals(tmp_path / "out", expected)
+    assert not marker.exists()
+    reference = load_model(tmp_path / "out")
+    torch.testing.assert_close(logits(load_model(checkpoint / "global_step10")), logits(reference), atol=0, rtol=0)
+
+
+def test_zero_bf16_output_and_manifest(tmp_path):
+    model, tensors = model_and_tensors("mistral")
+    trainable, frozen, shared, expected = zero_split(model, tensors)
+    step = write_zero_checkpoint(tmp_path / "ckpt" / "global_step3", trainable, stage=3, world_size=2, frozen=frozen)
+    model.config.save_pretrained(tmp_path / "ckpt")
+    convert(step, tmp_path / "out", dtype="bf16")
+    assert_converted_equals(tmp_path / "out", {n: t.to(torch.bfloat16) for n, t in expected.items()})
+    manifest = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
+    assert manifest["source"]["layout"] == "deepspeed-zero" and manifest["dtype"] == "bfloat16"
+    q = manifest["tensors"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["dtype"] == "bfloat16" and q["shape"] == [64, 64] and q["source_dtype"] == "float32"
+    checks = verify(tmp_path / "out", against=step)
+    assert all(c.ok for c in checks), checks
+
+
+def test_trainer_checkpoint_prefers_gathered_weights(tmp_path):
+    model, tensors = model_and_tensors()
+    checkpoint = write_hf(tmp_path / "checkpoint-5", model, tensors)
+    trainable, frozen, shared, _ = zero_split(*model_and_tensors(seed=1))  # stale: must not be used
+    write_zero_checkpoint(checkpoint / "global_step5", trainable, stage=2, world_size=2, frozen=frozen, shared=shared)
+    (checkpoint / "latest").write_text("global_step5")
+    assert open_checkpoint(checkpoint).layout == "trainer-checkpoint"
+    convert(checkpoint, tmp_path / "out", dtype="fp32")
+    assert_converted_equals(tmp_path / "out", tensors)
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed: its zero_to_fp32 cannot be compared")
+@pytest.mark.parametrize("stage, world_size", [(2, 3), (3, 3)])
+def test_zero_matches_deepspeeds_zero_to_fp32(tmp_path, stage, world_size):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    model, tensors = model_and_tensors()
+    trainable, frozen, shared, _ = zero_split(model, tensors)
+    write_zero_checkpoint(tmp_path / "global_step7", trainable, stage=stage, world_size=world_size, frozen=frozen,
+                          shared=shared)  # fmt: skip
+    theirs = get_fp32_state_dict_from_zero_checkpoint(tmp_path, tag="global_step7")
+    ours = open_checkpoint(tmp_path / "global_step7").tensors
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name].load(), tensor), name
+
+
+def test_adapter_only_save_over_base(tmp_path):
+    base_model, base_tensors = model_and_tensors(seed=0)
+    base = write_hf(tmp_path / "base", base_model, base_tensors)
+    _, trained = model_and_tensors(seed=5)
+    adapter = {  # LLaVA's names for the projector
+        "model.mm_projector.0.weight": trained["model.mm_rand_projector.model.0.weight"],
+        "model.mm_projector.0.bias": trained["model.mm_rand_projector.model.0.bias"],
+        "model.mm_projector.2.weight": trained["model.mm_rand_projector.model.2.weight"],
+        "model.mm_projector.2.bias": trained["model.mm_rand_projector.model.2.bias"],
+        "model.mm_rand_norm.weight": trained["model.mm_rand_norm.weight"],
+    }
+    (tmp_path / "stage1").mkdir()
+    torch.save(adapter, tmp_path / "stage1" / "mm_projector.bin")
+    convert(tmp_path / "stage1", tmp_path / "out", dtype="fp32", base=base)
+    replaced = {n for n in trained if n.startswith(("model.mm_rand_projector", "model.mm_rand_norm"))}
+    assert len(replaced) == 5
+    assert_converted_equals(tmp_path / "out", {n: trained[n] if n in replaced else t for n, t in base_tensors.items()})
+
+
+def test_vision_config_from_known_tower_or_shapes(tmp_path):
+    model, tensors = model_and_tensors("mistral")
+    source = write_hf(tmp_path / "src", model, tensors)
+    config = json.loads((source / "config.json").read_text())
+    tower = config.pop("vision_config")
+    (source / "config.json").write_text(json.dumps(config))
+    report = describe(source)
+    assert "pass --vision-heads" in report["problems"][0]
+    convert(source, tmp_path / "out", dtype="fp32", vision_heads=tower["num_attention_heads"])
+    written = json.loads((tmp_path / "out" / "config.json").read_text())["vision_config"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "image_size", "patch_size", "num_attention_heads"):
+        assert written[key] == tower[key], key
+    assert describe(tmp_path / "out")["architecture"]["vision_config"].endswith("(config.json vision_config)")
+    torch.testing.assert_close(logits(load_model(tmp_path / "out")), logits(model), atol=0, rtol=0)
+
+
+def test_info_reports_layout_parameters_and_dtypes(tmp_path):
+    model, tensors = model_and_tensors()
+    source = write_hf(tmp_path / "src", model, {n: t.to(torch.bfloat16) for n, t in tensors.items()})
+    report = describe(source)
+    assert report["layout"] == "hf-safetensors" and report["dtypes"] == {"bfloat16": len(tensors)}
+    vision = sum(t.numel() for n, t in tensors.items() if n.startswith("model.mm_vis."))
+    assert report["parameters"]["vision tower"] == vision
+    assert sum(report["parameters"].values()) == sum(t.numel() for t in tensors.values())
+    assert report["bytes"] == 2 * sum(t.numel() for t in tensors.values()) and report["problems"] == []
+    assert report["architecture"]["kv_heads"] == 1 and report["architecture"]["visual_tokens_per_image"] == 16
+
+
+def test_verify_detects_tampering(tmp_path):
+    model, tensors = model_and_tensors()
+    convert(write_hf(tmp_path / "src", model, tensors), tmp_path / "out", dtype="fp32")
+    shard = tmp_path / "out" / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    checks = {c.name: c for c in verify(tmp_path / "out", against=tmp_path / "src")}
+    assert not checks["files: size and sha256"].ok and "model.safetensors sha256" in checks["files: size and sha256"].detail
+    assert not checks["tensors reload"].ok
