@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ..errors import InputError
-from .lazy import LazyTensor, read_safetensors, read_torch_file
+from .lazy import LazyTensor, LoadedTensor, read_safetensors, read_torch_file
 from .registry import CheckpointReader, register
 
 
@@ -20,11 +20,11 @@ def read_json(path: Path) -> dict:
     return value
 
 
-def read_state_dict_file(file: Path) -> dict[str, LazyTensor]:
+def read_state_dict_file(file: Path) -> dict[str, LazyTensor | LoadedTensor]:
     state = read_torch_file(file)
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(t, LazyTensor) for t in state.values()):
+    if not isinstance(state, dict) or not all(isinstance(t, (LazyTensor, LoadedTensor)) for t in state.values()):
         raise InputError(file, "is not a state dict of tensors")
     return state
 

@@ -118,6 +118,33 @@ class GatheredTensor:
         return flat[: self.numel].view(self.shape)
 
 
+@dataclass(frozen=True, eq=False)
+class LoadedTensor:
+    """A tensor already in memory, behind the same interface (legacy torch files cannot be read lazily)."""
+
+    tensor: torch.Tensor
+    file: Path
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def numel(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def load(self) -> torch.Tensor:
+        return self.tensor
+
+
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, step = [], 1
     for n in reversed(shape):
@@ -301,4 +328,7 @@ def _read_non_zip(file: Path, raw):
         raise InputError(file, "is a plain pickle without tensors, not a torch.save file")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    if isinstance(state, dict):
+        state = {k: LoadedTensor(v, file) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return state

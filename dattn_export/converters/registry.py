@@ -11,10 +11,10 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..names import canonical_name
-from .lazy import GatheredTensor, LazyTensor
+from .lazy import GatheredTensor, LazyTensor, LoadedTensor
 
 READERS: list[type[CheckpointReader]] = []
-Lazy = LazyTensor | GatheredTensor
+Lazy = LazyTensor | GatheredTensor | LoadedTensor
 
 
 class CheckpointReader(ABC):
