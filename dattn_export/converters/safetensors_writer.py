@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,18 +71,25 @@ def write_safetensors(
     file: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None,
     on_written: Callable[[PlannedTensor], None] | None = None,
 ) -> WrittenFile:  # fmt: skip
+    """Stream `tensors` into one safetensors file. Three stages overlap (all release the GIL): the next
+    tensor is produced (read, checked, cast) while the current one is written and hashed, so at most two
+    tensors are in memory."""
     header = _header(tensors, metadata or {})
     digest, size = hashlib.sha256(header), len(header)
-    with open(file, "wb") as f:
+    with open(file, "wb") as f, ThreadPoolExecutor(1) as producer, ThreadPoolExecutor(1) as hasher:
         f.write(header)
-        for planned in tensors:
-            tensor = planned.produce()
+        upcoming = producer.submit(tensors[0].produce) if tensors else None
+        for i, planned in enumerate(tensors):
+            tensor = upcoming.result()
+            if i + 1 < len(tensors):
+                upcoming = producer.submit(tensors[i + 1].produce)
             if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
                 raise ValueError(f"{planned.name}: produced {tensor.dtype} {list(tensor.shape)}, planned "
                                  f"{planned.dtype} {list(planned.shape)}")  # fmt: skip
             data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+            hashed = hasher.submit(digest.update, data)
             f.write(data)
-            digest.update(data)
+            hashed.result()
             size += len(data)
             if on_written:
                 on_written(planned)
