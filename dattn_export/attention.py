@@ -14,10 +14,14 @@ values are never repeated.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 MERGE_MODES = ("alpha", "sum")
+OP_DOMAIN, OP_TYPE, OP_VERSION = "dattn", "DecomposedAttention", 1
+_node_attributes: dict | None = None  # set while exporting to ONNX with one fused node per attention
 
 
 def _logits(q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
@@ -33,8 +37,10 @@ def _logits(q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: fl
 
 
 def _softmax(s: Tensor) -> Tensor:
-    """Softmax over the last axis where a row with no visible key gives zeros (not NaN)."""
-    row_max = s.amax(-1, keepdim=True).clamp_min(torch.finfo(s.dtype).min)
+    """Softmax over the last axis where a row with no visible key, or no key at all, gives zeros (not NaN).
+    The floor column keeps the max defined for an empty segment without a shape-dependent branch."""
+    floor = s.new_full((*s.shape[:-1], 1), torch.finfo(s.dtype).min)
+    row_max = torch.cat([s, floor], dim=-1).amax(-1, keepdim=True)
     p = torch.exp(s - row_max)
     denom = p.sum(-1, keepdim=True)
     return p / torch.where(denom == 0, 1.0, denom)
@@ -68,7 +74,7 @@ def decomposed_attention(
     if merge not in MERGE_MODES:
         raise ValueError(f"merge must be one of {MERGE_MODES}, got {merge!r}")
     s_txt = _logits(q_txt, k_txt, txt_mask, scale, softcap)
-    if k_vis is None or k_vis.shape[2] == 0:
+    if k_vis is None:
         out = _weighted_values(_softmax(s_txt), v_txt)
     else:
         s_vis = _logits(q_vis, k_vis, vis_mask, scale, softcap)
@@ -97,3 +103,61 @@ def causal_mask(
     if window is not None:
         allowed = allowed & (q_slot - k_slot < window)
     return allowed[None] & key_valid[:, None, :].bool()
+
+
+def dattn_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_mask: Tensor,
+    q_vis: Tensor,
+    k_vis: Tensor,
+    v_vis: Tensor,
+    visual_mask: Tensor,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    merge: str = "alpha",
+    causal_visual: bool = False,
+) -> Tensor:
+    """The DecomposedAttention op: the contract of the ONNX node, its function body and the kernels.
+
+    The T queries `q` (rotated) sit at the last T of the S text key slots; `key_mask` (B, S) and
+    `visual_mask` (B, V) mark real keys (V may be 0). Text keys are causal, and with `window` a query at slot
+    i sees slot j only when i - j < window. Every visual key is visible to `q_vis` (debiased), unless
+    `causal_visual`: then the visual keys take slots [0, V) before the text and the same causal and window
+    rule covers them (conventional attention, no debiasing).
+    """
+    if _node_attributes is not None and torch.onnx.is_in_onnx_export():
+        attributes = dict(
+            num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[3], scale=float(scale),
+            softcap=float(softcap or 0.0), window=int(window or 0), merge=merge, causal_visual=int(causal_visual),
+            **_node_attributes,
+        )  # fmt: skip
+        inputs = [q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask]
+        return torch.onnx.ops.symbolic(
+            f"{OP_DOMAIN}::{OP_TYPE}", inputs, attributes, dtype=q.dtype, shape=q.shape, version=OP_VERSION
+        )
+    num_queries, num_visual = q.shape[2], k_vis.shape[2]
+    if causal_visual:
+        full = causal_mask(torch.cat([visual_mask, key_mask], dim=1), num_queries, window)
+        vis_mask, txt_mask = full[..., :num_visual], full[..., num_visual:]
+    else:
+        txt_mask = causal_mask(key_mask, num_queries, window)
+        vis_mask = visual_mask.bool()[:, None, :].expand(-1, num_queries, -1)
+    return decomposed_attention(
+        q, k, v, txt_mask, q_vis, k_vis, v_vis, vis_mask, scale=scale, softcap=softcap, merge=merge
+    )
+
+
+@contextlib.contextmanager
+def export_as_onnx_node(**extra_attributes):
+    """While active, `dattn_op` inside torch.onnx.export emits one custom-domain node (with these extra
+    attributes, e.g. the TensorRT plugin's) instead of its standard-op decomposition."""
+    global _node_attributes
+    _node_attributes = extra_attributes
+    try:
+        yield
+    finally:
+        _node_attributes = None

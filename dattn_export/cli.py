@@ -163,3 +163,59 @@ def verify(out: Path, against: Path | None, base, vision_heads):
     stdout.print(table)
     if not all(c.ok for c in checks):
         raise SystemExit(1)
+
+
+@main.command("onnx")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--attention", type=click.Choice(["fused", "standard"]), default="fused", show_default=True,
+              help="fused: one dattn::DecomposedAttention node per attention (+ its ONNX function); "
+              "standard: plain ONNX ops only.")  # fmt: skip
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
+@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18-23; TensorRT 10/11 read 18).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@source_options
+def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset: int, force: bool, base, vision_heads):
+    """Export vision.onnx, visual_kv.onnx and decoder.onnx (+ onnx_manifest.json) from any checkpoint convert reads."""
+    from .onnx_export import export_onnx
+    from .ui import err, out as stdout, summary_table
+
+    with err.status("exporting vision.onnx, visual_kv.onnx, decoder.onnx") as status:
+        manifest = export_onnx(checkpoint, out, attention, dtype, opset, force, base, vision_heads,
+                               on_graph=lambda name: status.update(f"exported {name}.onnx"))  # fmt: skip
+    rows = [(name, f"{graph['file']}: {len(graph['inputs'])} inputs, {len(graph['outputs'])} outputs, "
+                   f"{graph['fused_attention_nodes']} fused attention nodes") for name, graph in manifest["graphs"].items()]  # fmt: skip
+    rows += [("attention", f"{manifest['attention']['implementation']} ({manifest['model']['dattn_mode']}, "
+                           f"merge {manifest['model']['merge']})"),
+             ("dtype / opset", f"{manifest['dtype']} / {manifest['opset']}"), ("output", str(out))]  # fmt: skip
+    stdout.print(summary_table("dattn-export onnx", rows))
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--against", type=click.Path(path_type=Path), help="Reference checkpoint (default: the export's source).")
+@click.option("--backend", type=click.Choice(["ort"]), default="ort", show_default=True)
+@click.option("--steps", default=20, show_default=True, help="Greedy tokens to generate and compare.")
+@click.option("--prompt", default=None, help="Prompt (default: the demo's).")
+@click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
+def validate(out: Path, against: Path | None, backend: str, steps: int, prompt: str | None, image: Path | None):
+    """Run the exported graphs and compare them with the PyTorch reference; exit 1 beyond tolerance."""
+    from rich.table import Table
+
+    from .demo import DEMO_PROMPT
+    from .ui import out as stdout
+    from .validate import REPORT_NAME, validate as run_validate
+
+    report = run_validate(out, against, backend, steps, prompt or DEMO_PROMPT, image)
+    table = Table(title=f"dattn-export validate {out} ({backend}, {report.dtype}, logits tolerance {report.tolerance:g})",
+                  title_justify="left")  # fmt: skip
+    for column in ("graph", "output", "max abs error", "max rel error"):
+        table.add_column(column)
+    for c in report.comparisons:
+        table.add_row(c.graph, c.output, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}")
+    stdout.print(table)
+    verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
+    stdout.print(f"greedy tokens: {report.agreement}/{len(report.reference_tokens)} agree; {verdict} "
+                 f"(report: {out / REPORT_NAME})")  # fmt: skip
+    if not report.passed:
+        raise SystemExit(1)

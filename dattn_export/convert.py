@@ -24,12 +24,11 @@ from .converters.safetensors_writer import PlannedTensor, WrittenFile, plan_shar
 from .errors import InputError
 from .fileio import atomic_dir
 from .generation import parameter_counts
-from .loading import Source, expected_shapes, open_source, tied_names
+from .loading import Source, checked_cast, expected_shapes, open_source, tied_names
 from .modeling_dattn import MODEL_CLASSES
 
 MANIFEST_NAME = "dattn_manifest.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FP16_MAX = torch.finfo(torch.float16).max
 CARRIED_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "generation_config.json", "chat_template.json", "chat_template.jinja",
@@ -60,24 +59,6 @@ def output_dtype(requested: str, source: Source) -> torch.dtype:
         if t.dtype.is_floating_point:
             sizes[t.dtype] = sizes.get(t.dtype, 0) + t.nbytes
     return max(sizes, key=sizes.get)
-
-
-def checked_cast(stored_name: str, lazy: Lazy, dtype: torch.dtype) -> torch.Tensor:
-    """Load one tensor, refuse NaN/Inf and values that would overflow the target dtype, cast."""
-    tensor = lazy.load()
-    if not tensor.is_floating_point():
-        return tensor
-    if tensor.numel():
-        peak = tensor.abs().amax().float()  # NaN and Inf surface here in the same pass
-        if not torch.isfinite(peak):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise InputError(lazy.file, f"tensor {stored_name} has {bad} NaN/Inf value(s)")
-        if dtype == torch.float16 and tensor.dtype != torch.float16 and peak > FP16_MAX:
-            raise InputError(
-                lazy.file, f"tensor {stored_name} has max |value| {peak.item():.6g}, beyond fp16's {FP16_MAX:.0f}: "
-                "use --dtype bf16 or fp32",
-            )  # fmt: skip
-    return tensor.to(dtype)
 
 
 def untie(source: Source) -> list[str]:
@@ -139,13 +120,15 @@ def convert(
     target = output_dtype(dtype, source)
     dropped = untie(source)
     order = [n for n in expected_shapes(source.config) if n in source.tensors and n not in dropped]
+    casts = [source.tensors[n] for n in order if source.tensors[n].dtype.is_floating_point and source.tensors[n].dtype != target]
+    scratch = torch.empty(max((t.nbytes for t in casts), default=0), dtype=torch.uint8)  # used by the producer alone
     planned = []
     for name in order:
         lazy = source.tensors[name]
         out_dtype = target if lazy.dtype.is_floating_point else lazy.dtype
         planned.append(PlannedTensor(
             name, out_dtype, tuple(lazy.shape),
-            produce=lambda n=name, t=lazy, d=out_dtype: checked_cast(source.stored_names[n], t, d),
+            produce=lambda out, n=name, t=lazy, d=out_dtype: checked_cast(source.stored_names[n], t, d, out, scratch),
         ))  # fmt: skip
     weight_bytes = sum(t.nbytes for t in planned)
     shards = plan_shards(planned, max_bytes)

@@ -64,7 +64,7 @@ def write_demo_checkpoint(out: Path, family: str = "mistral", seed: int = 0) -> 
     config.architectures = [model_class.__name__]
     model = randomize_weights(model_class(config), seed).eval()
     planned = [
-        PlannedTensor(name, t.dtype, tuple(t.shape), produce=lambda t=t: t) for name, t in saved_state_dict(model).items()
+        PlannedTensor(name, t.dtype, tuple(t.shape), produce=lambda _buffer, t=t: t) for name, t in saved_state_dict(model).items()
     ]
     write_shards(plan_shards(planned, SHARD_BYTES), out)
     config.save_pretrained(out)

@@ -18,6 +18,8 @@ from .modeling_dattn import MODEL_CLASSES, DAttnForCausalLM
 from .names import canonical_name
 from .towers import resolve_vision_config
 
+FP16_MAX = torch.finfo(torch.float16).max
+
 
 def config_from_dict(fields: dict, source: Path):
     """A D-Attn config from config.json's fields; errors name the file and the key."""
@@ -102,10 +104,37 @@ def audit(reader: CheckpointReader, vision_heads: int | None = None) -> Source:
     return source
 
 
+def checked_cast(
+    stored_name: str, lazy: Lazy, dtype: torch.dtype, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Load one tensor, refuse NaN/Inf and values the target dtype cannot hold, cast. With buffers (uint8),
+    the result lands in `out` and a tensor that needs a cast is read into `scratch` first."""
+    casting = lazy.dtype.is_floating_point and lazy.dtype != dtype
+    tensor = lazy.load(scratch if casting else out)
+    if not tensor.is_floating_point() or not tensor.numel():
+        return tensor
+    low, high = torch.aminmax(tensor)  # one pass, no temporary; NaN and Inf surface here
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise InputError(lazy.file, f"tensor {stored_name} has {bad} NaN/Inf value(s)")
+    peak = max(-low.item(), high.item())
+    if dtype == torch.float16 and tensor.dtype != torch.float16 and peak > FP16_MAX:
+        raise InputError(
+            lazy.file, f"tensor {stored_name} has max |value| {peak:.6g}, beyond fp16's {FP16_MAX:.0f}: use --dtype bf16 or fp32"
+        )
+    if not casting:
+        return tensor
+    if out is None:
+        return tensor.to(dtype)
+    return out[: tensor.numel() * dtype.itemsize].view(dtype).view(tensor.shape).copy_(tensor)
+
+
 def build_model(source: Source, dtype: torch.dtype = torch.float32) -> DAttnForCausalLM:
+    """The reference model in `dtype`; refuses NaN/Inf weights and, for fp16, values fp16 cannot hold."""
     source.raise_first_problem()
     model = MODEL_CLASSES[source.config.model_type](source.config).to(dtype).eval()
-    model.load_state_dict({name: t.load() for name, t in source.tensors.items()}, strict=False)
+    weights = {name: checked_cast(source.stored_names[name], t, dtype) for name, t in source.tensors.items()}
+    model.load_state_dict(weights, strict=False)
     return model
 
 

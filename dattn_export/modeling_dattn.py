@@ -30,7 +30,7 @@ from transformers.models.gemma2.modeling_gemma2 import (
 )
 from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSNorm, MistralRotaryEmbedding, rotate_half
 
-from .attention import causal_mask, decomposed_attention
+from .attention import dattn_op
 from .configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
 
 KV = tuple[Tensor, Tensor]  # (key, value), each (batch, kv_heads, seq, head_dim)
@@ -145,6 +145,8 @@ class DAttnAttention(nn.Module):
         self.scale = getattr(config, "query_pre_attn_scalar", self.head_dim) ** -0.5
         self.softcap = getattr(config, "attn_logit_softcapping", None)
         self.merge = config.merge
+        self.window = config.sliding_window_of(layer_idx)
+        self.causal_visual = not config.use_debias
 
     def heads(self, proj: nn.Linear, x: Tensor) -> Tensor:
         """(B, S, hidden) -> (B, heads, S, head_dim)."""
@@ -154,12 +156,16 @@ class DAttnAttention(nn.Module):
         """(B, heads, S, head_dim) -> (B, S, hidden)."""
         return self.o_proj(attn.transpose(1, 2).flatten(2))
 
-    def attend(self, q_txt, k_txt, v_txt, txt_mask, q_vis=None, visual: KV | None = None, vis_mask=None) -> Tensor:
-        k_vis, v_vis = visual if visual is not None else (None, None)
-        return decomposed_attention(
-            q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, vis_mask,
-            scale=self.scale, softcap=self.softcap, merge=self.merge,
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, q_vis: Tensor, visual: KV, visual_mask: Tensor) -> Tensor:
+        return dattn_op(
+            q, k, v, key_mask, q_vis, *visual, visual_mask, scale=self.scale, softcap=self.softcap,
+            window=self.window, merge=self.merge, causal_visual=self.causal_visual,
         )  # fmt: skip
+
+    def no_visual(self, like: Tensor) -> tuple[KV, Tensor]:
+        """An empty visual segment for a batch like `like`: (K, V) with zero keys and its (B, 0) mask."""
+        empty = like.new_zeros(like.shape[0], self.num_kv_heads, 0, self.head_dim)
+        return (empty, empty), torch.ones(like.shape[0], 0, dtype=torch.bool, device=like.device)
 
 
 class DAttnDecoderLayer(nn.Module):
@@ -185,7 +191,7 @@ class DAttnDecoderLayer(nn.Module):
         h = residual + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def visual_forward(self, h: Tensor, rope: tuple[Tensor, Tensor], v2v_mask: Tensor | None) -> tuple[Tensor, KV]:
+    def visual_forward(self, h: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor) -> tuple[Tensor, KV]:
         """One layer of the visual stream: its output and the visual K/V that text queries will read."""
         attn = self.self_attn
         x = self.input_layernorm(h)
@@ -193,12 +199,13 @@ class DAttnDecoderLayer(nn.Module):
         k_rot = apply_rope(k, *rope)
         if self.diagonal:  # softmax over the token's own key alone is 1: the output is its value
             out = v.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
-        else:
-            out = attn.attend(apply_rope(attn.heads(attn.q_proj, x), *rope), k_rot, v, v2v_mask)
+        else:  # causal self-attention among visual tokens, as the base LLM does
+            q = apply_rope(attn.heads(attn.q_proj, x), *rope)
+            out = attn.attend(q, k_rot, v, valid, q, *attn.no_visual(q))
         return self.residual_mlp(h, attn.output(out)), (k if self.debias else k_rot, v)
 
     def text_forward(
-        self, h: Tensor, rope, past: KV | None, visual: KV | None, txt_mask: Tensor, vis_mask: Tensor | None
+        self, h: Tensor, rope, past: KV | None, visual: KV, key_mask: Tensor, visual_mask: Tensor
     ) -> tuple[Tensor, KV]:
         """One layer of the text stream; returns its output and the text K/V cache (past + new)."""
         attn = self.self_attn
@@ -208,7 +215,7 @@ class DAttnDecoderLayer(nn.Module):
         v = attn.heads(attn.v_proj, x)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        out = attn.attend(q_rot, k, v, txt_mask, q if self.debias else q_rot, visual, vis_mask)
+        out = attn.attend(q_rot, k, v, key_mask, q if self.debias else q_rot, visual, visual_mask)
         return self.residual_mlp(h, attn.output(out)), (k, v)
 
 
@@ -246,7 +253,6 @@ class DAttnModel(DAttnPreTrainedModel):
         self.mm_rand_pos_h = GridPositionEmbedding(config.mm_pos_feature_dim, hidden)
         self.mm_rand_pos_w = GridPositionEmbedding(config.mm_pos_feature_dim, hidden)
         self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
-        self.windows = [config.sliding_window_of(i) for i in range(config.num_hidden_layers)]
         self.post_init()
 
     def embed_images(self, pixel_values: Tensor) -> Tensor:
@@ -266,9 +272,8 @@ class DAttnModel(DAttnPreTrainedModel):
         positions = torch.arange(num_visual, device=visual_embeds.device).expand(batch, -1)
         rope = self.rotary_emb(visual_embeds, positions)
         h, visual_kv = visual_embeds, []
-        for layer, window in zip(self.layers, self.windows):
-            v2v_mask = None if layer.diagonal else causal_mask(valid, num_visual, window)
-            h, kv = layer.visual_forward(h, rope, v2v_mask)
+        for layer in self.layers:
+            h, kv = layer.visual_forward(h, rope, valid)
             visual_kv.append(kv)
         return visual_kv
 
@@ -298,20 +303,14 @@ class DAttnModel(DAttnPreTrainedModel):
             position_ids = offset + (text_valid.long().cumsum(-1) - 1).clamp_min(0)[:, -num_new:]
         rope = self.rotary_emb(h, position_ids)
 
-        masks = {}  # per distinct window: (text mask, visual mask)
-        for window in set(self.windows):
-            if self.config.use_debias:
-                vis_mask = visual_valid[:, None, :].expand(batch, num_new, num_visual)
-                masks[window] = (causal_mask(text_valid, num_new, window), vis_mask)
-            else:  # one causal order over [visual ; text] slots, as in conventional attention
-                full = causal_mask(torch.cat([visual_valid, text_valid], dim=1), num_new, window)
-                masks[window] = (full[..., num_visual:], full[..., :num_visual])
-
         present = []
-        for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
+        for i, layer in enumerate(self.layers):
             past = None if past_key_values is None else past_key_values[i]
-            visual = None if visual_key_values is None else visual_key_values[i]
-            h, kv = layer.text_forward(h, rope, past, visual, *masks[window])
+            if visual_key_values is None:
+                visual, layer_visual_valid = layer.self_attn.no_visual(h)
+            else:
+                visual, layer_visual_valid = visual_key_values[i], visual_valid
+            h, kv = layer.text_forward(h, rope, past, visual, text_valid, layer_visual_valid)
             present.append(kv)
         return self.norm(h), present
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .convert import MANIFEST_NAME, checked_cast, sha256_file
+from .convert import MANIFEST_NAME, sha256_file
 from .converters.hf import read_json
 from .errors import InputError
-from .loading import build_model, open_source
+from .loading import build_model, checked_cast, open_source
 
 
 @dataclass

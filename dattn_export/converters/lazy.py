@@ -76,11 +76,13 @@ class LazyTensor:
                     raise InputError(self.file, f"ends before the tensor data at byte {self.offset + done} (truncated?)")
                 done += got
 
-    def load(self) -> torch.Tensor:
+    def load(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, read into `buffer` (uint8, at least nbytes) when given: reusing memory avoids the page
+        faults of a fresh allocation, which cost more than the read itself."""
         if self.stride is None or self.stride == contiguous_stride(self.shape):
-            out = torch.empty(self.shape, dtype=self.dtype)
-            self.read_into(out.view(-1).view(torch.uint8))
-            return out
+            out = _destination(buffer, self.numel, self.dtype)
+            self.read_into(out.view(torch.uint8))
+            return out.view(self.shape)
         span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride) if n > 0)
         flat = LazyTensor(self.file, self.offset, self.dtype, (span,)).load()
         return flat.as_strided(self.shape, self.stride).clone()
@@ -109,8 +111,8 @@ class GatheredTensor:
     def file(self) -> Path:
         return self.parts[0].file
 
-    def load(self) -> torch.Tensor:
-        flat = torch.empty(sum(p.numel for p in self.parts), dtype=self.dtype)
+    def load(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        flat = _destination(buffer, sum(p.numel for p in self.parts), self.dtype)
         start = 0
         for part in self.parts:
             part.read_into(flat[start : start + part.numel].view(torch.uint8))
@@ -141,8 +143,15 @@ class LoadedTensor:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
-    def load(self) -> torch.Tensor:
+    def load(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
         return self.tensor
+
+
+def _destination(buffer: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor of `numel` elements: a view of `buffer` when given, else a new allocation."""
+    if buffer is None:
+        return torch.empty(numel, dtype=dtype)
+    return buffer[: numel * dtype.itemsize].view(dtype)
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

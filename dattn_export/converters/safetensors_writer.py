@@ -27,7 +27,7 @@ class PlannedTensor:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    produce: Callable[[], torch.Tensor]  # loads (and casts) the tensor when its turn comes
+    produce: Callable[[torch.Tensor], torch.Tensor]  # loads (and casts) the tensor into a uint8 buffer
 
     @property
     def nbytes(self) -> int:
@@ -72,17 +72,19 @@ def write_safetensors(
     on_written: Callable[[PlannedTensor], None] | None = None,
 ) -> WrittenFile:  # fmt: skip
     """Stream `tensors` into one safetensors file. Three stages overlap (all release the GIL): the next
-    tensor is produced (read, checked, cast) while the current one is written and hashed, so at most two
-    tensors are in memory."""
+    tensor is produced (read, checked, cast) while the current one is written and hashed. Tensors are produced
+    into two buffers used in turn: tensor i+2 reuses tensor i's, which is written by then."""
     header = _header(tensors, metadata or {})
     digest, size = hashlib.sha256(header), len(header)
+    largest = max((t.nbytes for t in tensors), default=0)
+    ring = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
     with open(file, "wb") as f, ThreadPoolExecutor(1) as producer, ThreadPoolExecutor(1) as hasher:
         f.write(header)
-        upcoming = producer.submit(tensors[0].produce) if tensors else None
+        upcoming = producer.submit(tensors[0].produce, ring[0]) if tensors else None
         for i, planned in enumerate(tensors):
             tensor = upcoming.result()
             if i + 1 < len(tensors):
-                upcoming = producer.submit(tensors[i + 1].produce)
+                upcoming = producer.submit(tensors[i + 1].produce, ring[(i + 1) % 2])
             if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
                 raise ValueError(f"{planned.name}: produced {tensor.dtype} {list(tensor.shape)}, planned "
                                  f"{planned.dtype} {list(planned.shape)}")  # fmt: skip

@@ -1,0 +1,199 @@
+"""`onnx`: the three graphs a deployment needs, with one fused attention node per decoder layer.
+
+  vision.onnx     pixel_values (B, images, 3, H, W) -> visual_embeds (B, V, hidden)
+  visual_kv.onnx  visual_embeds, visual_attention_mask -> visual_key_values.{i}.key/.value (B, Hkv, V, D):
+                  the visual stream, once per image, position-free, cacheable
+  decoder.onnx    input_ids, position_ids, attention_mask (B, past + T), visual_attention_mask,
+                  past_key_values.{i}.key/.value, visual_key_values.{i}.key/.value
+                  -> logits, present.{i}.key/.value; one graph for prefill and decode
+
+With `--attention fused` every attention is one `dattn::DecomposedAttention` node (attributes: heads, KV
+heads, head dim, scale, soft-cap, window, merge, TensorRT plugin namespace/version) with a model-local
+function of standard ops attached; with `standard` the reference math is exported as plain ONNX ops.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import nullcontext
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+from torch.export import Dim
+
+from . import __version__
+from .attention import OP_DOMAIN, OP_TYPE, OP_VERSION, export_as_onnx_node
+from .convert import CARRIED_FILES, DTYPES
+from .errors import InputError
+from .fileio import atomic_dir
+from .loading import build_model, open_source
+from .onnx_function import attach_function
+
+MANIFEST_NAME = "onnx_manifest.json"
+DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
+SUPPORTED_OPSETS = range(18, 24)
+MAX_IR_VERSION = 10  # ONNX Runtime 1.31 reads up to 13; 10 is what opset 18-23 models need
+PLUGIN = {"plugin_namespace": OP_DOMAIN, "plugin_version": str(OP_VERSION)}
+EXTERNAL_DATA_BYTES = 1 << 30  # graphs with more weights than this keep them in a .data file (protobuf caps at 2 GB)
+
+
+def kv_names(prefix: str, layers: int) -> list[str]:
+    return [f"{prefix}.{i}.{part}" for i in range(layers) for part in ("key", "value")]
+
+
+class VisionGraph(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        return self.model.model.embed_images(pixel_values)
+
+
+class VisualKVGraph(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, visual_embeds, visual_attention_mask):
+        return [kv for pair in self.model.model.encode_visual(visual_embeds, visual_attention_mask) for kv in pair]
+
+
+class DecoderGraph(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, attention_mask, visual_attention_mask, past, visual):
+        out = self.model(
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=list(zip(past[::2], past[1::2])),
+            visual_key_values=list(zip(visual[::2], visual[1::2])), visual_mask=visual_attention_mask,
+        )  # fmt: skip
+        return out.logits, [t for pair in out.past_key_values for t in pair]
+
+
+def graph_specs(model, dtype: torch.dtype) -> dict:
+    """Per graph: module, example inputs (no axis of size 0 or 1: the exporter would specialise it),
+    dynamic axes, input and output names."""
+    config = model.config
+    layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    size, per_image = config.vision_config["image_size"], config.patch_grid**2
+    batch, images, seq, past, total, visual = (Dim(n) for n in ("batch", "images", "sequence", "past_sequence",
+                                                                "total_sequence", "visual_sequence"))  # fmt: skip
+    b, t, p, n_img = 2, 3, 4, 2
+    v = n_img * per_image
+    kv = lambda n: [torch.randn(b, kv_heads, n, head_dim, dtype=dtype) for _ in range(2 * layers)]  # noqa: E731
+    return {
+        "vision": dict(
+            module=VisionGraph(model), args=(torch.randn(b, n_img, 3, size, size, dtype=dtype),),
+            dynamic=({0: batch, 1: images},), inputs=["pixel_values"], outputs=["visual_embeds"],
+        ),
+        "visual_kv": dict(
+            module=VisualKVGraph(model),
+            args=(torch.randn(b, v, config.hidden_size, dtype=dtype), torch.ones(b, v, dtype=torch.int64)),
+            dynamic=({0: batch, 1: visual}, {0: batch, 1: visual}),
+            inputs=["visual_embeds", "visual_attention_mask"], outputs=kv_names("visual_key_values", layers),
+        ),
+        "decoder": dict(
+            module=DecoderGraph(model),
+            args=(torch.randint(3, config.vocab_size, (b, t)), torch.arange(p, p + t).expand(b, -1),
+                  torch.ones(b, p + t, dtype=torch.int64), torch.ones(b, v, dtype=torch.int64), kv(p), kv(v)),
+            dynamic=({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: visual},
+                     [{0: batch, 2: past}] * (2 * layers), [{0: batch, 2: visual}] * (2 * layers)),
+            inputs=["input_ids", "position_ids", "attention_mask", "visual_attention_mask",
+                    *kv_names("past_key_values", layers), *kv_names("visual_key_values", layers)],
+            outputs=["logits", *kv_names("present", layers)],
+        ),
+    }  # fmt: skip
+
+
+def export_graph(spec: dict, path: Path, opset: int, fused: bool, low_precision: bool, external: bool) -> None:
+    with torch.no_grad(), warnings.catch_warnings(), export_as_onnx_node(**PLUGIN) if fused else nullcontext():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            spec["module"], spec["args"], dynamic_shapes=spec["dynamic"], input_names=spec["inputs"],
+            output_names=spec["outputs"], dynamo=True, opset_version=opset, verbose=False,
+        )  # fmt: skip
+        program.save(path, external_data=external)
+    model = onnx.load(path, load_external_data=False)
+    attach_function(model, low_precision)
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    onnx.save(model, path)
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+def describe_values(values) -> list[dict]:
+    kinds = {v: k for k, v in onnx.TensorProto.DataType.items()}
+    return [
+        {
+            "name": value.name,
+            "dtype": kinds[value.type.tensor_type.elem_type].lower(),
+            "shape": [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim],
+        }
+        for value in values
+    ]
+
+
+def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int, out: Path) -> dict:
+    config = model.config
+    graphs = {}
+    for name in ("vision", "visual_kv", "decoder"):
+        graph = onnx.load(out / f"{name}.onnx", load_external_data=False).graph
+        fused = sum(1 for n in graph.node if n.domain == OP_DOMAIN)
+        graphs[name] = {"file": f"{name}.onnx", "fused_attention_nodes": fused,
+                        "inputs": describe_values(graph.input), "outputs": describe_values(graph.output)}  # fmt: skip
+    generation = out / "generation_config.json"
+    return {
+        "format": "dattn-export-onnx/1",
+        "tool": {"name": "dattn-export", "version": __version__},
+        "source": {"path": str(Path(source.reader.path).absolute()), "layout": source.reader.layout},
+        "model": {
+            "model_type": config.model_type, "dattn_mode": config.dattn_mode, "merge": config.merge,
+            "diagonal": config.use_diagonal, "debias": config.use_debias, "layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size, "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+            "vocab_size": config.vocab_size, "image_size": config.vision_config["image_size"],
+            "visual_tokens_per_image": config.patch_grid**2,
+            "text_positions": "text tokens only" if config.use_debias else "after the visual tokens",
+        },  # fmt: skip
+        "attention": {
+            "implementation": attention,
+            "op": {"domain": OP_DOMAIN, "type": OP_TYPE, "version": OP_VERSION, **PLUGIN} if attention == "fused" else None,
+        },
+        "dtype": str(dtype).removeprefix("torch."),
+        "opset": opset,
+        "graphs": graphs,
+        "generation": json.loads(generation.read_text()) if generation.is_file() else {},
+        "files": sorted(p.name for p in out.iterdir()),
+    }
+
+
+def export_onnx(
+    checkpoint: Path, out: Path, attention: str = "fused", dtype: str = "fp32", opset: int = DEFAULT_OPSET,
+    force: bool = False, base: Path | None = None, vision_heads: int | None = None, on_graph=None,
+) -> dict:  # fmt: skip
+    if opset not in SUPPORTED_OPSETS:
+        raise InputError("--opset", f"{opset} is not supported (choose {SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1})")
+    if dtype == "bf16" and opset < 22:
+        raise InputError("--dtype bf16", f"needs --opset 22 or later: ONNX's Conv accepts bfloat16 from opset 22 (asked {opset})")
+    source = open_source(checkpoint, base, vision_heads)
+    torch_dtype = DTYPES[dtype]
+    model = build_model(source, torch_dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    specs = graph_specs(model, torch_dtype)
+    with atomic_dir(out, overwrite=force) as tmp:
+        for name, spec in specs.items():
+            export_graph(spec, tmp / f"{name}.onnx", opset, attention == "fused", torch_dtype != torch.float32,
+                         external=weight_bytes > EXTERNAL_DATA_BYTES)  # fmt: skip
+            if on_graph:
+                on_graph(name)
+        for name in CARRIED_FILES:
+            if (source.reader.config_dir / name).is_file():
+                shutil.copyfile(source.reader.config_dir / name, tmp / name)
+        (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")
+        manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest

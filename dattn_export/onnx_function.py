@@ -1,0 +1,177 @@
+"""The model-local ONNX function behind `dattn::DecomposedAttention`: the op in standard ONNX ops, so ONNX
+Runtime and any runtime without the plugin execute it. Tested against `attention.dattn_op`.
+
+The numeric attributes (scale, softcap, window) are read from each node (`ref_attr_name`), so one function
+serves layers with and without a sliding window. What changes the graph's structure (merge mode, soft-capping
+on/off, causal visual keys, compute dtype) is fixed per model: every node of a model shares it, and the
+exporter checks that.
+
+Grouped-query attention never copies K/V: queries (B, Hq, T, D) are viewed as (B, Hkv, G*T, D). The alpha
+merge shares one running max and sum between the two segments instead of concatenating their logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from .attention import OP_DOMAIN, OP_TYPE
+
+INPUTS = ("q", "k", "v", "key_mask", "q_vis", "k_vis", "v_vis", "visual_mask")
+ATTRIBUTES = ("num_heads", "num_kv_heads", "head_dim", "scale", "softcap", "window", "merge", "causal_visual",
+              "plugin_namespace", "plugin_version")  # fmt: skip
+FLOAT_MIN = float(np.finfo(np.float32).min)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What the function body's structure depends on; the same for every node of one model."""
+
+    merge: str  # alpha | sum
+    softcap: bool
+    causal_visual: bool
+    compute_cast: bool  # inputs are fp16/bf16: compute in fp32 like the reference
+
+    @classmethod
+    def of_node(cls, node: onnx.NodeProto, compute_cast: bool) -> Variant:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        merge = attrs["merge"].decode() if isinstance(attrs["merge"], bytes) else attrs["merge"]
+        return cls(merge, attrs["softcap"] > 0, bool(attrs["causal_visual"]), compute_cast)
+
+
+class _Body:
+    """Builds the function's nodes; each op returns the name of its (single) output."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+
+    def op(self, op_type: str, *inputs: str, **attributes) -> str:
+        name = f"_{len(self.nodes)}_{op_type}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [name], **attributes))
+        return name
+
+    def const(self, value, dtype=np.int64) -> str:
+        array = np.array(value, dtype=dtype)
+        return self.op("Constant", value=onnx.numpy_helper.from_array(array))
+
+    def attribute(self, name: str, kind: str) -> str:
+        """A scalar from the calling node's attribute `name` (kind: int | float)."""
+        node = helper.make_node("Constant", [], [f"_{len(self.nodes)}_{name}"])
+        ref = onnx.AttributeProto(name=f"value_{kind}", ref_attr_name=name)
+        ref.type = onnx.AttributeProto.INT if kind == "int" else onnx.AttributeProto.FLOAT
+        node.attribute.append(ref)
+        self.nodes.append(node)
+        return node.output[0]
+
+    def dim(self, tensor: str, axis: int) -> str:
+        """One dimension of `tensor` as a 1-D int64 tensor."""
+        return self.op("Shape", tensor, start=axis, end=axis + 1)
+
+
+def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
+    b = _Body()
+    q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask = INPUTS
+    if variant.compute_cast:
+        q, k, v, q_vis, k_vis, v_vis = (b.op("Cast", x, to=TensorProto.FLOAT) for x in (q, k, v, q_vis, k_vis, v_vis))
+    as_1d = lambda x: b.op("Reshape", x, b.const([1]))  # noqa: E731
+    kv_heads = as_1d(b.attribute("num_kv_heads", "int"))
+    groups = b.op("Div", as_1d(b.attribute("num_heads", "int")), kv_heads)
+    batch, queries, head_dim, keys, num_visual = b.dim(q, 0), b.dim(q, 2), b.dim(q, 3), b.dim(k, 2), b.dim(k_vis, 2)
+    group_queries = b.op("Mul", groups, queries)
+    minus_one = b.const([-1])
+    scale = b.attribute("scale", "float")
+
+    def reshape(x: str, *dims: str) -> str:  # explicit dims: a segment may have zero keys (allowzero)
+        return b.op("Reshape", x, b.op("Concat", *dims, axis=0), allowzero=1)
+
+    def grouped(query: str) -> str:  # (B, Hq, T, D) -> (B, Hkv, G*T, D): a view, keys are not repeated
+        return reshape(query, batch, kv_heads, group_queries, head_dim)
+
+    def logits(query: str, key: str, num_keys: str) -> str:  # -> (B, Hkv, G, T, S), scaled, soft-capped
+        s = b.op("Mul", b.op("MatMul", grouped(query), b.op("Transpose", key, perm=[0, 1, 3, 2])), scale)
+        if variant.softcap:
+            cap = b.attribute("softcap", "float")
+            s = b.op("Mul", b.op("Tanh", b.op("Div", s, cap)), cap)
+        return reshape(s, batch, kv_heads, groups, queries, num_keys)
+
+    # slots: visual keys first when they are causal; text keys next; the queries are the last `queries` slots
+    zero, one = b.const(0), b.const(1)
+    scalar = lambda x: b.op("Squeeze", x, b.const([0]))  # noqa: E731
+    offset = num_visual if variant.causal_visual else b.const([0])
+    key_slots_end = b.op("Add", offset, keys)
+    query_slot = b.op("Range", scalar(b.op("Sub", key_slots_end, queries)), scalar(key_slots_end), one)
+    window = b.attribute("window", "int")
+    no_window = b.op("Equal", window, zero)
+
+    def visible(key_slot: str, mask: str) -> str:  # (B, 1, 1, T, S) bool: causal, windowed, real keys
+        distance = b.op("Sub", b.op("Unsqueeze", query_slot, b.const([1])), b.op("Unsqueeze", key_slot, b.const([0])))
+        ok = b.op("And", b.op("GreaterOrEqual", distance, zero), b.op("Or", no_window, b.op("Less", distance, window)))
+        ok = b.op("And", b.op("Unsqueeze", ok, b.const([0])), b.op("Unsqueeze", b.op("Cast", mask, to=TensorProto.BOOL), b.const([1])))
+        return b.op("Unsqueeze", ok, b.const([1, 2]))
+
+    neg_inf = b.const(-np.inf, np.float32)
+    s_txt = logits(q, k, keys)
+    s_txt = b.op("Where", visible(b.op("Range", scalar(offset), scalar(key_slots_end), one), key_mask), s_txt, neg_inf)
+    s_vis = logits(q_vis, k_vis, num_visual)
+    if variant.causal_visual:
+        vis_ok = visible(b.op("Range", zero, scalar(num_visual), one), visual_mask)
+    else:
+        vis_ok = b.op("Unsqueeze", b.op("Cast", visual_mask, to=TensorProto.BOOL), b.const([1, 2, 3]))
+    s_vis = b.op("Where", vis_ok, s_vis, neg_inf)
+
+    def reduce(op: str, x: str, pad: float) -> str:
+        """Reduce the last axis over x plus one column of `pad`: defined when the axis is empty (no image),
+        which ONNX Runtime would otherwise keep as a zero-length axis."""
+        column = b.op("ConstantOfShape", b.op("Concat", b.op("Shape", x, start=0, end=-1), b.const([1]), axis=0),
+                      value=onnx.numpy_helper.from_array(np.array([pad], np.float32)))  # fmt: skip
+        return b.op(op, b.op("Concat", x, column, axis=-1), minus_one, keepdims=1)
+
+    def weights(s: str, row_max: str) -> tuple[str, str]:  # exp(s - max) and its row sum
+        p = b.op("Exp", b.op("Sub", s, row_max))
+        return p, reduce("ReduceSum", p, 0.0)
+
+    def values(p: str, value: str) -> str:  # (B, Hkv, G, T, S) x (B, Hkv, S, D) -> (B, Hkv, G*T, D)
+        return b.op("MatMul", reshape(p, batch, kv_heads, group_queries, b.dim(p, 4)), value)
+
+    def safe(total: str) -> str:  # a row that sees no key gives 0, not NaN
+        return b.op("Where", b.op("Equal", total, b.const(0.0, np.float32)), b.const(1.0, np.float32), total)
+
+    def grouped_sum(total: str) -> str:  # (B, Hkv, G, T, 1) -> (B, Hkv, G*T, 1)
+        return reshape(total, batch, kv_heads, group_queries, b.const([1]))
+
+    max_txt, max_vis = reduce("ReduceMax", s_txt, FLOAT_MIN), reduce("ReduceMax", s_vis, FLOAT_MIN)
+    if variant.merge == "alpha":  # one softmax over [visual ; text]: shared max and sum
+        row_max = b.op("Max", max_txt, max_vis)
+        (p_txt, sum_txt), (p_vis, sum_vis) = weights(s_txt, row_max), weights(s_vis, row_max)
+        total = grouped_sum(safe(b.op("Add", sum_txt, sum_vis)))
+        out = b.op("Div", b.op("Add", values(p_txt, v), values(p_vis, v_vis)), total)
+    else:  # two softmaxes, summed
+        (p_txt, sum_txt), (p_vis, sum_vis) = weights(s_txt, max_txt), weights(s_vis, max_vis)
+        out = b.op("Add", b.op("Div", values(p_txt, v), grouped_sum(safe(sum_txt))),
+                   b.op("Div", values(p_vis, v_vis), grouped_sum(safe(sum_vis))))  # fmt: skip
+    out = b.op("Reshape", out, b.op("Shape", "q"))  # (B, Hkv, G*T, D) -> (B, Hq, T, D)
+    if variant.compute_cast:
+        out = b.op("CastLike", out, "q")
+    b.nodes.append(helper.make_node("Identity", [out], ["out"]))
+    return helper.make_function(
+        OP_DOMAIN, OP_TYPE, list(INPUTS), ["out"], b.nodes, [helper.make_opsetid("", opset)], list(ATTRIBUTES)
+    )
+
+
+def attach_function(model: onnx.ModelProto, low_precision: bool) -> Variant | None:
+    """Attach the function body to a model whose attention is `dattn::DecomposedAttention` nodes.
+    `low_precision`: the graph's activations are fp16/bf16 (the body then computes in fp32)."""
+    nodes = [n for n in model.graph.node if n.domain == OP_DOMAIN and n.op_type == OP_TYPE]
+    if not nodes:
+        return None
+    variants = {Variant.of_node(n, low_precision) for n in nodes}
+    if len(variants) != 1:
+        raise ValueError(f"DecomposedAttention nodes of one model differ in structure: {variants}")
+    variant = variants.pop()
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    del model.functions[:]
+    model.functions.append(build_function(variant, opset))
+    return variant

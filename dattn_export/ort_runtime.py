@@ -1,0 +1,95 @@
+"""Run an exported folder with ONNX Runtime, driven by its onnx_manifest.json: image -> visual K/V (once),
+then prefill and decode steps through the one decoder graph with the text KV cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError
+
+NUMPY_DTYPES = {"float": np.float32, "float16": np.float16, "bfloat16": None}
+
+
+class OrtModel:
+    def __init__(self, folder: Path, threads: int | None = None):
+        import onnxruntime as ort
+
+        folder = Path(folder)
+        manifest_path = folder / "onnx_manifest.json"
+        if not manifest_path.is_file():
+            raise InputError(folder, "has no onnx_manifest.json: not a folder written by dattn-export onnx")
+        self.manifest = json.loads(manifest_path.read_text())
+        decoder_inputs = {i["name"]: i for i in self.manifest["graphs"]["decoder"]["inputs"]}
+        self.dtype = NUMPY_DTYPES[decoder_inputs["past_key_values.0.key"]["dtype"]]
+        if self.dtype is None:
+            raise InputError(folder, "holds bfloat16 graphs, which ONNX Runtime's CPU provider cannot run (no bf16 "
+                                     "kernels): validate them with a GPU backend, or export fp32/fp16 for CPU")  # fmt: skip
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.log_severity_level = 3
+        self.sessions = {}
+        for name, graph in self.manifest["graphs"].items():
+            try:
+                self.sessions[name] = ort.InferenceSession(str(folder / graph["file"]), options, providers=["CPUExecutionProvider"])
+            except Exception as e:  # onnxruntime raises its own exception types for unreadable graphs
+                raise InputError(folder / graph["file"], f"ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
+        model = self.manifest["model"]
+        self.layers, self.kv_heads, self.head_dim = model["layers"], model["num_kv_heads"], model["head_dim"]
+        self.debias = model["debias"]
+
+    def empty_kv(self, batch: int) -> list[np.ndarray]:
+        return [np.zeros((batch, self.kv_heads, 0, self.head_dim), self.dtype)] * (2 * self.layers)
+
+    def embed_images(self, pixel_values: np.ndarray) -> np.ndarray:
+        return self.sessions["vision"].run(None, {"pixel_values": pixel_values.astype(self.dtype)})[0]
+
+    def encode_visual(self, visual_embeds: np.ndarray, visual_mask: np.ndarray | None = None) -> list[np.ndarray]:
+        """Every layer's visual K/V, flat [k0, v0, k1, v1, ...]."""
+        if visual_mask is None:
+            visual_mask = np.ones(visual_embeds.shape[:2], np.int64)
+        return self.sessions["visual_kv"].run(None, {"visual_embeds": visual_embeds, "visual_attention_mask": visual_mask})
+
+    def positions(self, attention_mask: np.ndarray, num_new: int, num_visual: int) -> np.ndarray:
+        """As the reference model: text positions count text tokens (after the visual ones when not debiased)."""
+        offset = 0 if self.debias else num_visual
+        return offset + np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None)[:, -num_new:]
+
+    def decode(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, past: list[np.ndarray], visual: list[np.ndarray],
+        visual_mask: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
+        """One decoder call (prefill when `past` is empty, a decode step when input_ids has one column)."""
+        batch, num_new = input_ids.shape
+        num_visual = visual[0].shape[2]
+        if visual_mask is None:
+            visual_mask = np.ones((batch, num_visual), np.int64)
+        feeds = {
+            "input_ids": input_ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64),
+            "position_ids": self.positions(attention_mask, num_new, num_visual), "visual_attention_mask": visual_mask,
+        }  # fmt: skip
+        for i in range(self.layers):
+            for j, part in enumerate(("key", "value")):
+                feeds[f"past_key_values.{i}.{part}"] = past[2 * i + j]
+                feeds[f"visual_key_values.{i}.{part}"] = visual[2 * i + j]
+        logits, *present = self.sessions["decoder"].run(None, feeds)
+        return logits, present
+
+    def generate(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, visual: list[np.ndarray], max_new_tokens: int,
+        eos_token_id: int | None = None,
+    ) -> np.ndarray:  # fmt: skip
+        """Greedy decoding, as the reference model's `generate`."""
+        logits, past = self.decode(input_ids, attention_mask, self.empty_kv(input_ids.shape[0]), visual)
+        tokens = []
+        for step in range(max_new_tokens):
+            next_token = logits[:, -1].argmax(-1)[:, None]
+            tokens.append(next_token)
+            if step == max_new_tokens - 1 or (eos_token_id is not None and (next_token == eos_token_id).all()):
+                break
+            attention_mask = np.concatenate([attention_mask, np.ones_like(next_token)], axis=1)
+            logits, past = self.decode(next_token, attention_mask, past, visual)
+        return np.concatenate(tokens, axis=1)

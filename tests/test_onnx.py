@@ -1,0 +1,147 @@
+"""ONNX export: the graphs, run by ONNX Runtime, against the PyTorch reference."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from conftest import build_model, images, left_padded_batch
+from test_cli import run_cli
+
+from dattn_export.demo import write_demo_checkpoint
+from dattn_export.loading import saved_state_dict
+from dattn_export.onnx_export import export_onnx
+from dattn_export.ort_runtime import OrtModel
+from dattn_export.validate import validate
+
+ATOL = 1e-4
+
+
+def checkpoint_of(model, folder):
+    """A checkpoint folder (tokenizer and all) holding `model`'s weights."""
+    write_demo_checkpoint(folder, model.config.model_type.removeprefix("dattn_"))
+    from safetensors.torch import save_file
+
+    for shard in folder.glob("model*.safetensors*"):
+        shard.unlink()
+    save_file(saved_state_dict(model), folder / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+    return folder
+
+
+# (batch, new text tokens, past text tokens, images)
+SHAPES = [(1, 1, 0, 1), (3, 52, 0, 2), (3, 1, 41, 1), (1, 55, 44, 2)]
+
+
+def run_case(model, runtime, batch, new, past, num_images, seed):
+    lengths = [past + new - 5 * row for row in range(batch)]  # left padding grows down the batch
+    ids, mask = left_padded_batch(lengths, seed=seed)
+    pixels = images(batch, num_images, seed=seed)
+    with torch.no_grad():
+        expected = model(ids, pixels, mask).logits[:, past:]
+        past_kv = model(ids[:, :past], pixels, mask[:, :past]).past_key_values if past else None
+    visual = runtime.encode_visual(runtime.embed_images(pixels.numpy()))
+    past_np = [t.numpy() for kv in past_kv for t in kv] if past else runtime.empty_kv(batch)
+    logits, present = runtime.decode(ids[:, past:].numpy(), mask.numpy(), past_np, visual)
+    keep = mask[:, past:].bool().numpy()
+    error = np.abs(logits[keep] - expected.numpy()[keep]).max()
+    assert error <= ATOL, f"batch {batch}, {new} new, {past} past, {num_images} images: max abs error {error:.2e}"
+    assert present[0].shape[2] == past + new
+    return error
+
+
+@pytest.mark.parametrize("mode", ["dattn", "dattn-sum", "sattn"])
+def test_onnx_runtime_matches_reference(tmp_path, family, mode):
+    model = build_model(family, dattn_mode=mode)
+    manifest = export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
+    assert manifest["graphs"]["decoder"]["fused_attention_nodes"] == model.config.num_hidden_layers
+    runtime = OrtModel(tmp_path / "onnx")
+    for seed, shape in enumerate(SHAPES):
+        run_case(model, runtime, *shape, seed=seed)
+
+    # greedy generation through the graphs with the KV cache: the reference's tokens
+    ids, mask = left_padded_batch([9])
+    pixels = images(1, 1)
+    visual = runtime.encode_visual(runtime.embed_images(pixels.numpy()))
+    expected = model.generate(ids, pixels, mask, max_new_tokens=20)
+    assert runtime.generate(ids.numpy(), mask.numpy(), visual, 20).tolist() == expected.tolist()
+
+    # one image's visual K/V, reused for two prompts, gives each prompt's from-scratch logits
+    for seed in (1, 2):
+        ids, mask = left_padded_batch([6 + 5 * seed], seed=seed)
+        logits, _ = runtime.decode(ids.numpy(), mask.numpy(), runtime.empty_kv(1), visual)
+        with torch.no_grad():
+            scratch = model(ids, pixels, mask).logits.numpy()
+        np.testing.assert_allclose(logits, scratch, atol=ATOL, rtol=0)
+
+
+def test_fused_node_and_function(tmp_path):
+    model = build_model("gemma2")
+    export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
+    decoder = onnx.load(tmp_path / "onnx" / "decoder.onnx")
+    nodes = [n for n in decoder.graph.node if n.domain == "dattn"]
+    assert [n.op_type for n in nodes] == ["DecomposedAttention"] * 3
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
+    assert [a["window"] for a in attrs] == [8, 0, 8]  # Gemma 2's sliding / global layers
+    assert attrs[0]["num_kv_heads"] == 1 and attrs[0]["head_dim"] == 32 and abs(attrs[0]["scale"] - 24**-0.5) < 1e-7
+    assert attrs[0]["softcap"] == 50.0 and attrs[0]["merge"] == b"alpha" and attrs[0]["plugin_namespace"] == b"dattn"
+    assert [(f.domain, f.name) for f in decoder.functions] == [("dattn", "DecomposedAttention")]
+    assert {(o.domain, o.version) for o in decoder.opset_import} == {("", 18), ("dattn", 1)}
+    assert decoder.ir_version <= 10
+    # the visual stream is diagonal: no attention node at all in visual_kv.onnx
+    assert not [n for n in onnx.load(tmp_path / "onnx" / "visual_kv.onnx").graph.node if n.domain == "dattn"]
+
+
+def test_standard_attention_and_fp16(tmp_path):
+    model = build_model("mistral", dattn_diagonal=False)  # V2V is then attention too
+    checkpoint = checkpoint_of(model, tmp_path / "ckpt")
+    export_onnx(checkpoint, tmp_path / "standard", attention="standard")
+    for graph in ("visual_kv", "decoder"):
+        assert not [n for n in onnx.load(tmp_path / "standard" / f"{graph}.onnx").graph.node if n.domain]
+    runtime = OrtModel(tmp_path / "standard")
+    run_case(model, runtime, 3, 52, 0, 2, seed=7)
+    run_case(model, runtime, 3, 1, 41, 1, seed=8)
+
+    export_onnx(checkpoint, tmp_path / "fp16", dtype="fp16")
+    report = validate(tmp_path / "fp16", checkpoint, steps=8)
+    assert report.passed and report.dtype == "float16", report.to_json()
+    logits_error = max(c.max_abs for c in report.comparisons if c.output.startswith("logits"))
+    assert 1e-4 < logits_error <= report.tolerance  # fp16 really ran: errors above fp32's, within fp16's bound
+
+
+def test_validate_command_writes_report(tmp_path):
+    checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
+    assert run_cli("onnx", checkpoint, "-o", tmp_path / "onnx").returncode == 0
+    result = run_cli("validate", tmp_path / "onnx", "--steps", "6")
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
+    assert report["passed"] and report["agreement"] == 6 and report["reference"] == str(checkpoint.absolute())
+    assert "decode steps" in result.stdout and "6/6 agree" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--opset", "13"], "--opset: 13 is not supported"),
+        (["--dtype", "bf16"], "--dtype bf16: needs --opset 22 or later"),
+        (["--dtype", "fp16", "__overflow__"], "beyond fp16's 65504"),
+        (["__not_dattn__"], "is not a D-Attn model"),
+    ],
+)
+def test_onnx_bad_input(tmp_path, args, expected):
+    checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
+    if "__overflow__" in args:
+        from safetensors.torch import load_file, save_file
+
+        shard = sorted(checkpoint.glob("model-*.safetensors"))[0]
+        tensors = load_file(shard)
+        next(iter(tensors.values()))[0, 0] = 1e5
+        save_file(tensors, shard, metadata={"format": "pt"})
+    if "__not_dattn__" in args:
+        config = json.loads((checkpoint / "config.json").read_text())
+        (checkpoint / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    result = run_cli("onnx", checkpoint, "-o", tmp_path / "onnx", *[a for a in args if not a.startswith("__")])
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and expected in result.stderr, result.stderr
+    assert not (tmp_path / "onnx").exists() and not list(tmp_path.glob(".onnx.partial-*"))

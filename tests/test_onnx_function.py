@@ -1,0 +1,82 @@
+"""The ONNX function body of dattn::DecomposedAttention, run by ONNX Runtime, against the reference op."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from dattn_export.attention import OP_DOMAIN, OP_TYPE, OP_VERSION, dattn_op
+from dattn_export.onnx_function import INPUTS, Variant, build_function
+
+OPSET = 18
+
+
+def single_node_model(attributes: dict, variant: Variant, dtype=TensorProto.FLOAT) -> bytes:
+    node = helper.make_node(OP_TYPE, list(INPUTS), ["out"], domain=OP_DOMAIN, **attributes)
+    def value(name, elem, rank):
+        return helper.make_tensor_value_info(name, elem, [None] * rank)
+    inputs = [value(n, TensorProto.BOOL if "mask" in n else dtype, 2 if "mask" in n else 4) for n in INPUTS]
+    graph = helper.make_graph([node], "dattn", inputs, [value("out", dtype, 4)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(OP_DOMAIN, OP_VERSION)],
+                              functions=[build_function(variant, OPSET)], ir_version=10)  # fmt: skip
+    onnx.checker.check_model(model, full_check=True)
+    return model.SerializeToString()
+
+
+def problem(batch, heads, kv_heads, queries, past, visual, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    keys = past + queries
+    key_mask = torch.ones(batch, keys, dtype=torch.bool)
+    key_mask[0, :2] = False  # left padding
+    visual_mask = torch.ones(batch, visual, dtype=torch.bool)
+    if visual > 3:
+        visual_mask[-1, -3:] = False  # fewer images in the last row
+    return dict(
+        q=rand(batch, heads, queries, dim), k=rand(batch, kv_heads, keys, dim), v=rand(batch, kv_heads, keys, dim),
+        key_mask=key_mask, q_vis=rand(batch, heads, queries, dim), k_vis=rand(batch, kv_heads, visual, dim),
+        v_vis=rand(batch, kv_heads, visual, dim), visual_mask=visual_mask,
+    )  # fmt: skip
+
+
+GRID = [
+    # heads, kv_heads, queries, past, visual, softcap, window, merge, causal_visual
+    (8, 8, 5, 0, 7, None, None, "alpha", False),
+    (8, 2, 5, 3, 7, None, None, "alpha", False),
+    (8, 1, 1, 9, 13, 1.5, None, "alpha", False),  # decode step, GQA 8, soft-capping that bites
+    (8, 2, 6, 4, 9, None, 3, "alpha", False),  # sliding window
+    (4, 2, 4, 2, 6, 2.0, 4, "sum", False),
+    (4, 2, 4, 2, 0, None, None, "sum", False),  # no image: an empty visual segment
+    (4, 2, 4, 2, 0, None, None, "alpha", False),
+    (4, 4, 7, 0, 5, None, 4, "alpha", True),  # not debiased: visual keys are causal slots
+    (4, 2, 3, 2, 5, 1.0, None, "sum", True),
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, queries, past, visual, softcap, window, merge, causal_visual", GRID)
+def test_function_body_matches_reference(heads, kv_heads, queries, past, visual, softcap, window, merge, causal_visual):
+    inputs = problem(2, heads, kv_heads, queries, past, visual, 16, seed=heads + queries + visual)
+    attributes = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=16, scale=0.3, softcap=float(softcap or 0.0),
+                      window=int(window or 0), merge=merge, causal_visual=int(causal_visual),
+                      plugin_namespace="dattn", plugin_version="1")  # fmt: skip
+    variant = Variant(merge, softcap is not None, causal_visual, compute_cast=False)
+    session = ort.InferenceSession(single_node_model(attributes, variant), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {n: t.numpy() for n, t in inputs.items()})
+    expected = dattn_op(*inputs.values(), scale=0.3, softcap=softcap, window=window, merge=merge, causal_visual=causal_visual)
+    np.testing.assert_allclose(got, expected.numpy(), atol=1e-5, rtol=0)
+    assert np.abs(expected.numpy()).max() > 0.1
+
+
+def test_function_body_fp16_computes_in_fp32():
+    inputs = problem(2, 8, 2, 3, 4, 6, 16, seed=3)
+    inputs = {n: t.half() if t.is_floating_point() else t for n, t in inputs.items()}
+    attributes = dict(num_heads=8, num_kv_heads=2, head_dim=16, scale=0.25, softcap=0.0, window=0, merge="alpha",
+                      causal_visual=0, plugin_namespace="dattn", plugin_version="1")  # fmt: skip
+    model = single_node_model(attributes, Variant("alpha", False, False, compute_cast=True), TensorProto.FLOAT16)
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {n: t.numpy() for n, t in inputs.items()})
+    expected = dattn_op(*inputs.values(), scale=0.25)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), expected.float().numpy(), atol=2e-3, rtol=0)
