@@ -30,14 +30,14 @@ def main():
     """From D-Attn (decomposed attention) training output to verified, deployable artifacts."""
 
 
-def print_prompt_result(title: str, result, rows: list[tuple[str, str]]) -> None:
+def print_prompt_result(title: str, result, rows: list[tuple[str, str]], seconds: dict[str, float] | None = None) -> None:
     from .ui import out, summary_table
 
     out.print(f"prompt ids ({len(result.prompt_ids)}): {result.prompt_ids}")
     out.print(f"generated ids ({len(result.generated_ids)}): {result.generated_ids}")
     out.print(f"generated text: {result.text!r}")
     params = ", ".join(f"{k} {v:,}" for k, v in result.parameters.items())
-    timings = ", ".join(f"{k.split(':')[0]} {v:.2f} s" for k, v in result.seconds.items())
+    timings = "\n".join(f"{k.split(':')[0]}: {v:.2f} s" for k, v in (seconds or result.seconds).items())
     rows = [*rows, ("parameters", params), ("visual tokens", str(result.visual_tokens)), ("time", timings)]
     out.print(summary_table(title, rows))
 
@@ -47,17 +47,40 @@ def print_prompt_result(title: str, result, rows: list[tuple[str, str]]) -> None
 @click.option("--family", type=click.Choice(["mistral", "gemma2"]), default="mistral", show_default=True)
 @click.option("--max-new-tokens", default=12, show_default=True)
 def demo(directory: Path, family: str, max_new_tokens: int):
-    """Write a tiny random-weight D-Attn checkpoint to DIRECTORY/checkpoint and run the main job on it."""
+    """The main job end to end on a tiny random-weight D-Attn checkpoint written to DIRECTORY/checkpoint:
+    reference generation, convert + verify, ONNX export + validation on ONNX Runtime."""
+    from .convert import convert as run_convert
     from .demo import DEMO_PROMPT, write_demo_checkpoint
     from .fileio import atomic_dir
     from .generation import run_prompt
+    from .onnx_export import export_onnx
+    from .ui import err, stage
+    from .validate import validate as run_validate
+    from .verify import verify as run_verify
 
-    checkpoint = directory / "checkpoint"
-    with atomic_dir(checkpoint, overwrite=True) as tmp:
+    checkpoint, converted, exported = directory / "checkpoint", directory / "converted", directory / "onnx"
+    seconds: dict[str, float] = {}
+    with stage(f"write a tiny {family} D-Attn checkpoint", seconds), atomic_dir(checkpoint, overwrite=True) as tmp:
         write_demo_checkpoint(tmp, family)
-    click.echo(f"wrote a tiny {family} D-Attn checkpoint to {checkpoint}", err=True)
     result = run_prompt(checkpoint, DEMO_PROMPT, [checkpoint / "demo.png"], max_new_tokens)
-    print_prompt_result("dattn-export demo", result, [("checkpoint", str(checkpoint)), ("family", family)])
+    with stage("convert to safetensors + manifest, verify against the source", seconds):
+        run_convert(checkpoint, converted, force=True)
+        checks = run_verify(converted, against=checkpoint)
+    with stage("export vision / visual_kv / decoder ONNX graphs (fused attention)", seconds):
+        export_onnx(converted, exported, force=True)
+    with stage("validate the graphs on ONNX Runtime against PyTorch", seconds):
+        report = run_validate(exported, against=checkpoint, steps=max_new_tokens)
+    err.print()
+    print_validation(report, exported)
+    seconds.update(result.seconds)
+    rows = [
+        ("checkpoint", f"{checkpoint} ({family})"),
+        ("verify", f"{converted}: " + ("; ".join(c.detail for c in checks) if all(c.ok for c in checks) else "FAILED")),
+        ("onnx", f"{exported}: validation {'passed' if report.passed else 'FAILED'}"),
+    ]
+    print_prompt_result("dattn-export demo", result, rows, seconds)
+    if not (report.passed and all(c.ok for c in checks)):
+        raise SystemExit(1)
 
 
 @main.command()
@@ -200,22 +223,28 @@ def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset:
 @click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
 def validate(out: Path, against: Path | None, backend: str, steps: int, prompt: str | None, image: Path | None):
     """Run the exported graphs and compare them with the PyTorch reference; exit 1 beyond tolerance."""
-    from rich.table import Table
-
     from .demo import DEMO_PROMPT
-    from .ui import out as stdout
-    from .validate import REPORT_NAME, validate as run_validate
+    from .validate import validate as run_validate
 
     report = run_validate(out, against, backend, steps, prompt or DEMO_PROMPT, image)
-    table = Table(title=f"dattn-export validate {out} ({backend}, {report.dtype}, logits tolerance {report.tolerance:g})",
-                  title_justify="left")  # fmt: skip
+    print_validation(report, out)
+    if not report.passed:
+        raise SystemExit(1)
+
+
+def print_validation(report, folder: Path) -> None:
+    from rich.table import Table
+
+    from .ui import out
+    from .validate import REPORT_NAME
+
+    table = Table(title=f"dattn-export validate {folder} ({report.backend}, {report.dtype}, "
+                        f"logits tolerance {report.tolerance:g})", title_justify="left")  # fmt: skip
     for column in ("graph", "output", "max abs error", "max rel error"):
         table.add_column(column)
     for c in report.comparisons:
         table.add_row(c.graph, c.output, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}")
-    stdout.print(table)
+    out.print(table)
     verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
-    stdout.print(f"greedy tokens: {report.agreement}/{len(report.reference_tokens)} agree; {verdict} "
-                 f"(report: {out / REPORT_NAME})")  # fmt: skip
-    if not report.passed:
-        raise SystemExit(1)
+    out.print(f"greedy tokens: {report.agreement}/{len(report.reference_tokens)} agree; {verdict} "
+              f"(report: {folder / REPORT_NAME})")  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 from rich.progress import Progress
 
 from . import __version__
+from .converters.lazy import LazyTensor, contiguous_stride
 from .converters.registry import Lazy
 from .converters.safetensors_writer import PlannedTensor, WrittenFile, plan_shards, shard_names, write_shards
 from .errors import InputError
@@ -59,6 +60,11 @@ def output_dtype(requested: str, source: Source) -> torch.dtype:
         if t.dtype.is_floating_point:
             sizes[t.dtype] = sizes.get(t.dtype, 0) + t.nbytes
     return max(sizes, key=sizes.get)
+
+
+def lazy_is_contiguous(lazy: Lazy) -> bool:
+    """Its bytes lie in one run of its file, in order: they can be copied as they are."""
+    return isinstance(lazy, LazyTensor) and lazy.stride in (None, contiguous_stride(lazy.shape))
 
 
 def untie(source: Source) -> list[str]:
@@ -129,6 +135,7 @@ def convert(
         planned.append(PlannedTensor(
             name, out_dtype, tuple(lazy.shape),
             produce=lambda out, n=name, t=lazy, d=out_dtype: checked_cast(source.stored_names[n], t, d, out, scratch),
+            copy_from=(lazy.file, lazy.offset) if out_dtype == lazy.dtype and lazy_is_contiguous(lazy) else None,
         ))  # fmt: skip
     weight_bytes = sum(t.nbytes for t in planned)
     shards = plan_shards(planned, max_bytes)

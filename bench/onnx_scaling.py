@@ -1,0 +1,180 @@
+"""D-Attn vs S-Attn ONNX exports on ONNX Runtime CPU (2 threads) as the image grows.
+
+One random mid-size config (hidden 1024, 8 layers, 16 heads, 8 KV heads, vocab 32000, fp32), exported twice
+with the fused attention op: `dattn` (diagonal V2V, debiased T2V, alpha merge) and `sattn` (conventional
+attention). At |V| = 576, 2304, 9216 visual tokens and 64 text tokens each measurement runs in its own process:
+  prefill      visual_kv.onnx on the image + decoder.onnx on the prompt
+  2nd prompt   decoder.onnx on another prompt, the image's visual K/V reused (cached)
+  decode step  decoder.onnx on one token with 64 past tokens
+and its peak RSS is read from the kernel. Prints the table and writes onnx_scaling.png.
+
+Targets (issue 5): t_prefill(9216) / t_prefill(2304) <= 4.5; D-Attn >= 2.5x faster than S-Attn at 2304;
+|V| = 9216 under 4 GB RSS; 2nd prompt >= 10x faster than the first at 9216; decode t(9216)/t(576) <= 3.0.
+
+    pip install matplotlib && python bench/onnx_scaling.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+VISUAL_TOKENS = (576, 2304, 9216)
+TEXT_TOKENS = 64
+MEMORY_CAP = 20 << 30  # a measurement past this fails cleanly (S-Attn's |V|^2 logits) instead of swapping
+
+
+def build(mode: str, work: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    from dattn_export.demo import write_demo_checkpoint
+    from dattn_export.loading import saved_state_dict
+    from dattn_export.modeling_dattn import MODEL_CLASSES
+    from dattn_export.onnx_export import export_onnx
+    from dattn_export.presets import randomize_weights, tiny_config
+
+    config = tiny_config("mistral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=64, vocab_size=32000, dattn_mode=mode)  # fmt: skip
+    model = randomize_weights(MODEL_CLASSES[config.model_type](config).eval())
+    checkpoint = write_demo_checkpoint(work / f"{mode}-checkpoint")
+    for shard in checkpoint.glob("model*.safetensors*"):
+        shard.unlink()
+    save_file(saved_state_dict(model), checkpoint / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(checkpoint)
+    del model
+    torch.set_num_threads(2)
+    export_onnx(checkpoint, work / f"{mode}-onnx")
+    return work / f"{mode}-onnx"
+
+
+def best_of(runs: int, fn) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure(folder: Path, num_visual: int) -> dict:
+    """Runs in its own process: prefill, cached second prompt and decode step at `num_visual` visual tokens."""
+    from dattn_export.ort_runtime import OrtModel
+
+    runtime = OrtModel(folder, threads=2)
+    rng = np.random.default_rng(0)
+    hidden = runtime.manifest["model"]["hidden_size"]
+    embeds = rng.standard_normal((1, num_visual, hidden), dtype=np.float32)
+    prompt = rng.integers(3, 32000, (1, TEXT_TOKENS))
+    mask = np.ones((1, TEXT_TOKENS), np.int64)
+    empty = runtime.empty_kv(1)
+    visual = runtime.encode_visual(embeds)  # warm-up
+    state = {}
+
+    def prefill():
+        state["visual"] = runtime.encode_visual(embeds)
+        state["logits"], state["past"] = runtime.decode(prompt, mask, empty, state["visual"])
+
+    prefill_s = best_of(2, prefill)
+    other_prompt = rng.integers(3, 32000, (1, TEXT_TOKENS))
+    cached_s = best_of(3, lambda: runtime.decode(other_prompt, mask, empty, visual))
+    step_mask = np.ones((1, TEXT_TOKENS + 1), np.int64)
+    token = np.array([[5]])
+    decode_s = best_of(10, lambda: runtime.decode(token, step_mask, state["past"], visual))
+    return {"prefill_s": prefill_s, "cached_prompt_s": cached_s, "decode_ms": 1000 * decode_s}
+
+
+def measured(folder: Path, num_visual: int) -> dict:
+    """`measure` in a child process with a memory cap; adds its peak RSS (this process stays small, so the
+    forked child's peak is its own), or the failure."""
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+
+    child = subprocess.Popen([sys.executable, __file__, "--measure", str(folder), str(num_visual)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=cap)  # fmt: skip
+    out = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0:
+        return {"failed": f"exit {child.returncode} (memory cap {MEMORY_CAP >> 30} GB)", "rss": usage.ru_maxrss * 1024}
+    return {**json.loads(out.decode().strip().splitlines()[-1]), "rss": usage.ru_maxrss * 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--measure", nargs=2, metavar=("FOLDER", "VISUAL"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=Path("onnx_scaling.png"))
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(Path(args.measure[0]), int(args.measure[1]))))
+        return
+    work = Path(tempfile.mkdtemp(prefix="dattn-onnx-bench-", dir=args.workdir))
+    results = {}
+    for mode in ("dattn", "sattn"):
+        print(f"exporting the {mode} model ...", file=sys.stderr, flush=True)
+        with multiprocessing.get_context("spawn").Pool(1) as pool:  # keeps torch and the model out of this process
+            folder = pool.apply(build, (mode, work))
+        for num_visual in VISUAL_TOKENS:
+            print(f"  {mode} |V|={num_visual} ...", file=sys.stderr, flush=True)
+            results[mode, num_visual] = measured(folder, num_visual)
+    report(results, args.plot)
+
+
+def report(results: dict, plot: Path) -> None:
+    print(f"{'mode':<7}{'|V|':>6}{'prefill s':>11}{'2nd prompt s':>14}{'decode ms':>11}{'peak RSS':>10}")
+    for (mode, num_visual), r in results.items():
+        if "failed" in r:
+            print(f"{mode:<7}{num_visual:>6}  failed: {r['failed']}, peak RSS {r['rss'] / 1e9:.1f} GB")
+            continue
+        print(f"{mode:<7}{num_visual:>6}{r['prefill_s']:>11.3f}{r['cached_prompt_s']:>14.4f}{r['decode_ms']:>11.1f}"
+              f"{r['rss'] / 1e9:>9.2f}G")  # fmt: skip
+    d = {v: results["dattn", v] for v in VISUAL_TOKENS}
+    s = results["sattn", 2304]
+    checks = [
+        ("prefill t(9216)/t(2304) <= 4.5", d[9216]["prefill_s"] / d[2304]["prefill_s"], 4.5, "<="),
+        ("S-Attn / D-Attn prefill at 2304 >= 2.5", s["prefill_s"] / d[2304]["prefill_s"] if "failed" not in s else float("inf"), 2.5, ">="),
+        ("peak RSS at 9216 (GB) <= 4", d[9216]["rss"] / 1e9, 4.0, "<="),
+        ("first / cached prompt at 9216 >= 10", d[9216]["prefill_s"] / d[9216]["cached_prompt_s"], 10.0, ">="),
+        ("decode t(9216)/t(576) <= 3.0", d[9216]["decode_ms"] / d[576]["decode_ms"], 3.0, "<="),
+    ]  # fmt: skip
+    for name, value, bound, op in checks:
+        ok = value <= bound if op == "<=" else value >= bound
+        print(f"{name:<42}{value:>8.2f}  {'ok' if ok else 'MISSED'}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, style in (("dattn", "o-"), ("sattn", "s--")):
+        ok = [v for v in VISUAL_TOKENS if "failed" not in results[mode, v]]
+        axes[0].plot(ok, [results[mode, v]["prefill_s"] for v in ok], style, label=mode)
+        axes[1].plot(ok, [results[mode, v]["decode_ms"] for v in ok], style, label=mode)
+    axes[0].set(xlabel="visual tokens |V|", ylabel="prefill (s)", title="prefill: image + 64-token prompt")
+    axes[1].set(xlabel="visual tokens |V|", ylabel="decode step (ms)", title="decode step, 64 past tokens")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle("ONNX Runtime CPU, 2 threads, fp32 (hidden 1024, 8 layers)")
+    fig.tight_layout()
+    fig.savefig(plot, dpi=110)
+    print(f"plot: {plot}")
+
+
+if __name__ == "__main__":
+    main()
