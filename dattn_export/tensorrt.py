@@ -1,0 +1,96 @@
+"""Building TensorRT engines from the exported graphs: optimization profiles from the user's limits.
+
+Works with TensorRT or TensorRT-RTX (same Python API). TensorRT-RTX builds on a machine without a GPU,
+which is how the exported graphs are checked against a real TensorRT-family ONNX parser in CI. Nothing here
+creates a runtime object: engines are only built and serialized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Optimization-profile bounds: (min, opt, max) per dynamic axis of the exported graphs."""
+
+    max_batch: int = 1
+    max_text_tokens: int = 256
+    max_visual_tokens: int = 2304
+    max_images: int = 4
+
+    def axis(self, name: str) -> tuple[int, int, int]:
+        past = (0, self.max_text_tokens // 2, self.max_text_tokens)
+        text = (1, max(1, self.max_text_tokens // 4), self.max_text_tokens)
+        axes = {
+            "batch": (1, self.max_batch, self.max_batch), "images": (1, 1, self.max_images),
+            "sequence": text, "past_sequence": past,
+            "total_sequence": (1, text[1] + past[1], self.max_text_tokens),
+            "visual_sequence": (0, self.max_visual_tokens // 2, self.max_visual_tokens),
+        }  # fmt: skip
+        if name not in axes:
+            raise InputError(name, "is not an axis of the exported graphs (see onnx_manifest.json)")
+        return axes[name]
+
+
+def profile_shapes(graph_inputs: list[dict], limits: Limits) -> dict[str, tuple[list[int], list[int], list[int]]]:
+    """min/opt/max shapes for every input of one graph, as recorded in onnx_manifest.json."""
+    shapes = {}
+    for spec in graph_inputs:
+        bounds = [(d, d, d) if isinstance(d, int) else limits.axis(d) for d in spec["shape"]]
+        shapes[spec["name"]] = tuple([b[k] for b in bounds] for k in range(3))
+    return shapes
+
+
+def import_tensorrt(module: str = "tensorrt"):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise InputError(module, f"is not importable ({e}): install TensorRT (NVIDIA's wheels) on the GPU machine") from None
+
+
+def build_serialized(trt, onnx_path: Path, graph_inputs: list[dict], limits: Limits) -> bytes:
+    """Parse one exported graph and build a serialized engine with one optimization profile."""
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise InputError(onnx_path, f"the TensorRT ONNX parser refused it: {errors}")
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    for name, (low, opt, high) in profile_shapes(graph_inputs, limits).items():
+        profile.set_shape(name, low, opt, high)
+    config.add_optimization_profile(profile)
+    engine = builder.build_serialized_network(network, config)
+    if engine is None:
+        raise InputError(onnx_path, "TensorRT could not build an engine from it (see the log above)")
+    return bytes(engine)
+
+
+def main() -> None:
+    """Build every graph of an exported folder and report engine sizes as JSON (used by the tests)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--module", default="tensorrt")
+    args = parser.parse_args()
+    trt = import_tensorrt(args.module)
+    manifest = json.loads((args.folder / "onnx_manifest.json").read_text())
+    sizes = {
+        name: len(build_serialized(trt, args.folder / graph["file"], graph["inputs"], Limits(max_batch=2, max_text_tokens=64,
+                                                                                            max_visual_tokens=64)))
+        for name, graph in manifest["graphs"].items()
+    }  # fmt: skip
+    json.dump(sizes, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
