@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import CLIPVisionModel, PreTrainedModel, SiglipVisionModel
+from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.gemma2.modeling_gemma2 import (
     Gemma2MLP,
@@ -191,18 +192,24 @@ class DAttnDecoderLayer(nn.Module):
         h = residual + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def visual_forward(self, h: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor) -> tuple[Tensor, KV]:
-        """One layer of the visual stream: its output and the visual K/V that text queries will read."""
+    def visual_forward(
+        self, h: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor, need_output: bool = True
+    ) -> tuple[Tensor | None, KV]:
+        """One layer of the visual stream: its output (unless not needed: the last layer's is never read)
+        and the visual K/V that text queries will read."""
         attn = self.self_attn
         x = self.input_layernorm(h)
         k, v = attn.heads(attn.k_proj, x), attn.heads(attn.v_proj, x)
         k_rot = apply_rope(k, *rope)
+        visual_kv = (k if self.debias else k_rot, v)
+        if not need_output:
+            return None, visual_kv
         if self.diagonal:  # softmax over the token's own key alone is 1: the output is its value
             out = v.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
         else:  # causal self-attention among visual tokens, as the base LLM does
             q = apply_rope(attn.heads(attn.q_proj, x), *rope)
             out = attn.attend(q, k_rot, v, valid, q, *attn.no_visual(q))
-        return self.residual_mlp(h, attn.output(out)), (k if self.debias else k_rot, v)
+        return self.residual_mlp(h, attn.output(out)), visual_kv
 
     def text_forward(
         self, h: Tensor, rope, past: KV | None, visual: KV, key_mask: Tensor, visual_mask: Tensor
@@ -226,11 +233,15 @@ class DAttnPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
+        """Also runs inside from_pretrained, where non-persistent buffers must be rebuilt (transformers'
+        `init` helpers leave weights that were loaded alone)."""
         super()._init_weights(module)
         if isinstance(module, MMRMSNorm):
-            module.weight.fill_(self.config.mm_std)
+            init.constant_(module.weight, self.config.mm_std)
         elif isinstance(module, Gemma2RMSNorm):
-            module.weight.zero_()  # Gemma 2 scales by (1 + weight)
+            init.zeros_(module.weight)  # Gemma 2 scales by (1 + weight)
+        elif isinstance(module, Gemma2TextScaledWordEmbedding):
+            init.constant_(module.embed_scale, module.scalar_embed_scale)
 
 
 class DAttnModel(DAttnPreTrainedModel):
@@ -272,8 +283,8 @@ class DAttnModel(DAttnPreTrainedModel):
         positions = torch.arange(num_visual, device=visual_embeds.device).expand(batch, -1)
         rope = self.rotary_emb(visual_embeds, positions)
         h, visual_kv = visual_embeds, []
-        for layer in self.layers:
-            h, kv = layer.visual_forward(h, rope, valid)
+        for i, layer in enumerate(self.layers):
+            h, kv = layer.visual_forward(h, rope, valid, need_output=i + 1 < len(self.layers))
             visual_kv.append(kv)
         return visual_kv
 

@@ -11,6 +11,7 @@ import numpy as np
 from .errors import InputError
 
 NUMPY_DTYPES = {"float": np.float32, "float16": np.float16, "bfloat16": None}
+VISUAL_CHUNK = 2048  # visual tokens per visual_kv.onnx run (diagonal models)
 
 
 class OrtModel:
@@ -47,11 +48,21 @@ class OrtModel:
     def embed_images(self, pixel_values: np.ndarray) -> np.ndarray:
         return self.sessions["vision"].run(None, {"pixel_values": pixel_values.astype(self.dtype)})[0]
 
-    def encode_visual(self, visual_embeds: np.ndarray, visual_mask: np.ndarray | None = None) -> list[np.ndarray]:
-        """Every layer's visual K/V, flat [k0, v0, k1, v1, ...]."""
+    def encode_visual(
+        self, visual_embeds: np.ndarray, visual_mask: np.ndarray | None = None, chunk: int = VISUAL_CHUNK
+    ) -> list[np.ndarray]:
+        """Every layer's visual K/V, flat [k0, v0, k1, v1, ...]. With diagonal V2V visual tokens never mix, so
+        long visual sequences run in chunks: memory stays that of one chunk and time stays linear."""
         if visual_mask is None:
             visual_mask = np.ones(visual_embeds.shape[:2], np.int64)
-        return self.sessions["visual_kv"].run(None, {"visual_embeds": visual_embeds, "visual_attention_mask": visual_mask})
+        session = self.sessions["visual_kv"]
+        if not self.manifest["model"]["diagonal"] or visual_embeds.shape[1] <= chunk:
+            return session.run(None, {"visual_embeds": visual_embeds, "visual_attention_mask": visual_mask})
+        parts = [
+            session.run(None, {"visual_embeds": visual_embeds[:, i : i + chunk], "visual_attention_mask": visual_mask[:, i : i + chunk]})
+            for i in range(0, visual_embeds.shape[1], chunk)
+        ]  # fmt: skip
+        return [np.concatenate(outputs, axis=2) for outputs in zip(*parts)]
 
     def positions(self, attention_mask: np.ndarray, num_new: int, num_visual: int) -> np.ndarray:
         """As the reference model: text positions count text tokens (after the visual ones when not debiased)."""

@@ -76,6 +76,20 @@ def test_onnx_runtime_matches_reference(tmp_path, family, mode):
         np.testing.assert_allclose(logits, scratch, atol=ATOL, rtol=0)
 
 
+def test_chunked_visual_encoding_equals_one_run(tmp_path):
+    """Diagonal V2V: visual tokens never mix, so the runtime may encode a long image sequence in chunks."""
+    model = build_model("gemma2")
+    export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
+    runtime = OrtModel(tmp_path / "onnx")
+    embeds = runtime.embed_images(images(2, 3).numpy())  # 48 visual tokens
+    whole, chunked = runtime.encode_visual(embeds), runtime.encode_visual(embeds, chunk=10)
+    for a, b in zip(whole, chunked):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        reference = model.model.encode_visual(torch.from_numpy(embeds))
+    np.testing.assert_allclose(chunked[-1], reference[-1][1].numpy(), atol=1e-5, rtol=0)
+
+
 def test_fused_node_and_function(tmp_path):
     model = build_model("gemma2")
     export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")

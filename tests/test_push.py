@@ -1,0 +1,182 @@
+"""push: the real huggingface_hub client over HTTP against a Hub-compatible server on loopback."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hub_server import start
+from huggingface_hub import ModelCard
+
+from dattn_export.convert import convert
+from dattn_export.demo import DEMO_PROMPT, write_demo_checkpoint
+from dattn_export.loading import load_model
+
+TOKEN = "hf_alice_secret_token_42"
+TOKENS = {TOKEN: "alice", "hf_bob_token": "bob"}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("push")
+    checkpoint = write_demo_checkpoint(root / "checkpoint", "gemma2")
+    convert(checkpoint, root / "converted")
+    return root / "converted"
+
+
+@pytest.fixture
+def hub():
+    server, state, endpoint = start(TOKENS)
+    yield state, endpoint
+    server.shutdown()
+
+
+def hub_env(tmp_path, endpoint, token=TOKEN):
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}  # fmt: skip
+    env.pop("HF_TOKEN", None)
+    if token:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def push_cli(tmp_path, endpoint, *args, token=TOKEN):
+    result = subprocess.run([sys.executable, "-m", "dattn_export", "push", *map(str, args)], capture_output=True,
+                            text=True, timeout=300, env=hub_env(tmp_path, endpoint, token))  # fmt: skip
+    assert TOKEN not in result.stdout + result.stderr, "the token was printed"
+    return result
+
+
+def commits_on(state, repo_id):
+    repo = state.repos.get(repo_id)
+    return [] if repo is None else [c for c in repo.commits.values() if c["files"]]
+
+
+FRESH_PROCESS = textwrap.dedent('''
+    import sys
+    sys.modules["dattn_export"] = None  # this process must not be able to use the package
+    import numpy as np, torch
+    from huggingface_hub import snapshot_download
+    from transformers import AutoModelForCausalLM
+
+    repo_id, out = sys.argv[1], sys.argv[2]
+    folder = snapshot_download(repo_id)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 7), generator=g)
+    pixels = torch.randn(2, 1, 3, 32, 32, generator=g)
+    with torch.no_grad():
+        np.save(out, model(ids, pixels).logits.numpy())
+    readme = open(folder + "/README.md").read()
+    snippet = readme.split("```python")[1].split("```")[0].replace('Image.open("image.png")', 'Image.new("RGB", (40, 40), (200, 30, 30))')
+    exec(snippet)  # the model card's usage snippet, as written
+''')
+
+
+def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp_path):
+    state, endpoint = hub
+    result = push_cli(tmp_path, endpoint, converted, "--repo-id", "alice/tiny-dattn", "--license", "apache-2.0",
+                      "--base-model", "google/gemma-2-2b")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (commit,) = commits_on(state, "alice/tiny-dattn")  # one commit holds everything
+    files = commit["files"]
+    for name in ("config.json", "modeling_dattn.py", "configuration_dattn.py", "attention.py", "tokenizer.json",
+                 "preprocessor_config.json", "model.safetensors", "dattn_manifest.json", "README.md"):  # fmt: skip
+        assert name in files, name
+    assert files["model.safetensors"][1] is True  # uploaded through LFS
+    assert json.loads(files["config.json"][0])["auto_map"]["AutoModelForCausalLM"] == "modeling_dattn.DAttnGemma2ForCausalLM"
+    assert TOKEN.encode() not in b"".join(data for data, _ in files.values()), "the token was uploaded"
+
+    script = tmp_path / "fresh.py"
+    script.write_text(FRESH_PROCESS)
+    env = hub_env(tmp_path, endpoint, token=None)
+    run = subprocess.run([sys.executable, str(script), "alice/tiny-dattn", str(tmp_path / "logits.npy")],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 7), generator=g)
+    pixels = torch.randn(2, 1, 3, 32, 32, generator=g)
+    with torch.no_grad():
+        expected = load_model(converted)(ids, pixels).logits.numpy()
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), expected, atol=1e-5, rtol=0)
+    assert run.stdout.strip(), "the usage snippet printed nothing"
+
+    card = ModelCard(files["README.md"][0].decode())
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "image-text-to-text"
+    assert card.data.license == "apache-2.0" and card.data.base_model == "google/gemma-2-2b"
+    assert {"dattn", "custom_code"} <= set(card.data.tags)
+    assert "| tensors reload | ok |" in card.text and "trust_remote_code=True" in card.text and DEMO_PROMPT[:20] in card.text
+
+
+def test_dry_run_lists_everything_and_contacts_nothing(converted, tmp_path):
+    result = push_cli(tmp_path, "http://127.0.0.1:9", converted, "--repo-id", "alice/x", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((converted / "dattn_manifest.json").read_text())
+    for name, entry in manifest["files"].items():
+        assert re.search(rf"^{entry['sha256']}\s+{entry['size']:,}\s+{re.escape(name)}$", result.stdout, re.M), name
+    assert "library_name: transformers" in result.stdout and "README.md" in result.stdout
+
+
+def test_transient_5xx_is_retried(converted, hub, tmp_path):
+    state, endpoint = hub
+    state.fail("POST", r"/commit/", 500, times=2)
+    state.fail("POST", r"/preupload/", 503, times=1)
+    result = push_cli(tmp_path, endpoint, converted, "--repo-id", "alice/retry")
+    assert result.returncode == 0, result.stderr
+    assert len(commits_on(state, "alice/retry")) == 1
+    assert [s for m, p, s in state.log if "/commit/" in p] == [500, 500, 200]
+
+
+def test_persistent_5xx_publishes_nothing(converted, hub, tmp_path):
+    state, endpoint = hub
+    state.fail("POST", r"/commit/", 502, times=-1)
+    result = push_cli(tmp_path, endpoint, converted, "--repo-id", "alice/down")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "answered 502 (server error) 4 times: nothing was published" in line and "alice/down" in line
+    assert commits_on(state, "alice/down") == []
+
+
+def test_connection_dropped_mid_upload(converted, hub, tmp_path):
+    state, endpoint = hub
+    state.fail("PUT", r"/lfs-upload/", "drop", times=1)
+    result = push_cli(tmp_path, endpoint, converted, "--repo-id", "alice/flaky")
+    assert result.returncode == 0, result.stderr
+    (commit,) = commits_on(state, "alice/flaky")  # no partial commit: the only one has every file
+    assert {"model.safetensors", "config.json", "README.md"} <= set(commit["files"])
+
+
+@pytest.mark.parametrize(
+    "repo_id, token, expected",
+    [
+        ("alice/nope", "hf_wrong_token", "401 authentication failed"),
+        ("bob/theirs", TOKEN, "403 forbidden"),
+    ],
+)
+def test_auth_errors(converted, hub, tmp_path, repo_id, token, expected):
+    state, endpoint = hub
+    state.repos.clear()
+    result = push_cli(tmp_path, endpoint, converted, "--repo-id", repo_id, token=token)
+    assert result.returncode == 2, result.stdout
+    (line,) = result.stderr.strip().splitlines()
+    assert expected in line and repo_id in line and "hf_wrong_token" not in line
+    assert all(not commits_on(state, r) for r in state.repos)
+
+
+def test_refuses_a_folder_that_does_not_verify(converted, hub, tmp_path):
+    import shutil
+
+    state, endpoint = hub
+    folder = tmp_path / "tampered"
+    shutil.copytree(converted, folder)
+    (folder / "tokenizer.json").write_text((folder / "tokenizer.json").read_text() + " ")
+    result = push_cli(tmp_path, endpoint, folder, "--repo-id", "alice/t")
+    assert result.returncode == 2 and "does not verify" in result.stderr and "tokenizer.json" in result.stderr
+    assert "alice/t" not in state.repos
+    assert push_cli(tmp_path, endpoint, folder, "--repo-id", "alice/t", "--skip-verify").returncode == 0
