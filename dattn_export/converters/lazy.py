@@ -44,15 +44,8 @@ STORAGE_DTYPES = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class LazyTensor:
-    """`shape` elements of `dtype` at byte `offset` of `file` (with element `stride`, None = contiguous)."""
-
-    file: Path
-    offset: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...] | None = None
+class Sized:
+    """numel and nbytes of anything with a `shape` and a `dtype`."""
 
     @property
     def numel(self) -> int:
@@ -61,6 +54,17 @@ class LazyTensor:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class LazyTensor(Sized):
+    """`shape` elements of `dtype` at byte `offset` of `file` (with element `stride`, None = contiguous)."""
+
+    file: Path
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None = None
 
     def narrow(self, start: int, length: int) -> LazyTensor:
         """Elements [start, start + length) of a contiguous 1-D tensor."""
@@ -89,7 +93,7 @@ class LazyTensor:
 
 
 @dataclass(frozen=True)
-class GatheredTensor:
+class GatheredTensor(Sized):
     """A tensor whose elements are the concatenation of `parts` (1-D), cut to `shape` (ZeRO partitions)."""
 
     parts: tuple[LazyTensor, ...]
@@ -98,14 +102,6 @@ class GatheredTensor:
     @property
     def dtype(self) -> torch.dtype:
         return self.parts[0].dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
     @property
     def file(self) -> Path:
@@ -121,7 +117,7 @@ class GatheredTensor:
 
 
 @dataclass(frozen=True, eq=False)
-class LoadedTensor:
+class LoadedTensor(Sized):
     """A tensor already in memory, behind the same interface (legacy torch files cannot be read lazily)."""
 
     tensor: torch.Tensor
@@ -134,14 +130,6 @@ class LoadedTensor:
     @property
     def dtype(self) -> torch.dtype:
         return self.tensor.dtype
-
-    @property
-    def numel(self) -> int:
-        return self.tensor.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
 
     def load(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
         return self.tensor
