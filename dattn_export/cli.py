@@ -217,7 +217,8 @@ def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset:
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--against", type=click.Path(path_type=Path), help="Reference checkpoint (default: the export's source).")
-@click.option("--backend", type=click.Choice(["ort"]), default="ort", show_default=True)
+@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
+              help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU.")  # fmt: skip
 @click.option("--steps", default=20, show_default=True, help="Greedy tokens to generate and compare.")
 @click.option("--prompt", default=None, help="Prompt (default: the demo's).")
 @click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
@@ -284,3 +285,28 @@ def push(out: Path, repo_id: str, private: bool, revision, create_pr: bool, comm
             ("files", f"{len(result.files)} ({total:,} bytes)"),
             ("verified", "skipped" if result.checks is None else "; ".join(c.detail for c in result.checks))]  # fmt: skip
     stdout.print(summary_table("dattn-export push", rows))
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "engines", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--fp16", "precision", flag_value="fp16", help="Allow fp16 tactics.")
+@click.option("--bf16", "precision", flag_value="bf16", help="Allow bf16 tactics.")
+@click.option("--max-batch", default=1, show_default=True)
+@click.option("--max-visual-tokens", default=2304, show_default=True)
+@click.option("--max-text-tokens", default=512, show_default=True)
+@click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), help="Read and update this cache.")
+@click.option("--no-plugin", is_flag=True, help="Build fused nodes from their ONNX function instead of the plugin.")
+@click.option("--force", is_flag=True, help="Replace ENGINES if it exists.")
+def trt(out: Path, engines: Path, precision, max_batch, max_visual_tokens, max_text_tokens, timing_cache, no_plugin, force):
+    """Build TensorRT engines (with the DecomposedAttention plugin) for the graphs `onnx` exported to OUT."""
+    from .tensorrt import Limits, build_engines
+    from .ui import err, out as stdout, summary_table
+
+    limits = Limits(max_batch=max_batch, max_text_tokens=max_text_tokens, max_visual_tokens=max_visual_tokens)
+    with err.status("building TensorRT engines"):
+        manifest = build_engines(out, engines, precision or "fp32", limits, timing_cache, force, use_plugin=not no_plugin)
+    rows = [(name, f"{file} ({(engines / file).stat().st_size:,} bytes)") for name, file in manifest["engines"].items()]
+    rows += [("attention", "DecomposedAttention plugin" if manifest["plugin"] else "ONNX function (TensorRT layers)"),
+             ("precision", manifest["precision"]), ("limits", str(manifest["limits"])), ("TensorRT", manifest["tensorrt"])]  # fmt: skip
+    stdout.print(summary_table("dattn-export trt", rows))

@@ -67,9 +67,10 @@ def _segment(
 
 @triton.jit
 def dattn_kernel(
-    Q, K, V, KEY_MASK, QV, KV, VV, VIS_MASK, OUT, LSE,
+    Q, K, V, KEY_MASK, QV, KV, VV, VIS_MASK,  # inputs, then int scalars, then outputs: TensorRT's AOT order
     num_heads, group, num_queries, num_keys, num_visual,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    OUT, LSE,
     scale: tl.constexpr, softcap: tl.constexpr, window: tl.constexpr,  # per node: constants (AOT takes ints only)
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_SUM: tl.constexpr,
     SOFTCAP: tl.constexpr, CAUSAL_VISUAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr = False,
@@ -136,11 +137,11 @@ def launch(
     lse = torch.empty((2, batch, heads, queries), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(queries, block_m), batch * heads)
     dattn_kernel[grid](
-        q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, out, lse,
+        q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask,
         heads, heads // kv_heads, queries, keys, num_visual,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         k_vis.stride(0), k_vis.stride(1), k_vis.stride(2),
-        float(scale), float(softcap or 0.0), int(window or 0),
+        out, lse, float(scale), float(softcap or 0.0), int(window or 0),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, MERGE_SUM=merge == "sum",
         SOFTCAP=softcap is not None, CAUSAL_VISUAL=causal_visual, WRITE_LSE=return_lse,
         # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot (loads are exact): there, and only there,
@@ -160,18 +161,20 @@ def compile_ptx(
     arch: int = 90, ptx_version: int | None = None, block_m: int = 16, block_n: int = 16,
 ):  # fmt: skip
     """The kernel for one node's attributes compiled for sm_`arch`, without a GPU: (name, PTX, metadata).
-    Argument order: 8 input pointers, the INT_ARGS, the output pointer, the LSE pointer."""
+    Parameters, as TensorRT's ahead-of-time plugins pass them: the 8 input pointers, the INT_ARGS, the output
+    pointer (the LSE pointer is compiled away)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     element = TRITON_TYPES[dtype]
-    pointers = {"Q": element, "K": element, "V": element, "KEY_MASK": "i8", "QV": element, "KV": element,
-                "VV": element, "VIS_MASK": "i8", "OUT": element, "LSE": "fp32"}  # fmt: skip
-    constants = dict(scale=float(scale), softcap=float(softcap), window=int(window), HEAD_DIM=head_dim,
+    inputs = {"Q": element, "K": element, "V": element, "KEY_MASK": "i8", "QV": element, "KV": element,
+              "VV": element, "VIS_MASK": "i8"}  # fmt: skip
+    constants = dict(LSE=None, scale=float(scale), softcap=float(softcap), window=int(window), HEAD_DIM=head_dim,
                      BLOCK_M=block_m, BLOCK_N=block_n, MERGE_SUM=merge == "sum", SOFTCAP=softcap > 0,
                      CAUSAL_VISUAL=bool(causal_visual), WRITE_LSE=False, UPCAST=False)  # fmt: skip
-    signature = {name: f"*{kind}" for name, kind in pointers.items()}
+    signature = {name: f"*{kind}" for name, kind in inputs.items()}
     signature.update(dict.fromkeys(INT_ARGS, "i32"))
+    signature["OUT"] = f"*{element}"
     signature.update(dict.fromkeys(constants, "constexpr"))
     options = {"ptx_version": ptx_version} if ptx_version else {}
     source = ASTSource(fn=dattn_kernel, signature=signature, constexprs=constants)

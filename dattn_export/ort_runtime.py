@@ -1,5 +1,6 @@
-"""Run an exported folder with ONNX Runtime, driven by its onnx_manifest.json: image -> visual K/V (once),
-then prefill and decode steps through the one decoder graph with the text KV cache."""
+"""Run exported graphs, driven by their manifest: image -> visual K/V (once), then prefill and decode steps
+through the one decoder graph with the text KV cache. `GraphRuntime` holds the logic; a backend only says how to
+run one graph: ONNX Runtime here, TensorRT in trt_runtime.py."""
 
 from __future__ import annotations
 
@@ -11,42 +12,34 @@ import numpy as np
 from .errors import InputError
 
 NUMPY_DTYPES = {"float": np.float32, "float16": np.float16, "bfloat16": None}
-VISUAL_CHUNK = 2048  # visual tokens per visual_kv.onnx run (diagonal models)
+VISUAL_CHUNK = 2048  # visual tokens per visual_kv run (diagonal models)
 
 
-class OrtModel:
-    def __init__(self, folder: Path, threads: int | None = None):
-        import onnxruntime as ort
+class GraphRuntime:
+    manifest_name: str
 
+    def __init__(self, folder: Path):
         folder = Path(folder)
-        manifest_path = folder / "onnx_manifest.json"
+        manifest_path = folder / self.manifest_name
         if not manifest_path.is_file():
-            raise InputError(folder, "has no onnx_manifest.json: not a folder written by dattn-export onnx")
+            raise InputError(folder, f"has no {self.manifest_name}: not a folder this backend runs")
+        self.folder = folder
         self.manifest = json.loads(manifest_path.read_text())
         decoder_inputs = {i["name"]: i for i in self.manifest["graphs"]["decoder"]["inputs"]}
         self.dtype = NUMPY_DTYPES[decoder_inputs["past_key_values.0.key"]["dtype"]]
-        if self.dtype is None:
-            raise InputError(folder, "holds bfloat16 graphs, which ONNX Runtime's CPU provider cannot run (no bf16 "
-                                     "kernels): validate them with a GPU backend, or export fp32/fp16 for CPU")  # fmt: skip
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.log_severity_level = 3
-        self.sessions = {}
-        for name, graph in self.manifest["graphs"].items():
-            try:
-                self.sessions[name] = ort.InferenceSession(str(folder / graph["file"]), options, providers=["CPUExecutionProvider"])
-            except Exception as e:  # onnxruntime raises its own exception types for unreadable graphs
-                raise InputError(folder / graph["file"], f"ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
         model = self.manifest["model"]
         self.layers, self.kv_heads, self.head_dim = model["layers"], model["num_kv_heads"], model["head_dim"]
         self.debias = model["debias"]
+
+    def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """One graph's outputs, in the manifest's order."""
+        raise NotImplementedError
 
     def empty_kv(self, batch: int) -> list[np.ndarray]:
         return [np.zeros((batch, self.kv_heads, 0, self.head_dim), self.dtype)] * (2 * self.layers)
 
     def embed_images(self, pixel_values: np.ndarray) -> np.ndarray:
-        return self.sessions["vision"].run(None, {"pixel_values": pixel_values.astype(self.dtype)})[0]
+        return self._run("vision", {"pixel_values": pixel_values.astype(self.dtype)})[0]
 
     def encode_visual(
         self, visual_embeds: np.ndarray, visual_mask: np.ndarray | None = None, chunk: int = VISUAL_CHUNK
@@ -55,11 +48,10 @@ class OrtModel:
         long visual sequences run in chunks: memory stays that of one chunk and time stays linear."""
         if visual_mask is None:
             visual_mask = np.ones(visual_embeds.shape[:2], np.int64)
-        session = self.sessions["visual_kv"]
         if not self.manifest["model"]["diagonal"] or visual_embeds.shape[1] <= chunk:
-            return session.run(None, {"visual_embeds": visual_embeds, "visual_attention_mask": visual_mask})
+            return self._run("visual_kv", {"visual_embeds": visual_embeds, "visual_attention_mask": visual_mask})
         parts = [
-            session.run(None, {"visual_embeds": visual_embeds[:, i : i + chunk], "visual_attention_mask": visual_mask[:, i : i + chunk]})
+            self._run("visual_kv", {"visual_embeds": visual_embeds[:, i : i + chunk], "visual_attention_mask": visual_mask[:, i : i + chunk]})
             for i in range(0, visual_embeds.shape[1], chunk)
         ]  # fmt: skip
         return [np.concatenate(outputs, axis=2) for outputs in zip(*parts)]
@@ -86,7 +78,7 @@ class OrtModel:
             for j, part in enumerate(("key", "value")):
                 feeds[f"past_key_values.{i}.{part}"] = past[2 * i + j]
                 feeds[f"visual_key_values.{i}.{part}"] = visual[2 * i + j]
-        logits, *present = self.sessions["decoder"].run(None, feeds)
+        logits, *present = self._run("decoder", feeds)
         return logits, present
 
     def generate(
@@ -104,3 +96,31 @@ class OrtModel:
             attention_mask = np.concatenate([attention_mask, np.ones_like(next_token)], axis=1)
             logits, past = self.decode(next_token, attention_mask, past, visual)
         return np.concatenate(tokens, axis=1)
+
+
+class OrtModel(GraphRuntime):
+    """ONNX Runtime's CPU provider."""
+
+    manifest_name = "onnx_manifest.json"
+
+    def __init__(self, folder: Path, threads: int | None = None):
+        import onnxruntime as ort
+
+        super().__init__(folder)
+        if self.dtype is None:
+            raise InputError(self.folder, "holds bfloat16 graphs, which ONNX Runtime's CPU provider cannot run (no "
+                                          "bf16 kernels): validate them with --backend trt on a GPU, or export fp32/fp16")  # fmt: skip
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.log_severity_level = 3
+        self.sessions = {}
+        for name, graph in self.manifest["graphs"].items():
+            path = self.folder / graph["file"]
+            try:
+                self.sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            except Exception as e:  # onnxruntime raises its own exception types for unreadable graphs
+                raise InputError(path, f"ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
+
+    def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.sessions[graph].run(None, feeds)

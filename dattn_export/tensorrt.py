@@ -56,16 +56,30 @@ def import_tensorrt(module: str = "tensorrt"):
         raise InputError(module, f"is not importable ({e}): install TensorRT (NVIDIA's wheels) on the GPU machine") from None
 
 
-def build_serialized(trt, onnx_path: Path, graph_inputs: list[dict], limits: Limits) -> bytes:
-    """Parse one exported graph and build a serialized engine with one optimization profile."""
+def build_serialized(
+    trt, onnx_path: Path, graph_inputs: list[dict], limits: Limits, precision: str = "fp32",
+    plugin: bool = False, timing_cache: Path | None = None,
+) -> bytes:  # fmt: skip
+    """Parse one exported graph and build a serialized engine with one optimization profile. With `plugin`, the
+    fused nodes become the registered DecomposedAttention plugin instead of their ONNX function."""
     logger = trt.Logger(trt.Logger.ERROR)
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
+    if plugin:
+        if not hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
+            raise InputError(onnx_path, f"TensorRT {trt.__version__} cannot prefer plugins over ONNX functions (needs >= 10.15)")
+        parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise InputError(onnx_path, f"the TensorRT ONNX parser refused it: {errors}")
     config = builder.create_builder_config()
+    if precision in ("fp16", "bf16"):
+        config.set_flag(trt.BuilderFlag.FP16 if precision == "fp16" else trt.BuilderFlag.BF16)
+    cache = None
+    if timing_cache is not None:
+        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
     profile = builder.create_optimization_profile()
     for name, (low, opt, high) in profile_shapes(graph_inputs, limits).items():
         profile.set_shape(name, low, opt, high)
@@ -73,7 +87,52 @@ def build_serialized(trt, onnx_path: Path, graph_inputs: list[dict], limits: Lim
     engine = builder.build_serialized_network(network, config)
     if engine is None:
         raise InputError(onnx_path, "TensorRT could not build an engine from it (see the log above)")
+    if cache is not None:
+        timing_cache.write_bytes(bytes(cache.serialize()))
     return bytes(engine)
+
+
+def require_tensorrt_gpu():
+    """TensorRT and a CUDA GPU, or a one-line error saying which is missing."""
+    trt = import_tensorrt("tensorrt")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InputError("GPU", "no CUDA GPU is visible: TensorRT builds and runs these engines on a GPU")
+    return trt
+
+
+def build_engines(
+    onnx_dir: Path, out: Path, precision: str, limits: Limits, timing_cache: Path | None, force: bool, use_plugin: bool = True
+) -> dict:  # fmt: skip
+    """An engine per exported graph, plus trt_manifest.json. Fused attention nodes become the DecomposedAttention
+    plugin, or with `use_plugin=False` their ONNX function (standard TensorRT layers)."""
+    import shutil
+
+    from .fileio import atomic_dir
+    from .trt_plugin import register
+
+    manifest_path = Path(onnx_dir) / "onnx_manifest.json"
+    if not manifest_path.is_file():
+        raise InputError(onnx_dir, "has no onnx_manifest.json: build engines from a folder written by dattn-export onnx")
+    trt = require_tensorrt_gpu()
+    register()
+    manifest = json.loads(manifest_path.read_text())
+    fused = use_plugin and manifest["attention"]["implementation"] == "fused"
+    with atomic_dir(out, overwrite=force) as tmp:
+        engines = {}
+        for name, graph in manifest["graphs"].items():
+            engine = build_serialized(trt, Path(onnx_dir) / graph["file"], graph["inputs"], limits, precision,
+                                      plugin=fused and graph["fused_attention_nodes"] > 0, timing_cache=timing_cache)  # fmt: skip
+            (tmp / f"{name}.engine").write_bytes(engine)
+            engines[name] = f"{name}.engine"
+        for path in Path(onnx_dir).iterdir():
+            if path.suffix in (".json", ".jinja", ".model", ".txt") and path.name != "onnx_manifest.json":
+                shutil.copyfile(path, tmp / path.name)
+        trt_manifest = {**manifest, "engines": engines, "precision": precision, "limits": limits.__dict__,
+                        "plugin": fused, "tensorrt": trt.__version__}  # fmt: skip
+        (tmp / "trt_manifest.json").write_text(json.dumps(trt_manifest, indent=2) + "\n")
+    return trt_manifest
 
 
 def main() -> None:

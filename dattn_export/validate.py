@@ -77,7 +77,12 @@ def validate(
     image: Path | None = None, threads: int | None = None,
 ) -> ValidationReport:  # fmt: skip
     folder = Path(folder)
-    runtime = OrtModel(folder, threads)
+    if backend == "trt":
+        from .trt_runtime import TrtModel
+
+        runtime = TrtModel(folder)
+    else:
+        runtime = OrtModel(folder, threads)
     manifest = runtime.manifest
     against = Path(against or manifest["source"]["path"])
     if not against.exists():
