@@ -139,16 +139,27 @@ def dattn_op(
         return torch.onnx.ops.symbolic(
             f"{OP_DOMAIN}::{OP_TYPE}", inputs, attributes, dtype=q.dtype, shape=q.shape, version=OP_VERSION
         )
-    num_queries, num_visual = q.shape[2], k_vis.shape[2]
-    if causal_visual:
-        full = causal_mask(torch.cat([visual_mask, key_mask], dim=1), num_queries, window)
-        vis_mask, txt_mask = full[..., :num_visual], full[..., num_visual:]
-    else:
-        txt_mask = causal_mask(key_mask, num_queries, window)
-        vis_mask = visual_mask.bool()[:, None, :].expand(-1, num_queries, -1)
+    txt_mask, vis_mask = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual)
     return decomposed_attention(
         q, k, v, txt_mask, q_vis, k_vis, v_vis, vis_mask, scale=scale, softcap=softcap, merge=merge
     )
+
+
+def segment_masks(
+    key_mask: Tensor, visual_mask: Tensor, num_queries: int, window: int | None, causal_visual: bool
+) -> tuple[Tensor, Tensor]:
+    """The op contract's (text, visual) bool masks, (B, T, S) and (B, T, V), from key validity."""
+    if causal_visual:
+        full = causal_mask(torch.cat([visual_mask, key_mask], dim=1), num_queries, window)
+        num_visual = visual_mask.shape[1]
+        return full[..., num_visual:], full[..., :num_visual]
+    return causal_mask(key_mask, num_queries, window), visual_mask.bool()[:, None, :].expand(-1, num_queries, -1)
+
+
+def segment_lse(q: Tensor, k: Tensor, mask: Tensor, scale: float, softcap: float | None = None) -> Tensor:
+    """Log-sum-exp of one key segment's (soft-capped) logits per query: (B, Hq, T) fp32, -inf where no key is
+    visible. sigmoid(S_V - S_T) is the alpha merge's attention mass on the visual segment."""
+    return torch.logsumexp(_logits(q, k, mask, scale, softcap), dim=-1).flatten(1, 2)
 
 
 @contextlib.contextmanager

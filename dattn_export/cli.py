@@ -310,3 +310,23 @@ def trt(out: Path, engines: Path, precision, max_batch, max_visual_tokens, max_t
     rows += [("attention", "DecomposedAttention plugin" if manifest["plugin"] else "ONNX function (TensorRT layers)"),
              ("precision", manifest["precision"]), ("limits", str(manifest["limits"])), ("TensorRT", manifest["tensorrt"])]  # fmt: skip
     stdout.print(summary_table("dattn-export trt", rows))
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--image", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--prompt", required=True, help="Prompt; mark where the image sits with <image> for the LAWS curves.")
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Replace the report folder if it exists.")
+def analyze(checkpoint: Path, image: Path, prompt: str, out: Path, force: bool):
+    """Per layer and text token, the attention mass on the image; MLLM-LAWS curves and attention shift; plots."""
+    from .analyze import analyze as run_analyze
+    from .ui import out as stdout, summary_table
+
+    report = run_analyze(checkpoint, image, prompt, out, force)
+    shift = "n/a (needs <image> with text on both sides)" if report.attention_shift is None else f"{report.attention_shift:.4f}"
+    per_layer = ", ".join(f"{sum(row) / len(row):.3f}" for row in report.visual_mass)
+    rows = [("tokens", f"{len(report.tokens)} ({report.image_after_token} before the image)"),
+            ("mean visual mass per layer", per_layer), ("attention shift", shift),
+            ("written", f"{out}/report.json, visual_mass.png, laws.png")]  # fmt: skip
+    stdout.print(summary_table("dattn-export analyze", rows))

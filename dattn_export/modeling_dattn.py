@@ -148,6 +148,7 @@ class DAttnAttention(nn.Module):
         self.merge = config.merge
         self.window = config.sliding_window_of(layer_idx)
         self.causal_visual = not config.use_debias
+        self.record: list[dict] | None = None  # when a list, every call's inputs are appended (analyze)
 
     def heads(self, proj: nn.Linear, x: Tensor) -> Tensor:
         """(B, S, hidden) -> (B, heads, S, head_dim)."""
@@ -158,6 +159,8 @@ class DAttnAttention(nn.Module):
         return self.o_proj(attn.transpose(1, 2).flatten(2))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, q_vis: Tensor, visual: KV, visual_mask: Tensor) -> Tensor:
+        if self.record is not None:
+            self.record.append(dict(q=q, k=k, key_mask=key_mask, q_vis=q_vis, k_vis=visual[0], visual_mask=visual_mask))
         return dattn_op(
             q, k, v, key_mask, q_vis, *visual, visual_mask, scale=self.scale, softcap=self.softcap,
             window=self.window, merge=self.merge, causal_visual=self.causal_visual,
