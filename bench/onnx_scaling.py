@@ -34,14 +34,13 @@ TEXT_TOKENS = 64
 MEMORY_CAP = 20 << 30  # a measurement past this fails cleanly (S-Attn's |V|^2 logits) instead of swapping
 
 
-def build(mode: str, work: Path) -> Path:
-    import torch
+def write_checkpoint(mode: str, work: Path) -> tuple[Path, int]:
+    """The random mid-size checkpoint; returns its folder and its weights' size in bytes."""
     from safetensors.torch import save_file
 
     from dattn_export.demo import write_demo_checkpoint
     from dattn_export.loading import saved_state_dict
     from dattn_export.modeling_dattn import MODEL_CLASSES
-    from dattn_export.onnx_export import export_onnx
     from dattn_export.presets import randomize_weights, tiny_config
 
     config = tiny_config("mistral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
@@ -50,12 +49,21 @@ def build(mode: str, work: Path) -> Path:
     checkpoint = write_demo_checkpoint(work / f"{mode}-checkpoint")
     for shard in checkpoint.glob("model*.safetensors*"):
         shard.unlink()
-    save_file(saved_state_dict(model), checkpoint / "model.safetensors", metadata={"format": "pt"})
+    tensors = saved_state_dict(model)
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(checkpoint)
-    del model
-    torch.set_num_threads(2)
-    export_onnx(checkpoint, work / f"{mode}-onnx")
-    return work / f"{mode}-onnx"
+    return checkpoint, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def export(checkpoint: Path, folder: Path) -> tuple[float, int]:
+    """`dattn-export onnx` as a user runs it: (seconds, peak RSS in bytes)."""
+    start = time.perf_counter()
+    child = subprocess.Popen(["dattn-export", "onnx", str(checkpoint), "-o", str(folder)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, close_fds=False)  # fmt: skip
+    _, status, usage = os.wait4(child.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"export of {checkpoint} failed")
+    return time.perf_counter() - start, usage.ru_maxrss * 1024
 
 
 def best_of(runs: int, fn) -> float:
@@ -124,7 +132,11 @@ def main() -> None:
     for mode in ("dattn", "sattn"):
         print(f"exporting the {mode} model ...", file=sys.stderr, flush=True)
         with multiprocessing.get_context("spawn").Pool(1) as pool:  # keeps torch and the model out of this process
-            folder = pool.apply(build, (mode, work))
+            checkpoint, weight_bytes = pool.apply(write_checkpoint, (mode, work))
+        folder = work / f"{mode}-onnx"
+        seconds, rss = export(checkpoint, folder)
+        print(f"export ({mode}): {seconds:.1f} s, peak RSS {rss / 1e9:.2f} GB = {rss / weight_bytes:.2f} x the "
+              f"{weight_bytes / 1e9:.2f} GB of weights (target <= 1.5)")  # fmt: skip
         for num_visual in VISUAL_TOKENS:
             print(f"  {mode} |V|={num_visual} ...", file=sys.stderr, flush=True)
             results[mode, num_visual] = measured(folder, num_visual)

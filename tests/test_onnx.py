@@ -90,6 +90,21 @@ def test_chunked_visual_encoding_equals_one_run(tmp_path):
     np.testing.assert_allclose(chunked[-1], reference[-1][1].numpy(), atol=1e-5, rtol=0)
 
 
+def test_large_graphs_keep_weights_in_external_data(tmp_path, monkeypatch):
+    """Graphs whose weights pass the threshold (1 GiB; 0 here) keep them in a .data file beside the .onnx."""
+    import dattn_export.onnx_export as onnx_export
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
+    model = build_model("mistral")
+    export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
+    for graph in ("vision", "visual_kv", "decoder"):
+        data = tmp_path / "onnx" / f"{graph}.onnx.data"
+        assert data.is_file() and data.stat().st_size > 10_000, graph
+        proto = onnx.load(tmp_path / "onnx" / f"{graph}.onnx", load_external_data=False)
+        assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer), graph
+    run_case(model, OrtModel(tmp_path / "onnx"), 3, 52, 0, 2, seed=3)
+
+
 def test_fused_node_and_function(tmp_path):
     model = build_model("gemma2")
     export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")

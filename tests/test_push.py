@@ -180,3 +180,19 @@ def test_refuses_a_folder_that_does_not_verify(converted, hub, tmp_path):
     assert result.returncode == 2 and "does not verify" in result.stderr and "tokenizer.json" in result.stderr
     assert "alice/t" not in state.repos
     assert push_cli(tmp_path, endpoint, folder, "--repo-id", "alice/t", "--skip-verify").returncode == 0
+
+
+def test_rate_limit_is_retried(converted, hub, tmp_path):
+    state, endpoint = hub
+    state.fail("POST", r"/preupload/", 429, times=2)
+    result = push_cli(tmp_path, endpoint, converted, "--repo-id", "alice/busy")
+    assert result.returncode == 0, result.stderr
+    assert [s for m, p, s in state.log if "/preupload/" in p][:3] == [429, 429, 200]
+    assert len(commits_on(state, "alice/busy")) == 1
+
+
+def test_network_down(converted, tmp_path):
+    result = push_cli(tmp_path, "http://127.0.0.1:9", converted, "--repo-id", "alice/offline")  # nothing listens
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "network error after 4 attempts" in line and "nothing was published" in line and "alice/offline" in line
