@@ -120,6 +120,7 @@ def dattn_op(
     window: int | None = None,
     merge: str = "alpha",
     causal_visual: bool = False,
+    causal: bool = True,
 ) -> Tensor:
     """The DecomposedAttention op: the contract of the ONNX node, its function body and the kernels.
 
@@ -127,28 +128,32 @@ def dattn_op(
     `visual_mask` (B, V) mark real keys (V may be 0). Text keys are causal, and with `window` a query at slot
     i sees slot j only when i - j < window. Every visual key is visible to `q_vis` (debiased), unless
     `causal_visual`: then the visual keys take slots [0, V) before the text and the same causal and window
-    rule covers them (conventional attention, no debiasing).
+    rule covers them (conventional attention, no debiasing). With `causal` false every real text key is visible
+    (MMCA's attention within an image).
     """
     if _node_attributes is not None and torch.onnx.is_in_onnx_export():
         attributes = dict(
             num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[3], scale=float(scale),
             softcap=float(softcap or 0.0), window=int(window or 0), merge=merge, causal_visual=int(causal_visual),
-            **_node_attributes,
+            causal=int(causal), **_node_attributes,
         )  # fmt: skip
         inputs = [q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask]
         return torch.onnx.ops.symbolic(
             f"{OP_DOMAIN}::{OP_TYPE}", inputs, attributes, dtype=q.dtype, shape=q.shape, version=OP_VERSION
         )
-    txt_mask, vis_mask = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual)
+    txt_mask, vis_mask = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual, causal)
     return decomposed_attention(
         q, k, v, txt_mask, q_vis, k_vis, v_vis, vis_mask, scale=scale, softcap=softcap, merge=merge
     )
 
 
 def segment_masks(
-    key_mask: Tensor, visual_mask: Tensor, num_queries: int, window: int | None, causal_visual: bool
+    key_mask: Tensor, visual_mask: Tensor, num_queries: int, window: int | None, causal_visual: bool, causal: bool = True
 ) -> tuple[Tensor, Tensor]:
     """The op contract's (text, visual) bool masks, (B, T, S) and (B, T, V), from key validity."""
+    if not causal:
+        txt_mask = key_mask.bool()[:, None, :].expand(-1, num_queries, -1)
+        return txt_mask, visual_mask.bool()[:, None, :].expand(-1, num_queries, -1)
     if causal_visual:
         full = causal_mask(torch.cat([visual_mask, key_mask], dim=1), num_queries, window)
         num_visual = visual_mask.shape[1]

@@ -10,7 +10,7 @@ import dataclasses
 from huggingface_hub.dataclasses import strict
 from transformers import CLIPVisionConfig, Gemma2Config, MistralConfig, SiglipVisionConfig
 
-ATTENTION_MODES = ("dattn", "dattn-sum", "sattn")
+ATTENTION_MODES = ("dattn", "dattn-sum", "sattn", "mmca")
 VISION_CONFIG_CLASSES = {"siglip_vision_model": SiglipVisionConfig, "clip_vision_model": CLIPVisionConfig}
 
 
@@ -28,7 +28,7 @@ class DAttnFields:
     mm_splits: int = 1
     mm_std: float = 1.0
     mm_pos_feature_dim: int = 64  # width of the sinusoidal row/column features fed to mm_rand_pos_h/_w
-    dattn_mode: str = "dattn"  # one of ATTENTION_MODES
+    dattn_mode: str = "dattn"  # one of ATTENTION_MODES (mmca: DeepSpeed-VisualChat's multi-modal causal attention)
     dattn_diagonal: bool = True  # V2V: each visual token attends only to itself
     dattn_debias: bool = True  # T2V: no rotary embedding on text queries or visual keys
 
@@ -51,8 +51,13 @@ class DAttnFields:
 
     @property
     def use_diagonal(self) -> bool:
-        """sattn is conventional attention: full causal V2V."""
-        return self.dattn_diagonal and self.dattn_mode != "sattn"
+        """sattn is conventional attention: full causal V2V; mmca: full attention within each image."""
+        return self.dattn_diagonal and self.dattn_mode not in ("sattn", "mmca")
+
+    @property
+    def v2v_per_image(self) -> bool:
+        """MMCA: visual tokens attend (both ways) only to the tokens of their own image."""
+        return self.dattn_mode == "mmca"
 
     @property
     def use_debias(self) -> bool:
@@ -62,7 +67,7 @@ class DAttnFields:
     @property
     def merge(self) -> str:
         """How the visual and text segments of the text attention are merged."""
-        return "sum" if self.dattn_mode == "dattn-sum" else "alpha"
+        return "sum" if self.dattn_mode in ("dattn-sum", "mmca") else "alpha"
 
     @property
     def patch_grid(self) -> int:

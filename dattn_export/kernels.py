@@ -74,6 +74,7 @@ def dattn_kernel(
     scale: tl.constexpr, softcap: tl.constexpr, window: tl.constexpr,  # per node: constants (AOT takes ints only)
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_SUM: tl.constexpr,
     SOFTCAP: tl.constexpr, CAUSAL_VISUAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr = False,
+    CAUSAL: tl.constexpr = True,
 ):  # fmt: skip
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // num_heads, pid_bh % num_heads
@@ -101,7 +102,7 @@ def dattn_kernel(
     m_t, l_t, acc_t = _segment(
         m_t, l_t, acc_t, q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_kb + kv_head * stride_kh,
         KEY_MASK, num_keys, stride_kn, b * num_keys, text_slot, 0, scale, softcap, window, offs_d,
-        HEAD_DIM, BLOCK_N, SOFTCAP, True, UPCAST,
+        HEAD_DIM, BLOCK_N, SOFTCAP, CAUSAL, UPCAST,
     )  # fmt: skip
     if MERGE_SUM:  # two softmaxes, added
         out = acc_v / tl.where(l_v == 0.0, 1.0, l_v)[:, None] + acc_t / tl.where(l_t == 0.0, 1.0, l_t)[:, None]
@@ -120,8 +121,8 @@ def dattn_kernel(
 
 def launch(
     q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, *, scale: float, softcap: float | None = None,
-    window: int | None = None, merge: str = "alpha", causal_visual: bool = False, return_lse: bool = False,
-    block_m: int = 16, block_n: int = 16,
+    window: int | None = None, merge: str = "alpha", causal_visual: bool = False, causal: bool = True,
+    return_lse: bool = False, block_m: int = 16, block_n: int = 16,
 ):  # fmt: skip
     """Run the kernel (on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1). Same arguments and result
     as `attention.dattn_op`; with `return_lse`, also (S_V, S_T), each (B, Hq, T) fp32."""
@@ -146,7 +147,7 @@ def launch(
         SOFTCAP=softcap is not None, CAUSAL_VISUAL=causal_visual, WRITE_LSE=return_lse,
         # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot (loads are exact): there, and only there,
         # bf16 tiles are upcast to fp32 first (exact; accumulation is fp32 either way)
-        UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", CAUSAL=causal,
     )  # fmt: skip
     return (out, lse[0], lse[1]) if return_lse else out
 
@@ -158,7 +159,7 @@ INT_ARGS = ("num_heads", "group", "num_queries", "num_keys", "num_visual", "stri
 
 def compile_ptx(
     dtype: str, head_dim: int, *, scale: float, softcap: float, window: int, merge: str, causal_visual: bool,
-    arch: int = 90, ptx_version: int | None = None, block_m: int = 16, block_n: int = 16,
+    causal: bool = True, arch: int = 90, ptx_version: int | None = None, block_m: int = 16, block_n: int = 16,
 ):  # fmt: skip
     """The kernel for one node's attributes compiled for sm_`arch`, without a GPU: (name, PTX, metadata).
     Parameters, as TensorRT's ahead-of-time plugins pass them: the 8 input pointers, the INT_ARGS, the output
@@ -171,7 +172,8 @@ def compile_ptx(
               "VV": element, "VIS_MASK": "i8"}  # fmt: skip
     constants = dict(LSE=None, scale=float(scale), softcap=float(softcap), window=int(window), HEAD_DIM=head_dim,
                      BLOCK_M=block_m, BLOCK_N=block_n, MERGE_SUM=merge == "sum", SOFTCAP=softcap > 0,
-                     CAUSAL_VISUAL=bool(causal_visual), WRITE_LSE=False, UPCAST=False)  # fmt: skip
+                     CAUSAL_VISUAL=bool(causal_visual), WRITE_LSE=False, UPCAST=False,
+                     CAUSAL=bool(causal))  # fmt: skip
     signature = {name: f"*{kind}" for name, kind in inputs.items()}
     signature.update(dict.fromkeys(INT_ARGS, "i32"))
     signature["OUT"] = f"*{element}"

@@ -158,12 +158,15 @@ class DAttnAttention(nn.Module):
         """(B, heads, S, head_dim) -> (B, S, hidden)."""
         return self.o_proj(attn.transpose(1, 2).flatten(2))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, q_vis: Tensor, visual: KV, visual_mask: Tensor) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, q_vis: Tensor, visual: KV, visual_mask: Tensor,
+        causal: bool = True,
+    ) -> Tensor:  # fmt: skip
         if self.record is not None:
             self.record.append(dict(q=q, k=k, key_mask=key_mask, q_vis=q_vis, k_vis=visual[0], visual_mask=visual_mask))
         return dattn_op(
             q, k, v, key_mask, q_vis, *visual, visual_mask, scale=self.scale, softcap=self.softcap,
-            window=self.window, merge=self.merge, causal_visual=self.causal_visual,
+            window=self.window if causal else None, merge=self.merge, causal_visual=self.causal_visual, causal=causal,
         )  # fmt: skip
 
     def no_visual(self, like: Tensor) -> tuple[KV, Tensor]:
@@ -186,6 +189,7 @@ class DAttnDecoderLayer(nn.Module):
             self.post_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.diagonal = config.use_diagonal
         self.debias = config.use_debias
+        self.tokens_per_image = config.patch_grid**2 if config.v2v_per_image else None
 
     def residual_mlp(self, residual: Tensor, attn_out: Tensor) -> Tensor:
         """Everything after the attention: residual add, the MLP and the family's norms."""
@@ -209,6 +213,12 @@ class DAttnDecoderLayer(nn.Module):
             return None, visual_kv
         if self.diagonal:  # softmax over the token's own key alone is 1: the output is its value
             out = v.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
+        elif self.tokens_per_image:  # MMCA: full attention within each image, images never mix
+            q = apply_rope(attn.heads(attn.q_proj, x), *rope)
+            per_image = lambda t: t.unflatten(2, (-1, self.tokens_per_image)).transpose(1, 2).flatten(0, 1)  # noqa: E731
+            q_i, k_i, v_i, valid_i = per_image(q), per_image(k_rot), per_image(v), valid.unflatten(1, (-1, self.tokens_per_image)).flatten(0, 1)
+            out = attn.attend(q_i, k_i, v_i, valid_i, q_i, *attn.no_visual(q_i), causal=False)
+            out = out.unflatten(0, (h.shape[0], -1)).transpose(1, 2).flatten(2, 3)
         else:  # causal self-attention among visual tokens, as the base LLM does
             q = apply_rope(attn.heads(attn.q_proj, x), *rope)
             out = attn.attend(q, k_rot, v, valid, q, *attn.no_visual(q))
@@ -284,6 +294,8 @@ class DAttnModel(DAttnPreTrainedModel):
         batch, num_visual = visual_embeds.shape[:2]
         valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask.bool()
         positions = torch.arange(num_visual, device=visual_embeds.device).expand(batch, -1)
+        if self.config.v2v_per_image:  # each image is its own sequence
+            positions = positions % self.config.patch_grid**2
         rope = self.rotary_emb(visual_embeds, positions)
         h, visual_kv = visual_embeds, []
         for i, layer in enumerate(self.layers):

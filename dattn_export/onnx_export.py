@@ -112,18 +112,25 @@ def graph_specs(model, dtype: torch.dtype) -> dict:
 
 
 def export_graph(spec: dict, path: Path, opset: int, fused: bool, low_precision: bool, external: bool) -> None:
+    """Export one graph. Weights always stream to a .data file first, so only the small graph proto is ever edited
+    and checked in memory (the weights are never held twice); small graphs are then made single-file."""
     with torch.no_grad(), warnings.catch_warnings(), export_as_onnx_node(**PLUGIN) if fused else nullcontext():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             spec["module"], spec["args"], dynamic_shapes=spec["dynamic"], input_names=spec["inputs"],
             output_names=spec["outputs"], dynamo=True, opset_version=opset, verbose=False,
         )  # fmt: skip
-        program.save(path, external_data=external)
-    model = onnx.load(path, load_external_data=False)
-    attach_function(model, low_precision)
-    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
-    onnx.save(model, path)
+        program.save(path, external_data=True)
+        del program
+    graph = onnx.load(path, load_external_data=False)
+    attach_function(graph, low_precision)
+    graph.ir_version = min(graph.ir_version, MAX_IR_VERSION)
+    onnx.save(graph, path)
     onnx.checker.check_model(str(path), full_check=True)
+    data = path.with_name(path.name + ".data")
+    if not external and data.is_file():  # small: weights back inline, one file per graph
+        onnx.save(onnx.load(path), path)
+        data.unlink()
 
 
 def describe_values(values) -> list[dict]:

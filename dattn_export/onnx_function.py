@@ -23,6 +23,7 @@ from .attention import OP_DOMAIN, OP_TYPE
 INPUTS = ("q", "k", "v", "key_mask", "q_vis", "k_vis", "v_vis", "visual_mask")
 ATTRIBUTES = ("num_heads", "num_kv_heads", "head_dim", "scale", "softcap", "window", "merge", "causal_visual",
               "plugin_namespace", "plugin_version")  # fmt: skip
+DEFAULTS = {"causal": 1}  # attributes added after version 1's first release, with the value older graphs mean
 FLOAT_MIN = float(np.finfo(np.float32).min)
 
 
@@ -105,10 +106,12 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
     query_slot = b.op("Range", scalar(b.op("Sub", key_slots_end, queries)), scalar(key_slots_end), one)
     window = b.attribute("window", "int")
     no_window = b.op("Equal", window, zero)
+    not_causal = b.op("Equal", b.attribute("causal", "int"), zero)
 
-    def visible(key_slot: str, mask: str) -> str:  # (B, 1, 1, T, S) bool: causal, windowed, real keys
+    def visible(key_slot: str, mask: str) -> str:  # (B, 1, 1, T, S) bool: causal (unless causal=0), windowed, real keys
         distance = b.op("Sub", b.op("Unsqueeze", query_slot, b.const([1])), b.op("Unsqueeze", key_slot, b.const([0])))
-        ok = b.op("And", b.op("GreaterOrEqual", distance, zero), b.op("Or", no_window, b.op("Less", distance, window)))
+        ordered = b.op("Or", b.op("GreaterOrEqual", distance, zero), not_causal)
+        ok = b.op("And", ordered, b.op("Or", no_window, b.op("Less", distance, window)))
         ok = b.op("And", b.op("Unsqueeze", ok, b.const([0])), b.op("Unsqueeze", b.op("Cast", mask, to=TensorProto.BOOL), b.const([1])))
         return b.op("Unsqueeze", ok, b.const([1, 2]))
 
@@ -157,7 +160,8 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
         out = b.op("CastLike", out, "q")
     b.nodes.append(helper.make_node("Identity", [out], ["out"]))
     return helper.make_function(
-        OP_DOMAIN, OP_TYPE, list(INPUTS), ["out"], b.nodes, [helper.make_opsetid("", opset)], list(ATTRIBUTES)
+        OP_DOMAIN, OP_TYPE, list(INPUTS), ["out"], b.nodes, [helper.make_opsetid("", opset)], list(ATTRIBUTES),
+        attribute_protos=[helper.make_attribute(name, value) for name, value in DEFAULTS.items()],
     )
 
 

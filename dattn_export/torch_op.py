@@ -16,20 +16,22 @@ from .attention import dattn_op
 def decomposed_attention(
     q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, q_vis: Tensor, k_vis: Tensor, v_vis: Tensor,
     visual_mask: Tensor, scale: float, softcap: float = 0.0, window: int = 0, merge: str = "alpha",
-    causal_visual: bool = False,
+    causal_visual: bool = False, causal: bool = True,
 ) -> Tensor:  # fmt: skip
     return dattn_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, scale=scale, softcap=softcap or None,
-                    window=window or None, merge=merge, causal_visual=causal_visual)  # fmt: skip
+                    window=window or None, merge=merge, causal_visual=causal_visual, causal=causal)  # fmt: skip
 
 
 @decomposed_attention.register_kernel("cuda")
-def _(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, scale, softcap=0.0, window=0, merge="alpha", causal_visual=False):
+def _(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, scale, softcap=0.0, window=0, merge="alpha", causal_visual=False,
+      causal=True):  # fmt: skip
     from .kernels import launch
 
     return launch(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, scale=scale, softcap=softcap or None,
-                  window=window or None, merge=merge, causal_visual=causal_visual)  # fmt: skip
+                  window=window or None, merge=merge, causal_visual=causal_visual, causal=causal)  # fmt: skip
 
 
 @decomposed_attention.register_fake
-def _(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, scale, softcap=0.0, window=0, merge="alpha", causal_visual=False):
+def _(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, scale, softcap=0.0, window=0, merge="alpha", causal_visual=False,
+      causal=True):  # fmt: skip
     return torch.empty_like(q)

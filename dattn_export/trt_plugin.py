@@ -31,6 +31,7 @@ class Attributes:
     window: int
     merge: str
     causal_visual: int
+    causal: int = 1
 
     def __post_init__(self):
         if self.merge not in MERGE_MODES:
@@ -88,8 +89,8 @@ def register() -> None:
     def describe(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, key_mask: trtp.TensorDesc,
                  q_vis: trtp.TensorDesc, k_vis: trtp.TensorDesc, v_vis: trtp.TensorDesc, visual_mask: trtp.TensorDesc,
                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float, softcap: float, window: int,
-                 merge: str, causal_visual: int) -> tuple[trtp.TensorDesc]:  # fmt: skip
-        Attributes(num_heads, num_kv_heads, head_dim, scale, softcap, window, merge, causal_visual)
+                 merge: str, causal_visual: int, causal: int) -> tuple[trtp.TensorDesc]:  # fmt: skip
+        Attributes(num_heads, num_kv_heads, head_dim, scale, softcap, window, merge, causal_visual, causal)
         if dtype_names.get(q.dtype) not in DTYPES:
             raise ValueError(f"{PLUGIN_ID}: inputs of type {q.dtype} are not supported (fp32, fp16, bf16)")
         return q.like()
@@ -98,10 +99,11 @@ def register() -> None:
     def ahead_of_time(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, key_mask: trtp.TensorDesc,
                       q_vis: trtp.TensorDesc, k_vis: trtp.TensorDesc, v_vis: trtp.TensorDesc, visual_mask: trtp.TensorDesc,
                       num_heads: int, num_kv_heads: int, head_dim: int, scale: float, softcap: float, window: int,
-                      merge: str, causal_visual: int, outputs: tuple[trtp.TensorDesc], tactic: int):  # fmt: skip
-        attributes = Attributes(num_heads, num_kv_heads, head_dim, scale, softcap, window, merge, causal_visual)
+                      merge: str, causal_visual: int, causal: int, outputs: tuple[trtp.TensorDesc], tactic: int):  # fmt: skip
+        Attributes(num_heads, num_kv_heads, head_dim, scale, softcap, window, merge, causal_visual, causal)
         name, ptx, metadata = compile_ptx(dtype_names[q.dtype], head_dim, scale=scale, softcap=softcap, window=window,
-                                          merge=merge, causal_visual=bool(causal_visual), block_m=BLOCK_M)  # fmt: skip
+                                          merge=merge, causal_visual=bool(causal_visual), causal=bool(causal),
+                                          block_m=BLOCK_M)  # fmt: skip
         q_shape, k_shape, k_vis_shape = (list(t.shape_expr) for t in (q, k, k_vis))
         params = trtp.KernelLaunchParams()
         params.grid_x, params.grid_y = launch_grid(q_shape, cdiv=trtp.cdiv)

@@ -62,6 +62,13 @@ def test_kernel_matches_reference(dtype, dim, heads, shape, softcap, merge):
     assert error <= TOLERANCE[dtype], f"max abs error {error:.2e}"
 
 
+def test_kernel_without_causality():
+    """causal=False: MMCA's attention within an image (every real key visible, no visual segment)."""
+    args = problem(torch.float32, 3, 4, 2, 16, 0, 0, 32, seed=8)
+    torch.testing.assert_close(launch(*args, scale=0.2, merge="sum", causal=False),
+                               dattn_op(*args, scale=0.2, merge="sum", causal=False), atol=1e-4, rtol=0)  # fmt: skip
+
+
 @pytest.mark.parametrize("merge", ["alpha", "sum"])
 def test_kernel_causal_visual_and_lse(merge):
     args = problem(torch.float32, 2, 4, 2, 6, 3, 21, 32, seed=5)

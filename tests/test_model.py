@@ -111,7 +111,7 @@ def test_text_position_shift_leaves_logits_unchanged(family, mode):
     assert (conv_zero - conv_shift).abs().max() > 1e-3  # conventional attention is position-biased
 
 
-@pytest.mark.parametrize("mode", ["dattn", "dattn-sum", "sattn"])
+@pytest.mark.parametrize("mode", ["dattn", "dattn-sum", "sattn", "mmca"])
 def test_incremental_decoding_equals_full_forward(family, mode):
     model = build_model(family, dattn_mode=mode)
     ids, mask = left_padded_batch([10, 6])  # crosses Gemma's sliding window while decoding
@@ -177,3 +177,37 @@ def test_multimodal_front_matches_literal_formula(vision):
         expected = rms(rms(x, m.mm_rand_norm.weight) + pos, m.mm_rand_llm_norm.weight)
     assert got.shape == (16, 64)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_mmca_visual_stream_is_attention_within_each_image(family):
+    """MMCA: visual tokens attend, both ways, to the tokens of their own image only. Each image's visual K/V
+    equal those of the image encoded alone; layer 0 computed literally (per-image softmax attention with
+    per-image rotary positions) gives layer 1's visual keys."""
+    model = build_model(family, dattn_mode="mmca")
+    m, config = model.model, model.config
+    per_image = config.patch_grid**2
+    with torch.no_grad():
+        visual = m.embed_images(images(2, 3))
+        together = m.encode_visual(visual)
+        alone = m.encode_visual(visual[:, per_image : 2 * per_image])
+        for (k, v), (k_alone, v_alone) in zip(together, alone):
+            torch.testing.assert_close(k[:, :, per_image : 2 * per_image], k_alone, atol=ATOL, rtol=0)
+            torch.testing.assert_close(v[:, :, per_image : 2 * per_image], v_alone, atol=ATOL, rtol=0)
+
+        layer, attn = m.layers[0], m.layers[0].self_attn
+        x = layer.input_layernorm(visual)
+        q, k, v = (attn.heads(p, x) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        cos, sin = m.rotary_emb(visual, (torch.arange(visual.shape[1]) % per_image)[None])
+        rotate = lambda t: t * cos[:, None] + torch.cat([-t[..., t.shape[-1] // 2 :], t[..., : t.shape[-1] // 2]], -1) * sin[:, None]  # noqa: E731
+        q, k = rotate(q), rotate(k)
+        groups = config.num_attention_heads // config.num_key_value_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        logits = q @ k.transpose(-1, -2) * attn.scale
+        if attn.softcap:
+            logits = attn.softcap * torch.tanh(logits / attn.softcap)
+        image_of = torch.arange(visual.shape[1]) // per_image
+        logits = logits.masked_fill(image_of[:, None] != image_of[None, :], float("-inf"))
+        h1 = layer.residual_mlp(visual, attn.output(torch.softmax(logits, -1) @ v))
+        next_layer = m.layers[1]
+        expected_k = next_layer.self_attn.heads(next_layer.self_attn.k_proj, next_layer.input_layernorm(h1))
+    torch.testing.assert_close(together[1][0], expected_k, atol=ATOL, rtol=0)

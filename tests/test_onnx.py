@@ -51,7 +51,7 @@ def run_case(model, runtime, batch, new, past, num_images, seed):
     return error
 
 
-@pytest.mark.parametrize("mode", ["dattn", "dattn-sum", "sattn"])
+@pytest.mark.parametrize("mode", ["dattn", "dattn-sum", "sattn", "mmca"])
 def test_onnx_runtime_matches_reference(tmp_path, family, mode):
     model = build_model(family, dattn_mode=mode)
     manifest = export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")

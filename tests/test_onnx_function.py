@@ -69,6 +69,24 @@ def test_function_body_matches_reference(heads, kv_heads, queries, past, visual,
     assert np.abs(expected.numpy()).max() > 0.1
 
 
+@pytest.mark.parametrize("merge", ["alpha", "sum"])
+def test_function_body_without_causality(merge):
+    """causal=0 (MMCA's attention within an image): every real key is visible; an absent attribute means 1."""
+    inputs = problem(2, 4, 2, 6, 0, 0, 16, seed=11)
+    attributes = dict(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.3, softcap=0.0, window=0, merge=merge,
+                      causal_visual=0, plugin_namespace="dattn", plugin_version="1")  # fmt: skip
+    variant = Variant(merge, False, False, compute_cast=False)
+    feeds = {n: t.numpy() for n, t in inputs.items()}
+    for causal in (0, 1, None):
+        node_attributes = attributes if causal is None else {**attributes, "causal": causal}
+        session = ort.InferenceSession(single_node_model(node_attributes, variant), providers=["CPUExecutionProvider"])
+        (got,) = session.run(None, feeds)
+        expected = dattn_op(*inputs.values(), scale=0.3, merge=merge, causal=causal != 0)
+        np.testing.assert_allclose(got, expected.numpy(), atol=1e-5, rtol=0)
+    bidirectional = dattn_op(*inputs.values(), scale=0.3, merge=merge, causal=False)
+    assert (bidirectional - dattn_op(*inputs.values(), scale=0.3, merge=merge)).abs().max() > 0.05
+
+
 def test_function_body_fp16_computes_in_fp32():
     inputs = problem(2, 8, 2, 3, 4, 6, 16, seed=3)
     inputs = {n: t.half() if t.is_floating_point() else t for n, t in inputs.items()}
