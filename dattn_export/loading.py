@@ -133,8 +133,10 @@ def build_model(source: Source, dtype: torch.dtype = torch.float32) -> DAttnForC
     """The reference model in `dtype`; refuses NaN/Inf weights and, for fp16, values fp16 cannot hold."""
     source.raise_first_problem()
     model = MODEL_CLASSES[source.config.model_type](source.config).to(dtype).eval()
-    weights = {name: checked_cast(source.stored_names[name], t, dtype) for name, t in source.tensors.items()}
-    model.load_state_dict(weights, strict=False)
+    state = model.state_dict()  # views of the model's own storage
+    with torch.no_grad():
+        for name, tensor in source.tensors.items():  # one tensor in memory beside the model, never a second copy
+            state[name].copy_(checked_cast(source.stored_names[name], tensor, dtype))
     return model
 
 

@@ -38,7 +38,7 @@ DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
 SUPPORTED_OPSETS = range(18, 24)
 MAX_IR_VERSION = 10  # ONNX Runtime 1.31 reads up to 13; 10 is what opset 18-23 models need
 PLUGIN = {"plugin_namespace": OP_DOMAIN, "plugin_version": str(OP_VERSION)}
-EXTERNAL_DATA_BYTES = 1 << 30  # graphs with more weights than this keep them in a .data file (protobuf caps at 2 GB)
+EXTERNAL_DATA_BYTES = 64 << 20  # models with more weights keep them in .data files: never re-serialized in memory
 
 
 def kv_names(prefix: str, layers: int) -> list[str]:
