@@ -19,11 +19,12 @@ from dattn_export.attention import dattn_op  # noqa: E402
 from dattn_export.kernels import launch  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # interpreted on CPU, compiled on a GPU
 
 
 def problem(dtype, batch, heads, kv_heads, queries, past, visual, dim, seed):
     g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)  # noqa: E731
     keys = past + queries
     key_mask = torch.ones(batch, keys, dtype=torch.bool)
     key_mask[0, : min(2, past)] = False  # left padding
@@ -31,8 +32,8 @@ def problem(dtype, batch, heads, kv_heads, queries, past, visual, dim, seed):
     if visual > 4:
         visual_mask[-1, -3:] = False
     return (rand(batch, heads, queries, dim), rand(batch, kv_heads, keys, dim), rand(batch, kv_heads, keys, dim),
-            key_mask, rand(batch, heads, queries, dim), rand(batch, kv_heads, visual, dim),
-            rand(batch, kv_heads, visual, dim), visual_mask)  # fmt: skip
+            key_mask.to(DEVICE), rand(batch, heads, queries, dim), rand(batch, kv_heads, visual, dim),
+            rand(batch, kv_heads, visual, dim), visual_mask.to(DEVICE))  # fmt: skip
 
 
 # a covering grid: every value of every axis appears, combined pairwise by rotation rather than in full product
@@ -76,7 +77,7 @@ def test_kernel_causal_visual_and_lse(merge):
     torch.testing.assert_close(out, dattn_op(*args, scale=0.2, merge=merge, causal_visual=True, window=8), atol=1e-4, rtol=0)
     # the LSEs are the log-sum-exp of each segment's logits, computed literally
     q, k, _, key_mask, q_vis, k_vis, _, visual_mask = args
-    slots = torch.arange(21 + 9)
+    slots = torch.arange(21 + 9, device=DEVICE)
     query_slots = slots[-6:]
     for lse, query, keys, key_slots, mask in ((lse_v, q_vis, k_vis, slots[:21], visual_mask), (lse_t, q, k, slots[21:], key_mask)):
         logits = query @ keys.repeat_interleave(2, 1).transpose(-1, -2) * 0.2
