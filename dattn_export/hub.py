@@ -20,12 +20,20 @@ from . import __version__
 from .convert import MANIFEST_NAME, sha256_file
 from .converters.hf import read_json
 from .errors import InputError
+from .loading import config_from_dict
 from .verify import Check, verify
 
 ATTEMPTS = 4
 BACKOFF_SECONDS = 0.5  # doubles each attempt; a 429's Retry-After is honoured up to RETRY_AFTER_CAP
 RETRY_AFTER_CAP = 30.0
 SKIPPED = {"validation_image.png"}  # scratch files, not part of the model
+TEXT_RULES = {
+    "dattn": "alpha merge: one softmax over [visual ; text]",
+    "dattn-sum": "sum of two softmaxes (visual, causal text)",
+    "sattn": "conventional causal attention over [visual ; text]",
+    "mmca": "multi-modal causal attention: sum of two softmaxes (visual, causal text)",
+}
+
 
 
 @dataclass
@@ -61,20 +69,22 @@ def model_card(folder: Path, repo_id: str, checks: list[Check] | None, license: 
 
     from .demo import DEMO_PROMPT
 
-    config, manifest = read_json(folder / "config.json"), read_json(folder / MANIFEST_NAME)
-    vision = config["vision_config"]
-    family = config["model_type"].removeprefix("dattn_")
+    config = config_from_dict(read_json(folder / "config.json"), folder / "config.json")
+    manifest = read_json(folder / MANIFEST_NAME)
+    vision = config.vision_config
+    family = config.model_type.removeprefix("dattn_")
     data = ModelCardData(
         license=license, library_name="transformers", pipeline_tag="image-text-to-text", base_model=base_model,
-        tags=["dattn", "custom_code", "vision-language", config["model_type"], family],
+        tags=["dattn", "custom_code", "vision-language", config.model_type, family],
     )  # fmt: skip
     params = manifest["model"]["parameters"]
     facts = [
-        ("architecture", f"{family} decoder with D-Attn (decomposed attention), `dattn_mode={config['dattn_mode']}`"),
-        ("visual stream", "diagonal V2V (visual K/V depend on the image alone)" if config.get("dattn_diagonal", True) and config["dattn_mode"] != "sattn" else "causal V2V"),
-        ("text attention", f"{'alpha merge (one softmax over visual + text)' if config['dattn_mode'] == 'dattn' else 'sum of two softmaxes' if config['dattn_mode'] == 'dattn-sum' else 'conventional causal attention'}"),
-        ("layers / hidden / heads / KV heads", f"{config['num_hidden_layers']} / {config['hidden_size']} / {config['num_attention_heads']} / {config['num_key_value_heads']}"),
-        ("vision tower", f"{config.get('mm_vision_tower')} ({vision['model_type']}, {vision['image_size']}px, patch {vision['patch_size']}, "
+        ("architecture", f"{family} decoder with D-Attn (decomposed attention), `dattn_mode={config.dattn_mode}`"),
+        ("visual stream", "diagonal V2V (visual K/V depend on the image alone)" if config.use_diagonal
+         else "full attention within each image" if config.v2v_per_image else "causal V2V"),
+        ("text attention", TEXT_RULES[config.dattn_mode]),
+        ("layers / hidden / heads / KV heads", f"{config.num_hidden_layers} / {config.hidden_size} / {config.num_attention_heads} / {config.num_key_value_heads}"),
+        ("vision tower", f"{config.mm_vision_tower} ({vision['model_type']}, {vision['image_size']}px, patch {vision['patch_size']}, "
                          f"{(vision['image_size'] // vision['patch_size']) ** 2} visual tokens per image)"),
         ("parameters", ", ".join(f"{k} {v:,}" for k, v in params.items()) + f" (total {sum(params.values()):,})"),
         ("weights", f"{manifest['dtype']}, {sum(1 for f in manifest['files'] if f.endswith('.safetensors'))} safetensors shard(s)"),

@@ -196,3 +196,16 @@ def test_network_down(converted, tmp_path):
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "network error after 4 attempts" in line and "nothing was published" in line and "alice/offline" in line
+
+
+def test_card_describes_the_attention_mode(tmp_path):
+    from conftest import build_model
+    from test_onnx import checkpoint_of
+
+    from dattn_export.hub import model_card
+
+    for mode, visual, text in (("mmca", "full attention within each image", "multi-modal causal attention"),
+                               ("dattn", "diagonal V2V", "alpha merge")):  # fmt: skip
+        convert(checkpoint_of(build_model("mistral", dattn_mode=mode), tmp_path / mode), tmp_path / f"{mode}-out")
+        card = model_card(tmp_path / f"{mode}-out", f"alice/{mode}", None, "other", None)
+        assert f"| visual stream | {visual}" in card and f"| text attention | {text}" in card, card
