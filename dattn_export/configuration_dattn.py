@@ -74,6 +74,10 @@ class DAttnFields:
         """Patches along each side of one image: the visual tokens of an image form a grid x grid square."""
         return self.vision_config["image_size"] // self.vision_config["patch_size"]
 
+    @property
+    def tokens_per_image(self) -> int:
+        return self.patch_grid**2
+
 
 @strict
 class DAttnMistralConfig(MistralConfig, DAttnFields):

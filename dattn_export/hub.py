@@ -85,7 +85,7 @@ def model_card(folder: Path, repo_id: str, checks: list[Check] | None, license: 
         ("text attention", TEXT_RULES[config.dattn_mode]),
         ("layers / hidden / heads / KV heads", f"{config.num_hidden_layers} / {config.hidden_size} / {config.num_attention_heads} / {config.num_key_value_heads}"),
         ("vision tower", f"{config.mm_vision_tower} ({vision['model_type']}, {vision['image_size']}px, patch {vision['patch_size']}, "
-                         f"{(vision['image_size'] // vision['patch_size']) ** 2} visual tokens per image)"),
+                         f"{config.tokens_per_image} visual tokens per image)"),
         ("parameters", ", ".join(f"{k} {v:,}" for k, v in params.items()) + f" (total {sum(params.values()):,})"),
         ("weights", f"{manifest['dtype']}, {sum(1 for f in manifest['files'] if f.endswith('.safetensors'))} safetensors shard(s)"),
     ]  # fmt: skip

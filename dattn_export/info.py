@@ -39,7 +39,7 @@ def describe(path: Path, base: Path | None = None, vision_heads: int | None = No
         "vision_tower": c.mm_vision_tower, "vision_config": f"{c.vision_config['model_type']} "
         f"{c.vision_config['hidden_size']}x{c.vision_config['num_hidden_layers']} layers, "
         f"{c.vision_config['image_size']}px / patch {c.vision_config['patch_size']} ({source.vision_origin})",
-        "visual_tokens_per_image": c.patch_grid**2,
+        "visual_tokens_per_image": c.tokens_per_image,
     }  # fmt: skip
     report["problems"] = [str(p) for p in source.problems]
     return report

@@ -189,7 +189,7 @@ class DAttnDecoderLayer(nn.Module):
             self.post_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.diagonal = config.use_diagonal
         self.debias = config.use_debias
-        self.tokens_per_image = config.patch_grid**2 if config.v2v_per_image else None
+        self.tokens_per_image = config.tokens_per_image if config.v2v_per_image else None
 
     def residual_mlp(self, residual: Tensor, attn_out: Tensor) -> Tensor:
         """Everything after the attention: residual add, the MLP and the family's norms."""
@@ -295,7 +295,7 @@ class DAttnModel(DAttnPreTrainedModel):
         valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask.bool()
         positions = torch.arange(num_visual, device=visual_embeds.device).expand(batch, -1)
         if self.config.v2v_per_image:  # each image is its own sequence
-            positions = positions % self.config.patch_grid**2
+            positions = positions % self.config.tokens_per_image
         rope = self.rotary_emb(visual_embeds, positions)
         h, visual_kv = visual_embeds, []
         for i, layer in enumerate(self.layers):

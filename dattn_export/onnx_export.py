@@ -81,7 +81,7 @@ def graph_specs(model, dtype: torch.dtype) -> dict:
     dynamic axes, input and output names."""
     config = model.config
     layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-    size, per_image = config.vision_config["image_size"], config.patch_grid**2
+    size, per_image = config.vision_config["image_size"], config.tokens_per_image
     batch, images, seq, past, total, visual = (Dim(n) for n in ("batch", "images", "sequence", "past_sequence",
                                                                 "total_sequence", "visual_sequence"))  # fmt: skip
     b, t, p, n_img = 2, 3, 4, 2
@@ -163,7 +163,7 @@ def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int
             "diagonal": config.use_diagonal, "debias": config.use_debias, "layers": config.num_hidden_layers,
             "hidden_size": config.hidden_size, "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
             "vocab_size": config.vocab_size, "image_size": config.vision_config["image_size"],
-            "visual_tokens_per_image": config.patch_grid**2,
+            "visual_tokens_per_image": config.tokens_per_image,
             "text_positions": "text tokens only" if config.use_debias else "after the visual tokens",
         },  # fmt: skip
         "attention": {
