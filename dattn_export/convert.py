@@ -24,9 +24,9 @@ from .converters.registry import Lazy
 from .converters.safetensors_writer import PlannedTensor, WrittenFile, plan_shards, shard_names, write_shards
 from .errors import InputError
 from .fileio import atomic_dir
-from .generation import parameter_counts
 from .loading import Source, checked_cast, expected_shapes, open_source, tied_names
 from .modeling_dattn import MODEL_CLASSES
+from .names import parameter_counts
 
 MANIFEST_NAME = "dattn_manifest.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .loading import load_model
-from .names import COMPONENTS, component_of
+from .names import parameter_counts
 from .processing import load_image_processor, load_images, load_tokenizer
 from .ui import stage
 
@@ -23,14 +22,6 @@ class PromptResult:
     visual_tokens: int
     parameters: dict[str, int]
     seconds: dict[str, float] = field(default_factory=dict)
-
-
-def parameter_counts(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
-    """Parameters per component (vision tower, adapter, LLM) from canonical names and shapes."""
-    counts = dict.fromkeys(COMPONENTS, 0)
-    for name, shape in shapes.items():
-        counts[component_of(name)] += math.prod(shape)
-    return counts
 
 
 def eos_token_id(folder: Path, config) -> int | None:

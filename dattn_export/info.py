@@ -7,9 +7,8 @@ from pathlib import Path
 
 from .converters import open_checkpoint
 from .errors import InputError
-from .generation import parameter_counts
 from .loading import audit
-from .names import canonical_name
+from .names import canonical_name, parameter_counts
 
 
 def describe(path: Path, base: Path | None = None, vision_heads: int | None = None) -> dict:

@@ -6,6 +6,7 @@ tower under `model.mm_vis.vision_model.*` (transformers 4.x), the adapter and no
 
 from __future__ import annotations
 
+import math
 import re
 
 RENAMES: list[tuple[re.Pattern, str]] = [
@@ -34,3 +35,11 @@ def component_of(name: str) -> str:
     if name.startswith("model.mm_rand_"):
         return "adapter"  # projector, norms, position embeddings
     return "LLM"
+
+
+def parameter_counts(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Parameters per component (vision tower, adapter, LLM) from canonical names and shapes."""
+    counts = dict.fromkeys(COMPONENTS, 0)
+    for name, shape in shapes.items():
+        counts[component_of(name)] += math.prod(shape)
+    return counts
