@@ -39,6 +39,13 @@ REMOTE_CODE = ("configuration_dattn.py", "modeling_dattn.py", "attention.py")  #
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
+def carry_files(source: Path, destination: Path, names=CARRIED_FILES) -> None:
+    """Copy the tokenizer, processor and generation files that `source` has into `destination`."""
+    for name in names:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(destination) / name)
+
+
 def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).upper() not in SIZE_UNITS:
@@ -144,9 +151,7 @@ def convert(
             task = bar.add_task("writing tensors", total=weight_bytes)
             files = write_shards(shards, tmp, on_written=lambda t: bar.update(task, advance=t.nbytes, description=t.name))
         (tmp / "config.json").write_text(json.dumps(output_config(source, target), indent=2, sort_keys=True) + "\n")
-        for name in CARRIED_FILES:
-            if (source.reader.config_dir / name).is_file():
-                shutil.copyfile(source.reader.config_dir / name, tmp / name)
+        carry_files(source.reader.config_dir, tmp)
         for name in REMOTE_CODE:
             shutil.copyfile(Path(__file__).parent / name, tmp / name)
         for path in sorted(tmp.iterdir()):

@@ -15,9 +15,8 @@ function of standard ops attached; with `standard` the reference math is exporte
 from __future__ import annotations
 
 import json
-import shutil
-from contextlib import nullcontext
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import onnx
@@ -27,7 +26,7 @@ from torch.export import Dim
 
 from . import __version__
 from .attention import OP_DOMAIN, OP_TYPE, OP_VERSION, export_as_onnx_node
-from .convert import CARRIED_FILES, DTYPES
+from .convert import DTYPES, carry_files
 from .errors import InputError
 from .fileio import atomic_dir
 from .loading import build_model, open_source
@@ -197,9 +196,7 @@ def export_onnx(
                          external=weight_bytes > EXTERNAL_DATA_BYTES)  # fmt: skip
             if on_graph:
                 on_graph(name)
-        for name in CARRIED_FILES:
-            if (source.reader.config_dir / name).is_file():
-                shutil.copyfile(source.reader.config_dir / name, tmp / name)
+        carry_files(source.reader.config_dir, tmp)
         (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")
         manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -107,8 +107,7 @@ def build_engines(
 ) -> dict:  # fmt: skip
     """An engine per exported graph, plus trt_manifest.json. Fused attention nodes become the DecomposedAttention
     plugin, or with `use_plugin=False` their ONNX function (standard TensorRT layers)."""
-    import shutil
-
+    from .convert import CARRIED_FILES, carry_files
     from .fileio import atomic_dir
     from .trt_plugin import register
 
@@ -126,9 +125,7 @@ def build_engines(
                                       plugin=fused and graph["fused_attention_nodes"] > 0, timing_cache=timing_cache)  # fmt: skip
             (tmp / f"{name}.engine").write_bytes(engine)
             engines[name] = f"{name}.engine"
-        for path in Path(onnx_dir).iterdir():
-            if path.suffix in (".json", ".jinja", ".model", ".txt") and path.name != "onnx_manifest.json":
-                shutil.copyfile(path, tmp / path.name)
+        carry_files(onnx_dir, tmp, (*CARRIED_FILES, "config.json"))
         trt_manifest = {**manifest, "engines": engines, "precision": precision, "limits": limits.__dict__,
                         "plugin": fused, "tensorrt": trt.__version__}  # fmt: skip
         (tmp / "trt_manifest.json").write_text(json.dumps(trt_manifest, indent=2) + "\n")
