@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .configuration_dattn import CONFIG_CLASSES
-from .modeling_dattn import MMRMSNorm, Gemma2RMSNorm
+from .modeling_dattn import Gemma2RMSNorm, MMRMSNorm
 
 TINY_VISION = {
     "siglip": dict(

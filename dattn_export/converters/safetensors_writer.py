@@ -12,8 +12,8 @@ import json
 import math
 import os
 from collections.abc import Callable
-from contextlib import ExitStack
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
