@@ -46,3 +46,14 @@ def test_sharded_bin_loads(tmp_path):
     folder = save_folder(model, tmp_path / "ckpt", tensors, write_bin)
     assert "lm_head.weight" not in tensors  # Gemma 2 ties it to the embeddings: stored once
     torch.testing.assert_close(logits(load_model(folder)), logits(model), atol=0, rtol=0)
+
+
+def test_views_of_shared_storage_read_lazily(tmp_path):
+    """torch.save keeps views (transposes, slices, tied tensors) as offsets and strides into one storage."""
+    from dattn_export.converters.lazy import read_torch_file
+
+    base = torch.arange(60.0).reshape(6, 10)
+    views = {"transposed": base.t()[2:5], "window": base[1:4, 2:7], "same": base, "empty": base[:0]}
+    torch.save(views, tmp_path / "views.pt")
+    for name, lazy in read_torch_file(tmp_path / "views.pt").items():
+        assert torch.equal(lazy.load(), views[name]), name

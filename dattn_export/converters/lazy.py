@@ -87,8 +87,7 @@ class LazyTensor(Sized):
             out = _destination(buffer, self.numel, self.dtype)
             self.read_into(out.view(torch.uint8))
             return out.view(self.shape)
-        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride) if n > 0)
-        flat = LazyTensor(self.file, self.offset, self.dtype, (span,)).load()
+        flat = LazyTensor(self.file, self.offset, self.dtype, (storage_span(self.shape, self.stride),)).load()
         return flat.as_strided(self.shape, self.stride).clone()
 
 
@@ -140,6 +139,11 @@ def _destination(buffer: torch.Tensor | None, numel: int, dtype: torch.dtype) ->
     if buffer is None:
         return torch.empty(numel, dtype=dtype)
     return buffer[: numel * dtype.itemsize].view(dtype)
+
+
+def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements of storage a strided tensor reaches, from its first element to its last."""
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -236,7 +240,7 @@ class _Storage:
 
 def _rebuild_tensor(storage: _Storage, storage_offset, size, stride, *_ignored) -> LazyTensor:
     size, stride = tuple(size), tuple(stride)
-    span = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
+    span = storage_span(size, stride)
     if storage_offset + span > storage.numel:
         raise UnsafePickle(f"a tensor reaches past its storage ({storage_offset + span} > {storage.numel} elements)")
     return LazyTensor(storage.file, storage.offset + storage_offset * storage.dtype.itemsize, storage.dtype, size, stride)
