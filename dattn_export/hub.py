@@ -26,7 +26,6 @@ from .verify import Check, verify
 ATTEMPTS = 4
 BACKOFF_SECONDS = 0.5  # doubles each attempt; a 429's Retry-After is honoured up to RETRY_AFTER_CAP
 RETRY_AFTER_CAP = 30.0
-SKIPPED = {"validation_image.png"}  # scratch files, not part of the model
 TEXT_RULES = {
     "dattn": "alpha merge: one softmax over [visual ; text]",
     "dattn-sum": "sum of two softmaxes (visual, causal text)",
@@ -111,7 +110,7 @@ def plan_upload(folder: Path, card: str) -> list[UploadFile]:
     """Every file of the folder (hashes from the manifest where it has them) plus the model card."""
     manifest = read_json(folder / MANIFEST_NAME)
     files = []
-    for path in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and p.name not in SKIPPED):
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
         if path.name == "README.md":
             continue
         known = manifest["files"].get(path.name)
