@@ -167,6 +167,21 @@ def segment_lse(q: Tensor, k: Tensor, mask: Tensor, scale: float, softcap: float
     return torch.logsumexp(_logits(q, k, mask, scale, softcap), dim=-1).flatten(1, 2)
 
 
+def segment_shares(
+    q: Tensor, k: Tensor, key_mask: Tensor, q_vis: Tensor, k_vis: Tensor, visual_mask: Tensor, *, scale: float,
+    softcap: float | None = None, window: int | None = None, causal_visual: bool = False,
+) -> Tensor:  # fmt: skip
+    """Per head and query, the share of one softmax over [visual ; text] keys (the op contract's masks) that
+    falls on each segment: (B, Hq, T, 2) as [visual, text]. For the alpha merge and conventional attention
+    this is the attention mass on each segment (visual: sigmoid(S_V - S_T)); a query that sees no key gets 0."""
+    txt_mask, vis_mask = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual)
+    s = torch.cat([_logits(q_vis, k_vis, vis_mask, scale, softcap), _logits(q, k, txt_mask, scale, softcap)], dim=-1)
+    p = _softmax(s)
+    text = p[..., k_vis.shape[2] :].sum(-1)
+    visual = p.sum(-1) - text  # not a sum over the visual keys: that axis may be empty
+    return torch.stack([visual, text], dim=-1).flatten(1, 2)
+
+
 @contextlib.contextmanager
 def export_as_onnx_node(**extra_attributes):
     """While active, `dattn_op` inside torch.onnx.export emits one custom-domain node (with these extra

@@ -31,6 +31,8 @@ class DAttnFields:
     dattn_mode: str = "dattn"  # one of ATTENTION_MODES (mmca: DeepSpeed-VisualChat's multi-modal causal attention)
     dattn_diagonal: bool = True  # V2V: each visual token attends only to itself
     dattn_debias: bool = True  # T2V: no rotary embedding on text queries or visual keys
+    wings_rank: int = 0  # WINGS learners' low rank (0: none)
+    wings_layers: list | None = None  # the layers that have WINGS learners (None: all, when wings_rank > 0)
 
     def validate_dattn(self) -> None:
         if self.dattn_mode not in ATTENTION_MODES:
@@ -42,6 +44,13 @@ class DAttnFields:
                 f"vision_config.model_type {self.vision_config.get('model_type')!r} is not one of "
                 f"{sorted(VISION_CONFIG_CLASSES)}"
             )
+        if self.wings_rank < 0:
+            raise ValueError(f"wings_rank must be >= 0, got {self.wings_rank}")
+        if self.wings_rank and self.hidden_size % self.head_dim:
+            raise ValueError(f"WINGS learners split hidden_size {self.hidden_size} into heads of head_dim {self.head_dim}: "
+                             "it must divide it")  # fmt: skip
+        if self.wings_layers is not None and not set(self.wings_layers) <= set(range(self.num_hidden_layers)):
+            raise ValueError(f"wings_layers {self.wings_layers} are not all layers of a {self.num_hidden_layers}-layer model")
 
     @property
     def vision_tower_config(self) -> SiglipVisionConfig | CLIPVisionConfig:
@@ -77,6 +86,26 @@ class DAttnFields:
     @property
     def tokens_per_image(self) -> int:
         return self.patch_grid**2
+
+    @property
+    def wings_layer_indices(self) -> list[int]:
+        """The layers with WINGS learners."""
+        if not self.wings_rank:
+            return []
+        return sorted(self.wings_layers) if self.wings_layers is not None else list(range(self.num_hidden_layers))
+
+    def has_wings(self, layer_idx: int) -> bool:
+        return layer_idx in self.wings_layer_indices
+
+    @property
+    def wings_heads(self) -> int:
+        """A WINGS learner's heads: its q/k/v keep the hidden size (x + low-rank update), in heads of head_dim."""
+        return self.hidden_size // self.head_dim
+
+    def cache_parts(self, layer_idx: int) -> tuple[str, ...]:
+        """What one layer caches per token, text and visual alike: the attention's key and value, and the WINGS
+        learner's when the layer has one. Graph inputs/outputs are named `{prefix}.{layer}.{part}`."""
+        return ("key", "value", "wings_key", "wings_value") if self.has_wings(layer_idx) else ("key", "value")
 
 
 @strict

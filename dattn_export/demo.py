@@ -54,12 +54,12 @@ def demo_image(size: int = 64) -> Image.Image:
     return image
 
 
-def write_demo_checkpoint(out: Path, family: str = "mistral", seed: int = 0) -> Path:
+def write_demo_checkpoint(out: Path, family: str = "mistral", seed: int = 0, **config_overrides) -> Path:
     """config.json with the released keys, sharded safetensors with the released names, tokenizer,
     preprocessor config, generation config and a sample image (demo.png)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(family)
+    config = tiny_config(family, **config_overrides)
     model_class = MODEL_CLASSES[config.model_type]
     config.architectures = [model_class.__name__]
     model = randomize_weights(model_class(config), seed).eval()

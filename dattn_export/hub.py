@@ -81,7 +81,9 @@ def model_card(folder: Path, repo_id: str, checks: list[Check] | None, license: 
         ("architecture", f"{family} decoder with D-Attn (decomposed attention), `dattn_mode={config.dattn_mode}`"),
         ("visual stream", "diagonal V2V (visual K/V depend on the image alone)" if config.use_diagonal
          else "full attention within each image" if config.v2v_per_image else "causal V2V"),
-        ("text attention", TEXT_RULES[config.dattn_mode]),
+        ("text attention", TEXT_RULES[config.dattn_mode] + (
+            f"; WINGS visual and text learners (rank {config.wings_rank}) with a router in layers "
+            f"{config.wings_layer_indices}" if config.wings_rank else "")),
         ("layers / hidden / heads / KV heads", f"{config.num_hidden_layers} / {config.hidden_size} / {config.num_attention_heads} / {config.num_key_value_heads}"),
         ("vision tower", f"{config.mm_vision_tower} ({vision['model_type']}, {vision['image_size']}px, patch {vision['patch_size']}, "
                          f"{config.tokens_per_image} visual tokens per image)"),

@@ -39,6 +39,7 @@ def describe(path: Path, base: Path | None = None, vision_heads: int | None = No
         f"{c.vision_config['hidden_size']}x{c.vision_config['num_hidden_layers']} layers, "
         f"{c.vision_config['image_size']}px / patch {c.vision_config['patch_size']} ({source.vision_origin})",
         "visual_tokens_per_image": c.tokens_per_image,
+        "wings": f"rank {c.wings_rank} learners in layers {c.wings_layer_indices}" if c.wings_rank else "none",
     }  # fmt: skip
     report["problems"] = [str(p) for p in source.problems]
     return report

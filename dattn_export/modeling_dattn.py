@@ -8,6 +8,12 @@ stream; the LLM's decoder layers (Mistral or Gemma 2 weights and names) run two 
 `dattn_mode="sattn"` turns the decomposition off (full causal V2V, RoPE everywhere, positions shared):
 conventional self-attention over [visual ; text].
 
+WINGS (`wings_rank` > 0): in the chosen layers two low-rank residual attention learners run beside the text
+attention, a visual one over the visual stream's layer inputs (unrotated, so cacheable with the image) and a
+text one over the text's (rotated, causal); a router (linear + softmax over the main attention's per-head
+[visual, text] mass) weighs their outputs, which are added to the attention's output. The visual stream itself
+has no learners: it must stay a function of the image alone.
+
 Only torch and transformers are imported (plus the sibling attention/config files) so this file can
 ship in a Hub repo for `trust_remote_code=True`.
 """
@@ -31,10 +37,10 @@ from transformers.models.gemma2.modeling_gemma2 import (
 )
 from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSNorm, MistralRotaryEmbedding, rotate_half
 
-from .attention import dattn_op
+from .attention import causal_mask, dattn_op, decomposed_attention, segment_shares
 from .configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
 
-KV = tuple[Tensor, Tensor]  # (key, value), each (batch, kv_heads, seq, head_dim)
+KV = tuple[Tensor, ...]  # one layer's cache: key, value (B, kv_heads, S, head_dim) [, WINGS key, value (B, hidden / head_dim, S, head_dim)]
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,32 @@ class DAttnAttention(nn.Module):
         return (empty, empty), torch.ones(like.shape[0], 0, dtype=torch.bool, device=like.device)
 
 
+def low_rank(hidden: int, rank: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, hidden, bias=False))
+
+
+class WingsLearner(nn.Module):
+    """A WINGS low-rank residual attention learner: q/k/v = x(1 + AB) (the input plus a rank-r update); the output
+    projection is rank r alone. Every second matrix starts at zero, so a new learner adds nothing."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (low_rank(config.hidden_size, config.wings_rank) for _ in range(4))
+
+    def heads(self, proj: nn.Sequential, x: Tensor) -> Tensor:
+        """x(1 + AB) as (B, heads, S, head_dim)."""
+        return (x + proj(x)).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+
+    def keys(self, x: Tensor) -> KV:
+        return self.heads(self.k_proj, x), self.heads(self.v_proj, x)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """(B, heads, T, head_dim) queries over masked keys -> (B, T, hidden); no visible key gives 0."""
+        out = decomposed_attention(q, k, v, mask, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
 class DAttnDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -190,6 +222,19 @@ class DAttnDecoderLayer(nn.Module):
         self.diagonal = config.use_diagonal
         self.debias = config.use_debias
         self.tokens_per_image = config.tokens_per_image if config.v2v_per_image else None
+        self.wings = config.has_wings(layer_idx)
+        if self.wings:
+            self.wings_visual, self.wings_text = WingsLearner(config), WingsLearner(config)
+            self.wings_router = nn.Linear(2 * config.num_attention_heads, 2)
+            self.wings_heads = config.wings_heads
+
+    def no_visual(self, like: Tensor) -> tuple[KV, Tensor]:
+        """An empty visual cache (every part of it) for a batch like `like`, and its (B, 0) mask."""
+        (empty, _), mask = self.self_attn.no_visual(like)
+        if not self.wings:
+            return (empty, empty), mask
+        learner_empty = like.new_zeros(like.shape[0], self.wings_heads, 0, self.self_attn.head_dim)
+        return (empty, empty, learner_empty, learner_empty), mask
 
     def residual_mlp(self, residual: Tensor, attn_out: Tensor) -> Tensor:
         """Everything after the attention: residual add, the MLP and the family's norms."""
@@ -209,6 +254,8 @@ class DAttnDecoderLayer(nn.Module):
         k, v = attn.heads(attn.k_proj, x), attn.heads(attn.v_proj, x)
         k_rot = apply_rope(k, *rope)
         visual_kv = (k if self.debias else k_rot, v)
+        if self.wings:  # the visual learner's keys: position-free like debiased T2V, so cacheable with the image
+            visual_kv += self.wings_visual.keys(x)
         if not need_output:
             return None, visual_kv
         if self.diagonal:  # softmax over the token's own key alone is 1: the output is its value
@@ -235,8 +282,33 @@ class DAttnDecoderLayer(nn.Module):
         v = attn.heads(attn.v_proj, x)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        out = attn.attend(q_rot, k, v, key_mask, q if self.debias else q_rot, visual, visual_mask)
-        return self.residual_mlp(h, attn.output(out)), (k, v)
+        q_vis = q if self.debias else q_rot
+        attn_out = attn.output(attn.attend(q_rot, k, v, key_mask, q_vis, visual[:2], visual_mask))
+        if not self.wings:
+            return self.residual_mlp(h, attn_out), (k, v)
+        shares = segment_shares(
+            q_rot, k, key_mask, q_vis, visual[0], visual_mask, scale=attn.scale, softcap=attn.softcap,
+            window=attn.window, causal_visual=attn.causal_visual,
+        )  # fmt: skip
+        learners_out, learner_kv = self.learners(x, rope, past, visual, key_mask, visual_mask, shares)
+        return self.residual_mlp(h, attn_out + learners_out), (k, v, *learner_kv)
+
+    def learners(
+        self, x: Tensor, rope, past: KV | None, visual: KV, key_mask: Tensor, visual_mask: Tensor, shares: Tensor
+    ) -> tuple[Tensor, KV]:
+        """WINGS: the visual and text learners' outputs weighed by the router, and the text learner's cache.
+        `shares` (B, heads, T, 2): the main attention's mass on [visual, text] per head, the router's input."""
+        num_new = x.shape[1]
+        weights = torch.softmax(self.wings_router(shares.transpose(1, 2).flatten(2)), dim=-1)  # (B, T, 2)
+        visual_mask = visual_mask.bool()[:, None, :].expand(-1, num_new, -1)
+        visual_out = self.wings_visual.attend(self.wings_visual.heads(self.wings_visual.q_proj, x), *visual[2:], visual_mask)
+        text = self.wings_text
+        q, k = (apply_rope(text.heads(proj, x), *rope) for proj in (text.q_proj, text.k_proj))
+        v = text.heads(text.v_proj, x)
+        if past is not None:
+            k, v = torch.cat([past[2], k], dim=2), torch.cat([past[3], v], dim=2)
+        text_out = text.attend(q, k, v, causal_mask(key_mask.bool(), num_new))
+        return weights[..., :1] * visual_out + weights[..., 1:] * text_out, (k, v)
 
 
 class DAttnPreTrainedModel(PreTrainedModel):
@@ -255,6 +327,9 @@ class DAttnPreTrainedModel(PreTrainedModel):
             init.zeros_(module.weight)  # Gemma 2 scales by (1 + weight)
         elif isinstance(module, Gemma2TextScaledWordEmbedding):
             init.constant_(module.embed_scale, module.scalar_embed_scale)
+        elif isinstance(module, WingsLearner):  # x(1 + AB) starts at x, and the learner's output at 0
+            for proj in (module.q_proj, module.k_proj, module.v_proj, module.o_proj):
+                init.zeros_(proj[1].weight)
 
 
 class DAttnModel(DAttnPreTrainedModel):
@@ -333,7 +408,7 @@ class DAttnModel(DAttnPreTrainedModel):
         for i, layer in enumerate(self.layers):
             past = None if past_key_values is None else past_key_values[i]
             if visual_key_values is None:
-                visual, layer_visual_valid = layer.self_attn.no_visual(h)
+                visual, layer_visual_valid = layer.no_visual(h)
             else:
                 visual, layer_visual_valid = visual_key_values[i], visual_valid
             h, kv = layer.text_forward(h, rope, past, visual, text_valid, layer_visual_valid)

@@ -25,7 +25,8 @@ def canonical_name(name: str) -> str:
     return name
 
 
-COMPONENTS = ("vision tower", "adapter", "LLM")
+COMPONENTS = ("vision tower", "adapter", "LLM")  # every model has these; WINGS models also "WINGS learners"
+WINGS_MODULE = re.compile(r"^model\.layers\.\d+\.wings_")
 
 
 def component_of(name: str) -> str:
@@ -34,12 +35,15 @@ def component_of(name: str) -> str:
         return "vision tower"
     if name.startswith("model.mm_rand_"):
         return "adapter"  # projector, norms, position embeddings
+    if WINGS_MODULE.match(name):
+        return "WINGS learners"  # visual and text learners, router
     return "LLM"
 
 
 def parameter_counts(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
-    """Parameters per component (vision tower, adapter, LLM) from canonical names and shapes."""
+    """Parameters per component (vision tower, adapter, LLM[, WINGS learners]) from canonical names and shapes."""
     counts = dict.fromkeys(COMPONENTS, 0)
     for name, shape in shapes.items():
-        counts[component_of(name)] += math.prod(shape)
+        component = component_of(name)
+        counts[component] = counts.get(component, 0) + math.prod(shape)
     return counts

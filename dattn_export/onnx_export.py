@@ -6,6 +6,7 @@
   decoder.onnx    input_ids, position_ids, attention_mask (B, past + T), visual_attention_mask,
                   past_key_values.{i}.key/.value, visual_key_values.{i}.key/.value
                   -> logits, present.{i}.key/.value; one graph for prefill and decode
+A layer with WINGS learners also caches `.wings_key/.wings_value` (B, hidden / D, S, D) in each of these.
 
 With `--attention fused` every attention is one `dattn::DecomposedAttention` node (attributes: heads, KV
 heads, head dim, scale, soft-cap, window, merge, TensorRT plugin namespace/version) with a model-local
@@ -40,8 +41,18 @@ PLUGIN = {"plugin_namespace": OP_DOMAIN, "plugin_version": str(OP_VERSION)}
 EXTERNAL_DATA_BYTES = 64 << 20  # models with more weights keep them in .data files: never re-serialized in memory
 
 
-def kv_names(prefix: str, layers: int) -> list[str]:
-    return [f"{prefix}.{i}.{part}" for i in range(layers) for part in ("key", "value")]
+def kv_names(prefix: str, config) -> list[str]:
+    return [f"{prefix}.{i}.{part}" for i in range(config.num_hidden_layers) for part in config.cache_parts(i)]
+
+
+def layer_caches(flat: list, config) -> list[tuple]:
+    """A graph's flat cache tensors, in `kv_names` order, as the model's per-layer tuples."""
+    caches, start = [], 0
+    for i in range(config.num_hidden_layers):
+        end = start + len(config.cache_parts(i))
+        caches.append(tuple(flat[start:end]))
+        start = end
+    return caches
 
 
 class VisionGraph(nn.Module):
@@ -59,7 +70,7 @@ class VisualKVGraph(nn.Module):
         self.model = model
 
     def forward(self, visual_embeds, visual_attention_mask):
-        return [kv for pair in self.model.model.encode_visual(visual_embeds, visual_attention_mask) for kv in pair]
+        return [t for layer in self.model.model.encode_visual(visual_embeds, visual_attention_mask) for t in layer]
 
 
 class DecoderGraph(nn.Module):
@@ -68,24 +79,27 @@ class DecoderGraph(nn.Module):
         self.model = model
 
     def forward(self, input_ids, position_ids, attention_mask, visual_attention_mask, past, visual):
+        config = self.model.config
         out = self.model(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=list(zip(past[::2], past[1::2])),
-            visual_key_values=list(zip(visual[::2], visual[1::2])), visual_mask=visual_attention_mask,
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=layer_caches(past, config),
+            visual_key_values=layer_caches(visual, config), visual_mask=visual_attention_mask,
         )  # fmt: skip
-        return out.logits, [t for pair in out.past_key_values for t in pair]
+        return out.logits, [t for layer in out.past_key_values for t in layer]
 
 
 def graph_specs(model, dtype: torch.dtype) -> dict:
     """Per graph: module, example inputs (no axis of size 0 or 1: the exporter would specialise it),
     dynamic axes, input and output names."""
     config = model.config
-    layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    heads = {"key": config.num_key_value_heads, "value": config.num_key_value_heads}
+    heads |= {"wings_key": config.wings_heads, "wings_value": config.wings_heads}
     size, per_image = config.vision_config["image_size"], config.tokens_per_image
     batch, images, seq, past, total, visual = (Dim(n) for n in ("batch", "images", "sequence", "past_sequence",
                                                                 "total_sequence", "visual_sequence"))  # fmt: skip
     b, t, p, n_img = 2, 3, 4, 2
     v = n_img * per_image
-    kv = lambda n: [torch.randn(b, kv_heads, n, head_dim, dtype=dtype) for _ in range(2 * layers)]  # noqa: E731
+    parts = [part for i in range(config.num_hidden_layers) for part in config.cache_parts(i)]
+    kv = lambda n: [torch.randn(b, heads[part], n, config.head_dim, dtype=dtype) for part in parts]  # noqa: E731
     return {
         "vision": dict(
             module=VisionGraph(model), args=(torch.randn(b, n_img, 3, size, size, dtype=dtype),),
@@ -95,17 +109,17 @@ def graph_specs(model, dtype: torch.dtype) -> dict:
             module=VisualKVGraph(model),
             args=(torch.randn(b, v, config.hidden_size, dtype=dtype), torch.ones(b, v, dtype=torch.int64)),
             dynamic=({0: batch, 1: visual}, {0: batch, 1: visual}),
-            inputs=["visual_embeds", "visual_attention_mask"], outputs=kv_names("visual_key_values", layers),
+            inputs=["visual_embeds", "visual_attention_mask"], outputs=kv_names("visual_key_values", config),
         ),
         "decoder": dict(
             module=DecoderGraph(model),
             args=(torch.randint(3, config.vocab_size, (b, t)), torch.arange(p, p + t).expand(b, -1),
                   torch.ones(b, p + t, dtype=torch.int64), torch.ones(b, v, dtype=torch.int64), kv(p), kv(v)),
             dynamic=({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: visual},
-                     [{0: batch, 2: past}] * (2 * layers), [{0: batch, 2: visual}] * (2 * layers)),
+                     [{0: batch, 2: past}] * len(parts), [{0: batch, 2: visual}] * len(parts)),
             inputs=["input_ids", "position_ids", "attention_mask", "visual_attention_mask",
-                    *kv_names("past_key_values", layers), *kv_names("visual_key_values", layers)],
-            outputs=["logits", *kv_names("present", layers)],
+                    *kv_names("past_key_values", config), *kv_names("visual_key_values", config)],
+            outputs=["logits", *kv_names("present", config)],
         ),
     }  # fmt: skip
 
@@ -164,6 +178,8 @@ def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int
             "vocab_size": config.vocab_size, "image_size": config.vision_config["image_size"],
             "visual_tokens_per_image": config.tokens_per_image,
             "text_positions": "text tokens only" if config.use_debias else "after the visual tokens",
+            "wings": {"rank": config.wings_rank, "layers": config.wings_layer_indices,
+                      "heads": config.wings_heads} if config.wings_rank else None,
         },  # fmt: skip
         "attention": {
             "implementation": attention,

@@ -25,18 +25,20 @@ class GraphRuntime:
             raise InputError(folder, f"has no {self.manifest_name}: not a folder this backend runs")
         self.folder = folder
         self.manifest = json.loads(manifest_path.read_text())
-        decoder_inputs = {i["name"]: i for i in self.manifest["graphs"]["decoder"]["inputs"]}
-        self.dtype = NUMPY_DTYPES[decoder_inputs["past_key_values.0.key"]["dtype"]]
-        model = self.manifest["model"]
-        self.layers, self.kv_heads, self.head_dim = model["layers"], model["num_kv_heads"], model["head_dim"]
-        self.debias = model["debias"]
+        decoder_inputs = self.manifest["graphs"]["decoder"]["inputs"]
+        # the caches, flat, in the graphs' order: every layer's key, value (and WINGS key, value)
+        self.past_inputs = [i for i in decoder_inputs if i["name"].startswith("past_key_values.")]
+        self.visual_names = [i["name"] for i in decoder_inputs if i["name"].startswith("visual_key_values.")]
+        self.dtype = NUMPY_DTYPES[self.past_inputs[0]["dtype"]]
+        self.debias = self.manifest["model"]["debias"]
 
     def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """One graph's outputs, in the manifest's order."""
         raise NotImplementedError
 
     def empty_kv(self, batch: int) -> list[np.ndarray]:
-        return [np.zeros((batch, self.kv_heads, 0, self.head_dim), self.dtype)] * (2 * self.layers)
+        """An empty text cache: (batch, heads, 0, head_dim) per input."""
+        return [np.zeros((batch, spec["shape"][1], 0, spec["shape"][3]), self.dtype) for spec in self.past_inputs]
 
     def embed_images(self, pixel_values: np.ndarray) -> np.ndarray:
         return self._run("vision", {"pixel_values": pixel_values.astype(self.dtype)})[0]
@@ -44,7 +46,7 @@ class GraphRuntime:
     def encode_visual(
         self, visual_embeds: np.ndarray, visual_mask: np.ndarray | None = None, chunk: int = VISUAL_CHUNK
     ) -> list[np.ndarray]:
-        """Every layer's visual K/V, flat [k0, v0, k1, v1, ...]. With diagonal V2V visual tokens never mix, so
+        """Every layer's visual K/V, flat in the graphs' order [k0, v0, k1, v1, ...]. With diagonal V2V visual tokens never mix, so
         long visual sequences run in chunks: memory stays that of one chunk and time stays linear."""
         if visual_mask is None:
             visual_mask = np.ones(visual_embeds.shape[:2], np.int64)
@@ -74,10 +76,8 @@ class GraphRuntime:
             "input_ids": input_ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64),
             "position_ids": self.positions(attention_mask, num_new, num_visual), "visual_attention_mask": visual_mask,
         }  # fmt: skip
-        for i in range(self.layers):
-            for j, part in enumerate(("key", "value")):
-                feeds[f"past_key_values.{i}.{part}"] = past[2 * i + j]
-                feeds[f"visual_key_values.{i}.{part}"] = visual[2 * i + j]
+        feeds |= zip((spec["name"] for spec in self.past_inputs), past, strict=True)
+        feeds |= zip(self.visual_names, visual, strict=True)
         logits, *present = self._run("decoder", feeds)
         return logits, present
 

@@ -109,9 +109,9 @@ def validate(
     got_embeds = runtime.embed_images(pixels.numpy())
     report.comparisons.append(Comparison.of("vision", "visual_embeds", got_embeds, visual_embeds))
     got_kv = runtime.encode_visual(got_embeds)
-    for i, (k, v) in enumerate(visual_kv):
-        report.comparisons.append(Comparison.of("visual_kv", f"visual_key_values.{i}.key", got_kv[2 * i], k))
-        report.comparisons.append(Comparison.of("visual_kv", f"visual_key_values.{i}.value", got_kv[2 * i + 1], v))
+    expected_kv = [t for layer in visual_kv for t in layer]
+    for name, got, expected_part in zip(runtime.visual_names, got_kv, expected_kv, strict=True):
+        report.comparisons.append(Comparison.of("visual_kv", name, got, expected_part))
     logits, past = runtime.decode(ids.numpy(), mask.numpy(), runtime.empty_kv(1), got_kv)
     report.comparisons.append(Comparison.of("decoder", "logits (prefill)", logits, expected.logits))
 

@@ -204,8 +204,12 @@ def test_card_describes_the_attention_mode(tmp_path):
 
     from dattn_export.hub import model_card
 
-    for mode, visual, text in (("mmca", "full attention within each image", "multi-modal causal attention"),
-                               ("dattn", "diagonal V2V", "alpha merge")):  # fmt: skip
-        convert(checkpoint_of(build_model("mistral", dattn_mode=mode), tmp_path / mode), tmp_path / f"{mode}-out")
-        card = model_card(tmp_path / f"{mode}-out", f"alice/{mode}", None, "other", None)
+    cases = [("mmca", {"dattn_mode": "mmca"}, "full attention within each image", "multi-modal causal attention"),
+             ("dattn", {}, "diagonal V2V", "alpha merge: one softmax over [visual ; text] |"),
+             ("wings", {"wings_rank": 4, "wings_layers": [1]}, "diagonal V2V",
+              "alpha merge: one softmax over [visual ; text]; WINGS visual and text learners (rank 4) with a router in layers [1] |")]  # fmt: skip
+    for name, overrides, visual, text in cases:
+        convert(checkpoint_of(build_model("mistral", **overrides), tmp_path / name), tmp_path / f"{name}-out")
+        card = model_card(tmp_path / f"{name}-out", f"alice/{name}", None, "other", None)
         assert f"| visual stream | {visual}" in card and f"| text attention | {text}" in card, card
+        assert ("WINGS learners" in card) == ("wings_rank" in overrides)

@@ -20,9 +20,9 @@ from dattn_export.tensorrt import Limits, profile_shapes
     importlib.util.find_spec("tensorrt_rtx_bindings") is None,
     reason="the tensorrt-rtx-cu13-libs/-bindings wheels are not installed (pip install '.[test]' on Linux x86-64)",
 )
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
-def test_tensorrt_rtx_parses_and_builds_every_graph(tmp_path, family):
-    export_onnx(write_demo_checkpoint(tmp_path / "ckpt", family), tmp_path / "onnx")
+@pytest.mark.parametrize("family, overrides", [("mistral", {}), ("gemma2", {}), ("mistral", {"wings_rank": 8})])
+def test_tensorrt_rtx_parses_and_builds_every_graph(tmp_path, family, overrides):
+    export_onnx(write_demo_checkpoint(tmp_path / "ckpt", family, **overrides), tmp_path / "onnx")
     result = subprocess.run([sys.executable, "-m", "dattn_export.tensorrt", str(tmp_path / "onnx"), "--module",
                              "tensorrt_rtx_bindings"], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
