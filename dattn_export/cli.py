@@ -5,6 +5,9 @@ Heavy imports (torch, transformers) happen inside the commands so `--help` stays
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 from pathlib import Path
 
 import click
@@ -28,6 +31,25 @@ class DAttnGroup(click.Group):
 @click.version_option(__version__, prog_name="dattn-export")
 def main():
     """From D-Attn (decomposed attention) training output to verified, deployable artifacts."""
+
+
+def run() -> None:
+    """The console entry point: `main`, then a quick exit. Tearing down torch's and transformers' modules takes
+    over a second and does nothing for a finished command, so after the exit handlers and a flush of the output
+    streams the process ends without it."""
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    if not isinstance(code, int):  # None: success; a string is printed, as sys.exit does
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def print_prompt_result(title: str, result, rows: list[tuple[str, str]], seconds: dict[str, float] | None = None) -> None:

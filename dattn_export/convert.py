@@ -19,12 +19,12 @@ import torch
 from rich.progress import Progress
 
 from . import __version__
-from .converters.lazy import LazyTensor, contiguous_stride
+from .converters.lazy import GatheredTensor, LazyTensor, contiguous_stride
 from .converters.registry import Lazy
 from .converters.safetensors_writer import PlannedTensor, WrittenFile, plan_shards, shard_names, write_shards
 from .errors import InputError
 from .fileio import atomic_dir
-from .loading import Source, checked_cast, expected_shapes, open_source, tied_names
+from .loading import Source, check_values, checked_cast, expected_shapes, open_source, tied_names
 from .modeling_dattn import MODEL_CLASSES
 from .names import parameter_counts
 
@@ -72,6 +72,24 @@ def output_dtype(requested: str, source: Source) -> torch.dtype:
 def lazy_is_contiguous(lazy: Lazy) -> bool:
     """Its bytes lie in one run of its file, in order: they can be copied as they are."""
     return isinstance(lazy, LazyTensor) and lazy.stride in (None, contiguous_stride(lazy.shape))
+
+
+def checked_in_place(stored_name: str, lazy: LazyTensor) -> torch.Tensor:
+    """A tensor the output stores as it is: checked where it lies in its file (mapped, never copied to memory)."""
+    tensor = lazy.mapped()
+    check_values(stored_name, lazy.file, tensor, lazy.dtype)
+    return tensor
+
+
+def checked_cast_mapped(stored_name: str, lazy: LazyTensor | GatheredTensor, dtype: torch.dtype, out: torch.Tensor):
+    """A tensor that needs a cast: checked and cast piece by piece from where it lies (mapped) into `out`."""
+    cast = out[: lazy.numel * dtype.itemsize].view(dtype)
+    start = 0
+    for piece in lazy.mapped_pieces():
+        check_values(stored_name, lazy.file, piece, dtype)
+        cast[start : start + piece.numel()].copy_(piece)
+        start += piece.numel()
+    return cast.view(lazy.shape)
 
 
 def untie(source: Source) -> list[str]:
@@ -133,17 +151,20 @@ def convert(
     target = output_dtype(dtype, source)
     dropped = untie(source)
     order = [n for n in expected_shapes(source.config) if n in source.tensors and n not in dropped]
+    mappable = lambda t: t.nbytes and (isinstance(t, GatheredTensor) or lazy_is_contiguous(t))  # noqa: E731
     casts = [source.tensors[n] for n in order if source.tensors[n].dtype.is_floating_point and source.tensors[n].dtype != target]
-    scratch = torch.empty(max((t.nbytes for t in casts), default=0), dtype=torch.uint8)  # used by the producer alone
+    scratch = torch.empty(max((t.nbytes for t in casts if not mappable(t)), default=0), dtype=torch.uint8)  # producer's
     planned = []
     for name in order:
-        lazy = source.tensors[name]
+        lazy, stored_name = source.tensors[name], source.stored_names[name]
         out_dtype = target if lazy.dtype.is_floating_point else lazy.dtype
-        planned.append(PlannedTensor(
-            name, out_dtype, tuple(lazy.shape),
-            produce=lambda out, n=name, t=lazy, d=out_dtype: checked_cast(source.stored_names[n], t, d, out, scratch),
-            copy_from=(lazy.file, lazy.offset) if out_dtype == lazy.dtype and lazy_is_contiguous(lazy) else None,
-        ))  # fmt: skip
+        if out_dtype == lazy.dtype and lazy_is_contiguous(lazy) and lazy.nbytes:  # the bytes as they are
+            produce, copy_from = lambda _, n=stored_name, t=lazy: checked_in_place(n, t), (lazy.file, lazy.offset)
+        elif out_dtype != lazy.dtype and mappable(lazy):
+            produce, copy_from = lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast_mapped(n, t, d, out), None
+        else:
+            produce, copy_from = lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast(n, t, d, out, scratch), None
+        planned.append(PlannedTensor(name, out_dtype, tuple(lazy.shape), produce, copy_from))
     weight_bytes = sum(t.nbytes for t in planned)
     shards = plan_shards(planned, max_bytes)
     with atomic_dir(out, overwrite=force) as tmp:

@@ -104,6 +104,21 @@ def audit(reader: CheckpointReader, vision_heads: int | None = None) -> Source:
     return source
 
 
+def check_values(stored_name: str, file: Path, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse NaN/Inf, and values beyond fp16's range when casting to fp16."""
+    if not tensor.is_floating_point() or not tensor.numel():
+        return
+    low, high = torch.aminmax(tensor)  # one pass, no temporary; NaN and Inf surface here
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise InputError(file, f"tensor {stored_name} has {bad} NaN/Inf value(s)")
+    peak = max(-low.item(), high.item())
+    if dtype == torch.float16 and tensor.dtype != torch.float16 and peak > FP16_MAX:
+        raise InputError(
+            file, f"tensor {stored_name} has max |value| {peak:.6g}, beyond fp16's {FP16_MAX:.0f}: use --dtype bf16 or fp32"
+        )
+
+
 def checked_cast(
     stored_name: str, lazy: Lazy, dtype: torch.dtype, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -111,17 +126,7 @@ def checked_cast(
     the result lands in `out` and a tensor that needs a cast is read into `scratch` first."""
     casting = lazy.dtype.is_floating_point and lazy.dtype != dtype
     tensor = lazy.load(scratch if casting else out)
-    if not tensor.is_floating_point() or not tensor.numel():
-        return tensor
-    low, high = torch.aminmax(tensor)  # one pass, no temporary; NaN and Inf surface here
-    if not (torch.isfinite(low) and torch.isfinite(high)):
-        bad = int((~torch.isfinite(tensor)).sum())
-        raise InputError(lazy.file, f"tensor {stored_name} has {bad} NaN/Inf value(s)")
-    peak = max(-low.item(), high.item())
-    if dtype == torch.float16 and tensor.dtype != torch.float16 and peak > FP16_MAX:
-        raise InputError(
-            lazy.file, f"tensor {stored_name} has max |value| {peak:.6g}, beyond fp16's {FP16_MAX:.0f}: use --dtype bf16 or fp32"
-        )
+    check_values(stored_name, lazy.file, tensor, dtype)
     if not casting:
         return tensor
     if out is None:

@@ -1,8 +1,8 @@
 """Lazy tensors: where a tensor's bytes lie in a file, read with pread only when needed.
 
-Reading with pread instead of mmap keeps resident memory to the tensors actually held (mapped file pages
-count towards RSS for as long as they stay mapped), so converting a model needs memory for one tensor,
-not one shard.
+Tensors are read with pread, or mapped one at a time (`mapped`) where their bytes are only looked at, never
+whole files: mapped file pages count towards RSS for as long as they stay mapped, so converting a model needs
+memory for one or two tensors, not one shard.
 
 Two file formats are parsed here without loading their data:
   * safetensors: an 8-byte little-endian header length, a JSON header, raw little-endian data;
@@ -18,11 +18,13 @@ import functools
 import io
 import json
 import math
+import mmap
 import os
 import pickle
 import struct
 import warnings
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +82,22 @@ class LazyTensor(Sized):
                     raise InputError(self.file, f"ends before the tensor data at byte {self.offset + done} (truncated?)")
                 done += got
 
+    def mapped(self) -> torch.Tensor:
+        """A contiguous tensor's bytes where they are, mapped from the page cache: checking and hashing them needs
+        no copy. Private (copy-on-write) so the tensor is writable without ever writing the file."""
+        start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
+        with open(self.file, "rb") as f:
+            if os.fstat(f.fileno()).st_size < self.offset + self.nbytes:
+                raise InputError(self.file, f"ends before the tensor data at byte {self.offset + self.nbytes} (truncated?)")
+            region = mmap.mmap(f.fileno(), self.offset + self.nbytes - start, offset=start, access=mmap.ACCESS_COPY)
+        region.madvise(mmap.MADV_SEQUENTIAL)
+        data = torch.frombuffer(region, dtype=torch.uint8, count=self.nbytes, offset=self.offset - start)
+        return data.view(self.dtype).view(self.shape)
+
+    def mapped_pieces(self) -> Iterator[torch.Tensor]:
+        """The elements in order, as 1-D mapped tensors (one here)."""
+        yield self.mapped().view(-1)
+
     def load(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor, read into `buffer` (uint8, at least nbytes) when given: reusing memory avoids the page
         faults of a fresh allocation, which cost more than the read itself."""
@@ -105,6 +123,15 @@ class GatheredTensor(Sized):
     @property
     def file(self) -> Path:
         return self.parts[0].file
+
+    def mapped_pieces(self) -> Iterator[torch.Tensor]:
+        """The elements in order, as 1-D mapped tensors, one per part, without the padding after the last."""
+        remaining = self.numel
+        for part in self.parts:
+            if remaining and part.numel:
+                piece = part.mapped()[:remaining]
+                remaining -= piece.numel()
+                yield piece
 
     def load(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
         flat = _destination(buffer, sum(p.numel for p in self.parts), self.dtype)

@@ -30,7 +30,9 @@ class PlannedTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     produce: Callable[[torch.Tensor], torch.Tensor]  # loads (and casts) the tensor into a uint8 buffer
-    copy_from: tuple[Path, int] | None = None  # (file, byte offset) already holding exactly the output bytes
+    # (file, byte offset) already holding exactly the output bytes: copied in the kernel, and `produce` gives them
+    # without the buffer (mapped) for checking and hashing
+    copy_from: tuple[Path, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -75,11 +77,13 @@ def write_safetensors(
     on_written: Callable[[PlannedTensor], None] | None = None,
 ) -> WrittenFile:  # fmt: skip
     """Stream `tensors` into one safetensors file. Three stages overlap (all release the GIL): the next
-    tensor is produced (read, checked, cast) while the current one is written and hashed. Tensors are produced
-    into two buffers used in turn: tensor i+2 reuses tensor i's, which is written by then."""
+    tensor is produced (read, checked, cast) while the current one is written and hashed, and hashing (the
+    slowest, sha256 is sequential) runs on while the next tensor is written. Tensors are produced
+    into two buffers used in turn: tensor i+2 reuses tensor i's, which is written by then (tensors copied as
+    they are need no buffer: they are mapped from their file)."""
     header = _header(tensors, metadata or {})
     digest, size = hashlib.sha256(header), len(header)
-    largest = max((t.nbytes for t in tensors), default=0)
+    largest = max((t.nbytes for t in tensors if t.copy_from is None), default=0)
     ring = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
     with ExitStack() as stack:
         f = stack.enter_context(open(file, "wb", buffering=0))
@@ -87,8 +91,12 @@ def write_safetensors(
         sources: dict[Path, int] = {}
         f.write(header)
         upcoming = producer.submit(tensors[0].produce, ring[0]) if tensors else None
+        hashed = None
         for i, planned in enumerate(tensors):
             tensor = upcoming.result()
+            if hashed is not None:  # the previous tensor, written already, is done with once hashed
+                hashed.result()
+                del data  # its mapping (or buffer) is free before the next tensor is produced
             if i + 1 < len(tensors):
                 upcoming = producer.submit(tensors[i + 1].produce, ring[(i + 1) % 2])
             if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
@@ -103,10 +111,11 @@ def write_safetensors(
                 if source not in sources:
                     sources[source] = stack.enter_context(open(source, "rb", buffering=0)).fileno()
                 _copy_range(sources[source], f.fileno(), offset, len(data))
-            hashed.result()
             size += len(data)
             if on_written:
                 on_written(planned)
+        if hashed is not None:
+            hashed.result()
     return WrittenFile(size, digest.hexdigest())
 
 
