@@ -34,7 +34,7 @@ TEXT_TOKENS = 64
 MEMORY_CAP = 20 << 30  # a measurement past this fails cleanly (S-Attn's |V|^2 logits) instead of swapping
 
 
-def write_checkpoint(mode: str, work: Path) -> tuple[Path, int]:
+def write_checkpoint(mode: str, work: Path, layers: int = 8) -> tuple[Path, int]:
     """The random mid-size checkpoint; returns its folder and its weights' size in bytes."""
     from safetensors.torch import save_file
 
@@ -43,10 +43,10 @@ def write_checkpoint(mode: str, work: Path) -> tuple[Path, int]:
     from dattn_export.modeling_dattn import MODEL_CLASSES
     from dattn_export.presets import randomize_weights, tiny_config
 
-    config = tiny_config("mistral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
-                         num_key_value_heads=8, head_dim=64, vocab_size=32000, dattn_mode=mode)  # fmt: skip
+    config = tiny_config("mistral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000, dattn_mode=mode)  # fmt: skip
     model = randomize_weights(MODEL_CLASSES[config.model_type](config).eval())
-    checkpoint = write_demo_checkpoint(work / f"{mode}-checkpoint")
+    checkpoint = write_demo_checkpoint(work / f"{mode}-{layers}-checkpoint")
     for shard in checkpoint.glob("model*.safetensors*"):
         shard.unlink()
     tensors = saved_state_dict(model)
@@ -129,18 +129,24 @@ def main() -> None:
         print(json.dumps(measure(Path(args.measure[0]), int(args.measure[1]))))
         return
     work = Path(tempfile.mkdtemp(prefix="dattn-onnx-bench-", dir=args.workdir))
-    results = {}
-    for mode in ("dattn", "sattn"):
-        print(f"exporting the {mode} model ...", file=sys.stderr, flush=True)
+    results, exports = {}, []
+    for mode, layers in (("dattn", 24), ("dattn", 8), ("sattn", 8)):  # 24 layers: export memory only
+        print(f"exporting the {layers}-layer {mode} model ...", file=sys.stderr, flush=True)
         with multiprocessing.get_context("spawn").Pool(1) as pool:  # keeps torch and the model out of this process
-            checkpoint, weight_bytes = pool.apply(write_checkpoint, (mode, work))
-        folder = work / f"{mode}-onnx"
+            checkpoint, weight_bytes = pool.apply(write_checkpoint, (mode, work, layers))
+        folder = work / f"{mode}-{layers}-onnx"
         seconds, rss = export(checkpoint, folder, "fused" if mode == "dattn" else "standard")
-        print(f"export ({mode}): {seconds:.1f} s, peak RSS {rss / 1e9:.2f} GB = {rss / weight_bytes:.2f} x the "
-              f"{weight_bytes / 1e9:.2f} GB of weights (target <= 1.5)")  # fmt: skip
+        exports.append((mode, layers, weight_bytes, rss))
+        print(f"export ({mode}, {layers} layers): {seconds:.1f} s, peak RSS {rss / 1e9:.2f} GB = {rss / weight_bytes:.2f} x "
+              f"the {weight_bytes / 1e9:.2f} GB of weights (target <= 1.5)")  # fmt: skip
+        if layers == 24:
+            continue
         for num_visual in VISUAL_TOKENS:
             print(f"  {mode} |V|={num_visual} ...", file=sys.stderr, flush=True)
             results[mode, num_visual] = measured(folder, num_visual)
+    (_, _, big_weights, big_rss), (_, _, weights, rss) = exports[:2]
+    print(f"export memory per weight byte (24 vs 8 layers): {(big_rss - rss) / (big_weights - weights):.2f}; "
+          f"fixed part (interpreter, torch, transformers, the exporter): {(rss - weights * (big_rss - rss) / (big_weights - weights)) / 1e9:.2f} GB")  # fmt: skip
     report(results, args.plot)
 
 

@@ -139,9 +139,14 @@ def build_model(source: Source, dtype: torch.dtype = torch.float32) -> DAttnForC
     source.raise_first_problem()
     model = MODEL_CLASSES[source.config.model_type](source.config).to(dtype).eval()
     state = model.state_dict()  # views of the model's own storage
+    casts = [t for t in source.tensors.values() if t.dtype.is_floating_point and t.dtype != dtype]
+    scratch = torch.empty(max((t.nbytes for t in casts), default=0), dtype=torch.uint8)
     with torch.no_grad():
-        for name, tensor in source.tensors.items():  # one tensor in memory beside the model, never a second copy
-            state[name].copy_(checked_cast(source.stored_names[name], tensor, dtype))
+        for name, tensor in source.tensors.items():  # read into the model's storage: no tensor is held twice
+            param = state[name]
+            loaded = checked_cast(source.stored_names[name], tensor, dtype, param.view(-1).view(torch.uint8), scratch)
+            if loaded.data_ptr() != param.data_ptr():  # a tensor that was in memory already (legacy torch files)
+                param.copy_(loaded)
     return model
 
 
