@@ -91,12 +91,12 @@ def write_safetensors(
         sources: dict[Path, int] = {}
         f.write(header)
         upcoming = producer.submit(tensors[0].produce, ring[0]) if tensors else None
-        hashed = None
+        hashed = data = None
         for i, planned in enumerate(tensors):
             tensor = upcoming.result()
             if hashed is not None:  # the previous tensor, written already, is done with once hashed
                 hashed.result()
-                del data  # its mapping (or buffer) is free before the next tensor is produced
+                data = None  # its mapping (or buffer) is free before the next tensor is produced
             if i + 1 < len(tensors):
                 upcoming = producer.submit(tensors[i + 1].produce, ring[(i + 1) % 2])
             if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
