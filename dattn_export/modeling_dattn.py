@@ -40,7 +40,8 @@ from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSN
 from .attention import causal_mask, dattn_op, decomposed_attention, segment_shares
 from .configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
 
-KV = tuple[Tensor, ...]  # one layer's cache: key, value (B, kv_heads, S, head_dim) [, WINGS key, value (B, hidden / head_dim, S, head_dim)]
+# one layer's cache: key, value (B, kv_heads, S, head_dim) [, WINGS key, value (B, hidden / head_dim, S, head_dim)]
+KV = tuple[Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,8 @@ class WingsLearner(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.head_dim = config.head_dim
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (low_rank(config.hidden_size, config.wings_rank) for _ in range(4))
+        hidden, rank = config.hidden_size, config.wings_rank
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (low_rank(hidden, rank) for _ in range(4))
 
     def heads(self, proj: nn.Sequential, x: Tensor) -> Tensor:
         """x(1 + AB) as (B, heads, S, head_dim)."""
@@ -301,13 +303,13 @@ class DAttnDecoderLayer(nn.Module):
         num_new = x.shape[1]
         weights = torch.softmax(self.wings_router(shares.transpose(1, 2).flatten(2)), dim=-1)  # (B, T, 2)
         visual_mask = visual_mask.bool()[:, None, :].expand(-1, num_new, -1)
-        visual_out = self.wings_visual.attend(self.wings_visual.heads(self.wings_visual.q_proj, x), *visual[2:], visual_mask)
-        text = self.wings_text
-        q, k = (apply_rope(text.heads(proj, x), *rope) for proj in (text.q_proj, text.k_proj))
-        v = text.heads(text.v_proj, x)
+        visual_learner, text_learner = self.wings_visual, self.wings_text
+        visual_out = visual_learner.attend(visual_learner.heads(visual_learner.q_proj, x), *visual[2:], visual_mask)
+        q, k = (apply_rope(text_learner.heads(proj, x), *rope) for proj in (text_learner.q_proj, text_learner.k_proj))
+        v = text_learner.heads(text_learner.v_proj, x)
         if past is not None:
             k, v = torch.cat([past[2], k], dim=2), torch.cat([past[3], v], dim=2)
-        text_out = text.attend(q, k, v, causal_mask(key_mask.bool(), num_new))
+        text_out = text_learner.attend(q, k, v, causal_mask(key_mask.bool(), num_new))
         return weights[..., :1] * visual_out + weights[..., 1:] * text_out, (k, v)
 
 

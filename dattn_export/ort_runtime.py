@@ -46,8 +46,9 @@ class GraphRuntime:
     def encode_visual(
         self, visual_embeds: np.ndarray, visual_mask: np.ndarray | None = None, chunk: int = VISUAL_CHUNK
     ) -> list[np.ndarray]:
-        """Every layer's visual K/V, flat in the graphs' order [k0, v0, k1, v1, ...]. With diagonal V2V visual tokens never mix, so
-        long visual sequences run in chunks: memory stays that of one chunk and time stays linear."""
+        """Every layer's visual K/V (and WINGS keys/values), flat in the graphs' order [k0, v0, k1, v1, ...]. With
+        diagonal V2V visual tokens never mix, so long visual sequences run in chunks: memory stays that of one
+        chunk and time stays linear."""
         if visual_mask is None:
             visual_mask = np.ones(visual_embeds.shape[:2], np.int64)
         if not self.manifest["model"]["diagonal"] or visual_embeds.shape[1] <= chunk:
