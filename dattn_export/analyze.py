@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .attention import segment_lse, segment_masks
+from .attention import segment_shares
 from .errors import InputError
 from .fileio import atomic_dir
 from .loading import load_model
@@ -40,14 +40,12 @@ class AttentionReport:
 def layer_masses(call: dict, attention, image_after: int) -> torch.Tensor:
     """(3, T): mean over heads of the softmax mass on [visual, text before the image, text after it]."""
     q, k = call["q"], call["k"]
-    txt_mask, vis_mask = segment_masks(call["key_mask"], call["visual_mask"], q.shape[2], attention.window, attention.causal_visual)
     before = torch.arange(k.shape[2]) < image_after + (k.shape[2] - q.shape[2])
-    lse = torch.stack([
-        segment_lse(call["q_vis"], call["k_vis"], vis_mask, attention.scale, attention.softcap),
-        segment_lse(q, k, txt_mask & before, attention.scale, attention.softcap),
-        segment_lse(q, k, txt_mask & ~before, attention.scale, attention.softcap),
-    ])  # fmt: skip
-    return torch.nan_to_num(torch.softmax(lse, dim=0), nan=0.0).mean(dim=2)[:, 0]  # batch of one
+    shares = segment_shares(
+        q, k, call["key_mask"], call["q_vis"], call["k_vis"], call["visual_mask"], scale=attention.scale,
+        softcap=attention.softcap, window=attention.window, causal_visual=attention.causal_visual, text_split=before,
+    )  # fmt: skip
+    return shares.mean(dim=1)[0].T  # batch of one
 
 
 def pearson(a: np.ndarray, b: np.ndarray) -> float | None:

@@ -161,25 +161,23 @@ def segment_masks(
     return causal_mask(key_mask, num_queries, window), visual_mask.bool()[:, None, :].expand(-1, num_queries, -1)
 
 
-def segment_lse(q: Tensor, k: Tensor, mask: Tensor, scale: float, softcap: float | None = None) -> Tensor:
-    """Log-sum-exp of one key segment's (soft-capped) logits per query: (B, Hq, T) fp32, -inf where no key is
-    visible. sigmoid(S_V - S_T) is the alpha merge's attention mass on the visual segment."""
-    return torch.logsumexp(_logits(q, k, mask, scale, softcap), dim=-1).flatten(1, 2)
-
-
 def segment_shares(
     q: Tensor, k: Tensor, key_mask: Tensor, q_vis: Tensor, k_vis: Tensor, visual_mask: Tensor, *, scale: float,
     softcap: float | None = None, window: int | None = None, causal_visual: bool = False,
+    text_split: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """Per head and query, the share of one softmax over [visual ; text] keys (the op contract's masks) that
-    falls on each segment: (B, Hq, T, 2) as [visual, text]. For the alpha merge and conventional attention
+    falls on each segment: (B, Hq, T, 2) as [visual, text], or with `text_split` (S,) bool over the text keys
+    (B, Hq, T, 3) as [visual, text where split, text elsewhere]. For the alpha merge and conventional attention
     this is the attention mass on each segment (visual: sigmoid(S_V - S_T)); a query that sees no key gets 0."""
     txt_mask, vis_mask = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual)
     s = torch.cat([_logits(q_vis, k_vis, vis_mask, scale, softcap), _logits(q, k, txt_mask, scale, softcap)], dim=-1)
     p = _softmax(s)
-    text = p[..., k_vis.shape[2] :].sum(-1)
-    visual = p.sum(-1) - text  # not a sum over the visual keys: that axis may be empty
-    return torch.stack([visual, text], dim=-1).flatten(1, 2)
+    p_text = p[..., k_vis.shape[2] :]
+    text = p_text.sum(-1)
+    shares = [p.sum(-1) - text]  # not a sum over the visual keys: that axis may be empty
+    shares += [text] if text_split is None else [p_text[..., text_split].sum(-1), p_text[..., ~text_split].sum(-1)]
+    return torch.stack(shares, dim=-1).flatten(1, 2)
 
 
 @contextlib.contextmanager
