@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dattn_export.modeling_dattn import MODEL_CLASSES
+from dattn_export.loading import expected_shapes
 from dattn_export.presets import tiny_config
 
 HIDDEN, INTERMEDIATE, VOCAB = 2048, 8192, 32000
@@ -42,12 +42,6 @@ def bench_config(size_gb: float):
         "mistral", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, dtype="bfloat16",
     )  # fmt: skip
-
-
-def shapes_of(config) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        model = MODEL_CLASSES[config.model_type](config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def fill(shape, seed: int, dtype) -> torch.Tensor:
@@ -153,7 +147,7 @@ def main() -> None:
     try:
         for size in (args.size_gb / 2, args.size_gb):
             config = bench_config(size)
-            shapes = shapes_of(config)
+            shapes = expected_shapes(config)
             largest_bf16 = max(math.prod(s) for s in shapes.values()) * 2
             for layout, writer, largest in (("bf16 .bin shards", write_bin, largest_bf16),
                                             ("ZeRO-3 fp32, 2 ranks", write_zero3, 2 * largest_bf16)):  # fmt: skip

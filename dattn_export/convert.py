@@ -24,7 +24,16 @@ from .converters.registry import Lazy
 from .converters.safetensors_writer import PlannedTensor, WrittenFile, plan_shards, shard_names, write_shards
 from .errors import InputError
 from .fileio import atomic_dir
-from .loading import Source, check_values, checked_cast, expected_shapes, open_source, tied_names
+from .loading import (
+    Source,
+    cast_scratch,
+    check_values,
+    checked_cast,
+    expected_shapes,
+    needs_cast,
+    open_source,
+    tied_names,
+)
 from .modeling_dattn import MODEL_CLASSES
 from .names import parameter_counts
 
@@ -152,15 +161,15 @@ def convert(
     dropped = untie(source)
     order = [n for n in expected_shapes(source.config) if n in source.tensors and n not in dropped]
     mappable = lambda t: t.nbytes and (isinstance(t, GatheredTensor) or lazy_is_contiguous(t))  # noqa: E731
-    casts = [source.tensors[n] for n in order if source.tensors[n].dtype.is_floating_point and source.tensors[n].dtype != target]
-    scratch = torch.empty(max((t.nbytes for t in casts if not mappable(t)), default=0), dtype=torch.uint8)  # producer's
+    scratch = cast_scratch([source.tensors[n] for n in order if not mappable(source.tensors[n])], target)  # producer's
     planned = []
     for name in order:
         lazy, stored_name = source.tensors[name], source.stored_names[name]
-        out_dtype = target if lazy.dtype.is_floating_point else lazy.dtype
-        if out_dtype == lazy.dtype and lazy_is_contiguous(lazy) and lazy.nbytes:  # the bytes as they are
+        casting = needs_cast(lazy, target)
+        out_dtype = target if casting else lazy.dtype
+        if not casting and lazy_is_contiguous(lazy) and lazy.nbytes:  # the bytes as they are
             produce, copy_from = lambda _, n=stored_name, t=lazy: checked_in_place(n, t), (lazy.file, lazy.offset)
-        elif out_dtype != lazy.dtype and mappable(lazy):
+        elif casting and mappable(lazy):
             produce, copy_from = lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast_mapped(n, t, d, out), None
         else:
             produce, copy_from = lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast(n, t, d, out, scratch), None

@@ -119,12 +119,22 @@ def check_values(stored_name: str, file: Path, tensor: torch.Tensor, dtype: torc
         )
 
 
+def needs_cast(lazy: Lazy, dtype: torch.dtype) -> bool:
+    """Floating-point tensors take `dtype`; others keep theirs."""
+    return lazy.dtype.is_floating_point and lazy.dtype != dtype
+
+
+def cast_scratch(tensors, dtype: torch.dtype) -> torch.Tensor:
+    """A uint8 buffer for the largest of `tensors` that `checked_cast` reads in its own dtype before casting."""
+    return torch.empty(max((t.nbytes for t in tensors if needs_cast(t, dtype)), default=0), dtype=torch.uint8)
+
+
 def checked_cast(
     stored_name: str, lazy: Lazy, dtype: torch.dtype, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Load one tensor, refuse NaN/Inf and values the target dtype cannot hold, cast. With buffers (uint8),
     the result lands in `out` and a tensor that needs a cast is read into `scratch` first."""
-    casting = lazy.dtype.is_floating_point and lazy.dtype != dtype
+    casting = needs_cast(lazy, dtype)
     tensor = lazy.load(scratch if casting else out)
     check_values(stored_name, lazy.file, tensor, dtype)
     if not casting:
@@ -139,8 +149,7 @@ def build_model(source: Source, dtype: torch.dtype = torch.float32) -> DAttnForC
     source.raise_first_problem()
     model = MODEL_CLASSES[source.config.model_type](source.config).to(dtype).eval()
     state = model.state_dict()  # views of the model's own storage
-    casts = [t for t in source.tensors.values() if t.dtype.is_floating_point and t.dtype != dtype]
-    scratch = torch.empty(max((t.nbytes for t in casts), default=0), dtype=torch.uint8)
+    scratch = cast_scratch(source.tensors.values(), dtype)
     with torch.no_grad():
         for name, tensor in source.tensors.items():  # read into the model's storage: no tensor is held twice
             param = state[name]
