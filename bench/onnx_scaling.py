@@ -8,6 +8,10 @@ attention) as a plain export (standard ONNX ops), as the baseline a user would o
   decode step  decoder.onnx on one token with 64 past tokens
 and its peak RSS is read from the kernel. Prints the table and writes onnx_scaling.png.
 
+D-Attn's prefill is the visual stream's matrix products (k/v projections, o_proj, MLP per visual token), so its
+floor is their FLOPs at this CPU's fp32 MatMul rate, measured in the same run on ORT with an MLP-shaped product:
+the bench prints that floor and the S-Attn/D-Attn ratio it allows.
+
 Targets (issue 5): t_prefill(9216) / t_prefill(2304) <= 4.5; D-Attn >= 2.5x faster than S-Attn at 2304;
 |V| = 9216 under 4 GB RSS; 2nd prompt >= 10x faster than the first at 9216; decode t(9216)/t(576) <= 3.0.
 
@@ -31,6 +35,7 @@ import numpy as np
 
 VISUAL_TOKENS = (576, 2304, 9216)
 TEXT_TOKENS = 64
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 1024, 4096, 16, 8, 64, 8
 MEMORY_CAP = 20 << 30  # a measurement past this fails cleanly (S-Attn's |V|^2 logits) instead of swapping
 
 
@@ -43,8 +48,9 @@ def write_checkpoint(mode: str, work: Path, layers: int = 8) -> tuple[Path, int]
     from dattn_export.modeling_dattn import MODEL_CLASSES
     from dattn_export.presets import randomize_weights, tiny_config
 
-    config = tiny_config("mistral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000, dattn_mode=mode)  # fmt: skip
+    config = tiny_config("mistral", hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=32000,
+                         dattn_mode=mode)  # fmt: skip
     model = randomize_weights(MODEL_CLASSES[config.model_type](config).eval())
     checkpoint = write_demo_checkpoint(work / f"{mode}-{layers}-checkpoint")
     for shard in checkpoint.glob("model*.safetensors*"):
@@ -65,6 +71,34 @@ def export(checkpoint: Path, folder: Path, attention: str) -> tuple[float, int]:
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"export of {checkpoint} failed")
     return time.perf_counter() - start, usage.ru_maxrss * 1024
+
+
+def visual_stream_flops(num_visual: int) -> float:
+    """The visual stream's matrix-product FLOPs (the literal count): every layer projects k and v; every layer
+    but the last (whose output nobody reads) also applies o_proj to the values (query heads of a KV head summed
+    first) and the MLP."""
+    kv = 2 * HIDDEN * 2 * KV_HEADS * HEAD_DIM
+    o_and_mlp = 2 * KV_HEADS * HEAD_DIM * HIDDEN + 2 * 3 * HIDDEN * INTERMEDIATE
+    return num_visual * (LAYERS * kv + (LAYERS - 1) * o_and_mlp)
+
+
+def matmul_rate(tokens: int = 2304) -> float:
+    """FLOP/s of ONNX Runtime CPU (2 threads, fp32) on one MLP-shaped product (tokens x hidden @ hidden x
+    intermediate): the best rate the visual stream's products can run at here."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((HIDDEN, INTERMEDIATE), dtype=np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "matmul",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [tokens, HIDDEN])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [tokens, INTERMEDIATE])], [weight])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = {"x": np.ones((tokens, HIDDEN), np.float32)}
+    session.run(None, x)
+    return 2 * tokens * HIDDEN * INTERMEDIATE / best_of(10, lambda: session.run(None, x))
 
 
 def best_of(runs: int, fn) -> float:
@@ -147,10 +181,10 @@ def main() -> None:
     (_, _, big_weights, big_rss), (_, _, weights, rss) = exports[:2]
     print(f"export memory per weight byte (24 vs 8 layers): {(big_rss - rss) / (big_weights - weights):.2f}; "
           f"fixed part (interpreter, torch, transformers, the exporter): {(rss - weights * (big_rss - rss) / (big_weights - weights)) / 1e9:.2f} GB")  # fmt: skip
-    report(results, args.plot)
+    report(results, matmul_rate(), args.plot)
 
 
-def report(results: dict, plot: Path) -> None:
+def report(results: dict, rate: float, plot: Path) -> None:
     print(f"{'mode':<7}{'|V|':>6}{'prefill s':>11}{'2nd prompt s':>14}{'decode ms':>11}{'peak RSS':>10}")
     for (mode, num_visual), r in results.items():
         if "failed" in r:
@@ -170,6 +204,10 @@ def report(results: dict, plot: Path) -> None:
     for name, value, bound, op in checks:
         ok = value <= bound if op == "<=" else value >= bound
         print(f"{name:<42}{value:>8.2f}  {'ok' if ok else 'MISSED'}")
+    floor = visual_stream_flops(2304) / rate
+    print(f"D-Attn prefill floor at 2304: {visual_stream_flops(2304) / 1e9:.0f} GFLOP of visual-stream products at the "
+          f"measured {rate / 1e9:.0f} GFLOP/s (fp32 MatMul, 2 threads) = {floor:.2f} s (measured "
+          f"{d[2304]['prefill_s']:.2f} s); S-Attn / floor = {s['prefill_s'] / floor if 'failed' not in s else float('inf'):.2f}")  # fmt: skip
     try:
         import matplotlib
 

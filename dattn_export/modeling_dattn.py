@@ -165,6 +165,14 @@ class DAttnAttention(nn.Module):
         """(B, heads, S, head_dim) -> (B, S, hidden)."""
         return self.o_proj(attn.transpose(1, 2).flatten(2))
 
+    def value_output(self, v: Tensor) -> Tensor:
+        """`output` of every query head's own KV head's value (B, kv heads, S, head_dim): the diagonal V2V. The
+        query heads sharing a KV head output the same value, so their columns of o_proj are summed first: 1/group
+        of o_proj's work, and no repeated values."""
+        group = self.num_heads // self.num_kv_heads
+        weight = self.o_proj.weight.unflatten(1, (self.num_kv_heads, group, self.head_dim)).sum(2).flatten(1)
+        return F.linear(v.transpose(1, 2).flatten(2), weight, self.o_proj.bias)
+
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, q_vis: Tensor, visual: KV, visual_mask: Tensor,
         causal: bool = True,
@@ -261,8 +269,8 @@ class DAttnDecoderLayer(nn.Module):
         if not need_output:
             return None, visual_kv
         if self.diagonal:  # softmax over the token's own key alone is 1: the output is its value
-            out = v.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
-        elif self.tokens_per_image:  # MMCA: full attention within each image, images never mix
+            return self.residual_mlp(h, attn.value_output(v)), visual_kv
+        if self.tokens_per_image:  # MMCA: full attention within each image, images never mix
             q = apply_rope(attn.heads(attn.q_proj, x), *rope)
             per_image = lambda t: t.unflatten(2, (-1, self.tokens_per_image)).transpose(1, 2).flatten(0, 1)  # noqa: E731
             q_i, k_i, v_i, valid_i = per_image(q), per_image(k_rot), per_image(v), valid.unflatten(1, (-1, self.tokens_per_image)).flatten(0, 1)

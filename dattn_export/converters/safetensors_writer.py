@@ -11,10 +11,12 @@ import hashlib
 import json
 import math
 import os
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ import torch
 from .lazy import SAFETENSORS_NAMES
 
 INDEX_NAME = "model.safetensors.index.json"
+HASH_LAG = 128 << 20  # bytes of mapped tensors that hashing may fall behind the writing
 
 
 @dataclass
@@ -77,10 +80,11 @@ def write_safetensors(
     on_written: Callable[[PlannedTensor], None] | None = None,
 ) -> WrittenFile:  # fmt: skip
     """Stream `tensors` into one safetensors file. Three stages overlap (all release the GIL): the next
-    tensor is produced (read, checked, cast) while the current one is written and hashed, and hashing (the
-    slowest, sha256 is sequential) runs on while the next tensor is written. Tensors are produced
-    into two buffers used in turn: tensor i+2 reuses tensor i's, which is written by then (tensors copied as
-    they are need no buffer: they are mapped from their file)."""
+    tensor is produced (read, checked, cast) while the current one is written, and hashing runs behind the
+    writing. sha256 is sequential and the slowest stage, so it must never wait: it may fall behind by up to
+    HASH_LAG bytes of mapped tensors (tensors copied as they are need no buffer: they are mapped from their
+    file). Produced tensors go into two buffers used in turn; a buffer is reused once its tensor is hashed.
+    Leaving the `with` waits for the last hashes."""
     header = _header(tensors, metadata or {})
     digest, size = hashlib.sha256(header), len(header)
     largest = max((t.nbytes for t in tensors if t.copy_from is None), default=0)
@@ -90,20 +94,40 @@ def write_safetensors(
         producer, hasher = stack.enter_context(ThreadPoolExecutor(1)), stack.enter_context(ThreadPoolExecutor(1))
         sources: dict[Path, int] = {}
         f.write(header)
-        upcoming = producer.submit(tensors[0].produce, ring[0]) if tensors else None
-        hashed = data = None
+        hashing: deque[tuple[Future, int]] = deque()  # (hash of a written mapped tensor, its bytes), oldest first
+        behind = 0  # their bytes
+        slots = list(accumulate((t.copy_from is None for t in tensors), initial=0))  # buffer k % 2: the k-th produced
+        ring_hashed: list[Future | None] = [None, None]  # the hash of the tensor each buffer last held
+        no_buffer = torch.empty(0, dtype=torch.uint8)
+
+        def produce(k: int) -> Future:
+            planned, previous = tensors[k], ring_hashed[slots[k] % 2]
+            if planned.copy_from is not None:
+                return producer.submit(planned.produce, no_buffer)
+
+            def into_free_buffer():
+                if previous is not None:
+                    previous.result()  # the buffer's previous tensor is written and hashed
+                return planned.produce(ring[slots[k] % 2])
+
+            return producer.submit(into_free_buffer)
+
+        upcoming = produce(0) if tensors else None
         for i, planned in enumerate(tensors):
             tensor = upcoming.result()
-            if hashed is not None:  # the previous tensor, written already, is done with once hashed
-                hashed.result()
-                data = None  # its mapping (or buffer) is free before the next tensor is produced
-            if i + 1 < len(tensors):
-                upcoming = producer.submit(tensors[i + 1].produce, ring[(i + 1) % 2])
             if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
                 raise ValueError(f"{planned.name}: produced {tensor.dtype} {list(tensor.shape)}, planned "
                                  f"{planned.dtype} {list(planned.shape)}")  # fmt: skip
             data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+            del tensor  # the hash holds the bytes (and their mapping) while it needs them
             hashed = hasher.submit(digest.update, data)
+            if planned.copy_from is None:
+                ring_hashed[slots[i] % 2] = hashed
+            else:
+                hashing.append((hashed, len(data)))
+                behind += len(data)
+            if i + 1 < len(tensors):
+                upcoming = produce(i + 1)
             if planned.copy_from is None:
                 f.write(data)
             else:  # the same bytes, copied inside the kernel: several times faster than write() here
@@ -112,10 +136,13 @@ def write_safetensors(
                     sources[source] = stack.enter_context(open(source, "rb", buffering=0)).fileno()
                 _copy_range(sources[source], f.fileno(), offset, len(data))
             size += len(data)
+            data = None
+            while behind > HASH_LAG:
+                oldest, nbytes = hashing.popleft()
+                oldest.result()
+                behind -= nbytes
             if on_written:
                 on_written(planned)
-        if hashed is not None:
-            hashed.result()
     return WrittenFile(size, digest.hexdigest())
 
 
