@@ -212,3 +212,36 @@ def test_verify_detects_tampering(tmp_path):
     checks = {c.name: c for c in verify(tmp_path / "out", against=tmp_path / "src")}
     assert not checks["files: size and sha256"].ok and "model.safetensors sha256" in checks["files: size and sha256"].detail
     assert not checks["tensors reload"].ok
+
+
+@pytest.mark.parametrize("hash_lag", [0, 1 << 30])
+def test_writer_streams_mapped_and_buffered_tensors(tmp_path, monkeypatch, hash_lag):
+    """The shard writer against safetensors' own reader and hashlib over the written file, with hashing allowed
+    no lag at all (every mapped tensor waits for its hash) or a lag larger than the file."""
+    import hashlib
+
+    from dattn_export.converters import safetensors_writer
+    from dattn_export.converters.safetensors_writer import PlannedTensor, write_safetensors
+
+    monkeypatch.setattr(safetensors_writer, "HASH_LAG", hash_lag)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(7 + i, 5, generator=generator).to(torch.bfloat16 if i % 3 else torch.float32)
+               for i in range(9)}  # fmt: skip
+    raw = tmp_path / "raw.bin"  # the mapped tensors' bytes lie here, as in a checkpoint's file
+    offsets, blob = {}, b""
+    for name, t in tensors.items():
+        offsets[name], blob = len(blob), blob + t.view(torch.uint8).numpy().tobytes()
+    raw.write_bytes(blob)
+
+    def planned(i, name, t):
+        if i % 2:  # mapped: copied in the kernel from raw.bin
+            return PlannedTensor(name, t.dtype, tuple(t.shape), lambda _, t=t: t, (raw, offsets[name]))
+        return PlannedTensor(name, t.dtype, tuple(t.shape),
+                             lambda out, t=t: out[: t.nbytes].view(t.dtype).view(t.shape).copy_(t))  # fmt: skip
+
+    out = tmp_path / "model.safetensors"
+    written = write_safetensors(out, [planned(i, n, t) for i, (n, t) in enumerate(tensors.items())])
+    assert written.size == out.stat().st_size
+    assert written.sha256 == hashlib.sha256(out.read_bytes()).hexdigest()
+    loaded = load_file(out)
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[n], t) for n, t in tensors.items())
