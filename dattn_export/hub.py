@@ -34,7 +34,6 @@ TEXT_RULES = {
 }
 
 
-
 @dataclass
 class UploadFile:
     path_in_repo: str

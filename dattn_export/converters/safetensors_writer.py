@@ -96,19 +96,20 @@ def write_safetensors(
         f.write(header)
         hashing: deque[tuple[Future, int]] = deque()  # (hash of a written mapped tensor, its bytes), oldest first
         behind = 0  # their bytes
-        slots = list(accumulate((t.copy_from is None for t in tensors), initial=0))  # buffer k % 2: the k-th produced
+        # produced tensors take the two buffers in turn (the k-th produced one buffer k % 2)
+        buffer_of = [k % 2 for k in accumulate((t.copy_from is None for t in tensors), initial=0)]
         ring_hashed: list[Future | None] = [None, None]  # the hash of the tensor each buffer last held
         no_buffer = torch.empty(0, dtype=torch.uint8)
 
         def produce(k: int) -> Future:
-            planned, previous = tensors[k], ring_hashed[slots[k] % 2]
+            planned, previous = tensors[k], ring_hashed[buffer_of[k]]
             if planned.copy_from is not None:
                 return producer.submit(planned.produce, no_buffer)
 
             def into_free_buffer():
                 if previous is not None:
                     previous.result()  # the buffer's previous tensor is written and hashed
-                return planned.produce(ring[slots[k] % 2])
+                return planned.produce(ring[buffer_of[k]])
 
             return producer.submit(into_free_buffer)
 
@@ -121,16 +122,14 @@ def write_safetensors(
             data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
             del tensor  # the hash holds the bytes (and their mapping) while it needs them
             hashed = hasher.submit(digest.update, data)
-            if planned.copy_from is None:
-                ring_hashed[slots[i] % 2] = hashed
-            else:
-                hashing.append((hashed, len(data)))
-                behind += len(data)
-            if i + 1 < len(tensors):
+            if i + 1 < len(tensors):  # a produced tensor i + 1 takes the other buffer than tensor i's
                 upcoming = produce(i + 1)
             if planned.copy_from is None:
+                ring_hashed[buffer_of[i]] = hashed
                 f.write(data)
             else:  # the same bytes, copied inside the kernel: several times faster than write() here
+                hashing.append((hashed, len(data)))
+                behind += len(data)
                 source, offset = planned.copy_from
                 if source not in sources:
                     sources[source] = stack.enter_context(open(source, "rb", buffering=0)).fileno()
