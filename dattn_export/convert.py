@@ -29,7 +29,6 @@ from .loading import (
     cast_scratch,
     check_values,
     checked_cast,
-    expected_shapes,
     needs_cast,
     open_source,
     tied_names,
@@ -159,7 +158,7 @@ def convert(
     source.raise_first_problem()
     target = output_dtype(dtype, source)
     dropped = untie(source)
-    order = [n for n in expected_shapes(source.config) if n in source.tensors and n not in dropped]
+    order = [n for n in source.tensors if n not in dropped]
     mappable = lambda t: t.nbytes and (isinstance(t, GatheredTensor) or lazy_is_contiguous(t))  # noqa: E731
     scratch = cast_scratch([source.tensors[n] for n in order if not mappable(source.tensors[n])], target)  # producer's
     planned = []

@@ -57,7 +57,7 @@ class Source:
     config: object
     config_path: Path
     vision_origin: str
-    tensors: dict[str, Lazy] = field(default_factory=dict)
+    tensors: dict[str, Lazy] = field(default_factory=dict)  # in the model's (state_dict) order
     stored_names: dict[str, str] = field(default_factory=dict)  # canonical -> as stored
     problems: list[InputError] = field(default_factory=list)
 
@@ -97,6 +97,8 @@ def audit(reader: CheckpointReader, vision_heads: int | None = None) -> Source:
             ))  # fmt: skip
         else:
             source.tensors[name], source.stored_names[name] = tensor, stored
+    position = {name: k for k, name in enumerate(expected)}
+    source.tensors = dict(sorted(source.tensors.items(), key=lambda item: position[item[0]]))  # the model's order
     missing = sorted(set(expected) - set(canonical) - tied_names(config))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
