@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from dattn_export.loading import expected_shapes
+from dattn_export.checkpoints.source import expected_shapes
 from dattn_export.presets import tiny_config
 
 HIDDEN, INTERMEDIATE, VOCAB = 2048, 8192, 32000
@@ -42,9 +42,16 @@ def bench_config(size_gb: float):
     per_layer = 2 * HIDDEN * HIDDEN + 2 * HIDDEN * 1024 + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN
     layers = max(1, round((size_gb * 1e9 / 2 - 2 * VOCAB * HIDDEN) / per_layer))
     return tiny_config(
-        "mistral", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, dtype="bfloat16",
-    )  # fmt: skip
+        "mistral",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+    )
 
 
 def fill(shape, seed: int, dtype) -> torch.Tensor:
@@ -88,11 +95,22 @@ def write_zero3(folder: Path, config, shapes, world_size: int = 2) -> Path:
             flat[offset : offset + piece.numel()] = piece
             flat[offset + piece.numel() : offset + parts[name]] = 0
             offset += parts[name]
-        torch.save({"module": {}, "buffer_names": [], "param_shapes": param_shapes, "shared_params": {},
-                    "frozen_param_shapes": None, "frozen_param_fragments": {}, "ds_version": "0.19.8"},
-                   step / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")  # fmt: skip
-        torch.save({"optimizer_state_dict": {"zero_stage": 3, "partition_count": world_size, "fp32_flat_groups": [flat]}},
-                   step / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")  # fmt: skip
+        torch.save(
+            {
+                "module": {},
+                "buffer_names": [],
+                "param_shapes": param_shapes,
+                "shared_params": {},
+                "frozen_param_shapes": None,
+                "frozen_param_fragments": {},
+                "ds_version": "0.19.8",
+            },
+            step / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+        )
+        torch.save(
+            {"optimizer_state_dict": {"zero_stage": 3, "partition_count": world_size, "fp32_flat_groups": [flat]}},
+            step / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+        )
         del flat
     return step
 
@@ -136,13 +154,19 @@ def measure(source: Path, work: Path, largest_tensor: int) -> dict:
             rss = max(rss, peak)
             largest_shard = max(p.stat().st_size for p in (work / "copy").glob("*.safetensors"))
         shutil.rmtree(work / "copy")
-    return dict(bytes=data, cp=min(seconds["cp"]), ours=min(seconds["ours"]), rss=rss,
-                largest_tensor=largest_tensor, largest_shard=largest_shard)  # fmt: skip
+    return dict(
+        bytes=data,
+        cp=min(seconds["cp"]),
+        ours=min(seconds["ours"]),
+        rss=rss,
+        largest_tensor=largest_tensor,
+        largest_shard=largest_shard,
+    )
 
 
 def startup_seconds(work: Path) -> float:
     """Best of three `convert` runs of the tiny demo checkpoint (1 MB): the command's fixed cost."""
-    from dattn_export.demo import write_demo_checkpoint
+    from dattn_export.stages.demo import write_demo_checkpoint
 
     tiny = write_demo_checkpoint(work / "tiny")
     runs = []
@@ -165,8 +189,10 @@ def main() -> None:
             config = bench_config(size)
             shapes = expected_shapes(config)
             largest_bf16 = max(math.prod(s) for s in shapes.values()) * 2
-            for layout, writer, largest in (("bf16 .bin shards", write_bin, largest_bf16),
-                                            ("ZeRO-3 fp32, 2 ranks", write_zero3, 2 * largest_bf16)):  # fmt: skip
+            for layout, writer, largest in (
+                ("bf16 .bin shards", write_bin, largest_bf16),
+                ("ZeRO-3 fp32, 2 ranks", write_zero3, 2 * largest_bf16),
+            ):
                 print(f"writing {layout} for {config.num_hidden_layers} layers ...", file=sys.stderr, flush=True)
                 with multiprocessing.get_context("spawn").Pool(1) as pool:  # this process stays small
                     written = pool.apply(writer, (work / "source", config, shapes))
@@ -177,16 +203,20 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"start-up (convert of the 1 MB demo checkpoint, best of 3): {startup:.2f} s")
-    header = (f"{'source':<22}{'layers':>7}{'GB':>7}{'cp s':>7}{'ours s':>8}{'ours/cp':>9}{'w/o start-up':>13}"
-              f"{'peak RSS':>10}{'RSS/shard':>10}{'RSS bound':>10}{'ok':>4}")  # fmt: skip
+    header = (
+        f"{'source':<22}{'layers':>7}{'GB':>7}{'cp s':>7}{'ours s':>8}{'ours/cp':>9}{'w/o start-up':>13}"
+        f"{'peak RSS':>10}{'RSS/shard':>10}{'RSS bound':>10}{'ok':>4}"
+    )
     print(header)
     for layout, layers, m in rows:
         ratio = m["cp"] / m["ours"]  # throughput ratio: same bytes, so the inverse of the time ratio
         bound = 2 * m["largest_tensor"] + 500e6
         ok = ratio >= 0.5 and m["rss"] <= bound
-        print(f"{layout:<22}{layers:>7}{m['bytes'] / 1e9:>7.2f}{m['cp']:>7.1f}{m['ours']:>8.1f}{ratio:>9.2f}"
-              f"{m['cp'] / (m['ours'] - startup):>13.2f}{m['rss'] / 1e6:>9.0f}M{m['rss'] / m['largest_shard']:>10.2f}"
-              f"{bound / 1e6:>9.0f}M{'yes' if ok else 'NO':>4}")  # fmt: skip
+        print(
+            f"{layout:<22}{layers:>7}{m['bytes'] / 1e9:>7.2f}{m['cp']:>7.1f}{m['ours']:>8.1f}{ratio:>9.2f}"
+            f"{m['cp'] / (m['ours'] - startup):>13.2f}{m['rss'] / 1e6:>9.0f}M{m['rss'] / m['largest_shard']:>10.2f}"
+            f"{bound / 1e6:>9.0f}M{'yes' if ok else 'NO':>4}"
+        )
     for layout in ("bf16 .bin shards", "ZeRO-3 fp32, 2 ranks"):
         small, large = (m for name, _, m in rows if name == layout)
         print(f"{layout}: peak RSS at 2N / at N = {large['rss'] / small['rss']:.2f} (flat = 1.00)")

@@ -32,7 +32,7 @@ def timed(fn, repeat: int = 50) -> float:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA GPU: this benchmark and the gpu tests run on a GPU machine")
-    from dattn_export.torch_op import decomposed_attention
+    from dattn_export.plugins.torch_op import decomposed_attention
 
     heads, kv_heads, dim, dtype = 32, 8, 128, torch.float16
     print(f"{'|V|':>6}{'phase':>9}{'dattn kernel ms':>17}{'SDPA ms':>10}{'speed-up':>10}")

@@ -2,7 +2,8 @@
 
 One random mid-size config (hidden 1024, 8 layers, 16 heads, 8 KV heads, vocab 32000, fp32), exported twice:
 `dattn` (diagonal V2V, debiased T2V, alpha merge) with the fused attention op, and `sattn` (conventional
-attention) as a plain export (standard ONNX ops), as the baseline a user would otherwise ship. At |V| = 576, 2304, 9216 visual tokens and 64 text tokens each measurement runs in its own process:
+attention) as a plain export (standard ONNX ops), as the baseline a user would otherwise ship. At |V| = 576, 2304,
+9216 visual tokens and 64 text tokens each measurement runs in its own process:
   prefill      visual_kv.onnx on the image + decoder.onnx on the prompt
   2nd prompt   decoder.onnx on another prompt, the image's visual K/V reused (cached)
   decode step  decoder.onnx on one token with 64 past tokens
@@ -44,14 +45,22 @@ def write_checkpoint(mode: str, work: Path, layers: int = 8) -> tuple[Path, int]
     """The random mid-size checkpoint; returns its folder and its weights' size in bytes."""
     from safetensors.torch import save_file
 
-    from dattn_export.demo import write_demo_checkpoint
-    from dattn_export.loading import saved_state_dict
-    from dattn_export.modeling_dattn import MODEL_CLASSES
+    from dattn_export.checkpoints.source import saved_state_dict
+    from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
     from dattn_export.presets import randomize_weights, tiny_config
+    from dattn_export.stages.demo import write_demo_checkpoint
 
-    config = tiny_config("mistral", hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=32000,
-                         dattn_mode=mode)  # fmt: skip
+    config = tiny_config(
+        "mistral",
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        vocab_size=32000,
+        dattn_mode=mode,
+    )
     model = randomize_weights(MODEL_CLASSES[config.model_type](config).eval())
     checkpoint = write_demo_checkpoint(work / f"{mode}-{layers}-checkpoint")
     for shard in checkpoint.glob("model*.safetensors*"):
@@ -65,9 +74,12 @@ def write_checkpoint(mode: str, work: Path, layers: int = 8) -> tuple[Path, int]
 def export(checkpoint: Path, folder: Path, attention: str) -> tuple[float, int]:
     """`dattn-export onnx` as a user runs it: (seconds, peak RSS in bytes)."""
     start = time.perf_counter()
-    child = subprocess.Popen(["dattn-export", "onnx", str(checkpoint), "-o", str(folder), "--attention", attention],
-                             stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, close_fds=False)  # fmt: skip
+    child = subprocess.Popen(
+        ["dattn-export", "onnx", str(checkpoint), "-o", str(folder), "--attention", attention],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        close_fds=False,
+    )
     _, status, usage = os.wait4(child.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"export of {checkpoint} failed")
@@ -79,8 +91,12 @@ def visual_products() -> dict[tuple[int, int], int]:
     every layer but the last (whose output nobody reads) also applies o_proj to the values (query heads of a KV
     head summed first: kv_dim -> hidden) and the MLP's gate, up and down."""
     kv_dim = KV_HEADS * HEAD_DIM
-    return {(HIDDEN, kv_dim): 2 * LAYERS, (kv_dim, HIDDEN): LAYERS - 1, (HIDDEN, INTERMEDIATE): 2 * (LAYERS - 1),
-            (INTERMEDIATE, HIDDEN): LAYERS - 1}  # fmt: skip
+    return {
+        (HIDDEN, kv_dim): 2 * LAYERS,
+        (kv_dim, HIDDEN): LAYERS - 1,
+        (HIDDEN, INTERMEDIATE): 2 * (LAYERS - 1),
+        (INTERMEDIATE, HIDDEN): LAYERS - 1,
+    }
 
 
 def products_seconds(num_visual: int) -> float:
@@ -94,9 +110,13 @@ def products_seconds(num_visual: int) -> float:
     total = 0.0
     for (k, n), count in visual_products().items():
         weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((k, n), dtype=np.float32), "w")
-        graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "product",
-                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, num_visual, k])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, num_visual, n])], [weight])  # fmt: skip
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])],
+            "product",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, num_visual, k])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, num_visual, n])],
+            [weight],
+        )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         x = {"x": np.ones((1, num_visual, k), np.float32)}
@@ -116,11 +136,11 @@ def best_of(runs: int, fn) -> float:
 
 def measure(folder: Path, num_visual: int) -> dict:
     """Runs in its own process: prefill, cached second prompt and decode step at `num_visual` visual tokens."""
-    from dattn_export.ort_runtime import OrtModel
+    from dattn_export.runtime.ort import OrtModel
 
     runtime = OrtModel(folder, threads=2)
     rng = np.random.default_rng(0)
-    hidden = runtime.manifest["model"]["hidden_size"]
+    hidden = runtime.manifest.model.hidden_size
     embeds = rng.standard_normal((1, num_visual, hidden), dtype=np.float32)
     prompt = rng.integers(3, 32000, (1, TEXT_TOKENS))
     mask = np.ones((1, TEXT_TOKENS), np.int64)
@@ -144,11 +164,16 @@ def measure(folder: Path, num_visual: int) -> dict:
 def measured(folder: Path, num_visual: int) -> dict:
     """`measure` in a child process with a memory cap; adds its peak RSS (this process stays small, so the
     forked child's peak is its own), or the failure."""
+
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
 
-    child = subprocess.Popen([sys.executable, __file__, "--measure", str(folder), str(num_visual)],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=cap)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--measure", str(folder), str(num_visual)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=cap,
+    )
     out = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)
@@ -176,8 +201,10 @@ def main() -> None:
             folder = work / f"{mode}-{layers}-onnx"
             seconds, rss = export(checkpoint, folder, "fused" if mode == "dattn" else "standard")
             exports.append((mode, layers, weight_bytes, rss))
-            print(f"export ({mode}, {layers} layers): {seconds:.1f} s, peak RSS {rss / 1e9:.2f} GB = {rss / weight_bytes:.2f} x "
-                  f"the {weight_bytes / 1e9:.2f} GB of weights (target <= 1.5)")  # fmt: skip
+            print(
+                f"export ({mode}, {layers} layers): {seconds:.1f} s, peak RSS {rss / 1e9:.2f} GB = "
+                f"{rss / weight_bytes:.2f} x the {weight_bytes / 1e9:.2f} GB of weights (target <= 1.5)"
+            )
         for num_visual in VISUAL_TOKENS:  # the two modes side by side at each size: the VM's speed drifts
             for mode in ("dattn", "sattn"):
                 print(f"  {mode} |V|={num_visual} ...", file=sys.stderr, flush=True)
@@ -185,8 +212,11 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)  # about 4 GB of checkpoints and graphs
     (_, _, big_weights, big_rss), (_, _, weights, rss) = exports[:2]
-    print(f"export memory per weight byte (24 vs 8 layers): {(big_rss - rss) / (big_weights - weights):.2f}; "
-          f"fixed part (interpreter, torch, transformers, the exporter): {(rss - weights * (big_rss - rss) / (big_weights - weights)) / 1e9:.2f} GB")  # fmt: skip
+    per_byte = (big_rss - rss) / (big_weights - weights)
+    print(
+        f"export memory per weight byte (24 vs 8 layers): {per_byte:.2f}; "
+        f"fixed part (interpreter, torch, transformers, the exporter): {(rss - weights * per_byte) / 1e9:.2f} GB"
+    )
     report(results, products_seconds(2304), args.plot)
 
 
@@ -196,25 +226,34 @@ def report(results: dict, products_s: float, plot: Path) -> None:
         if "failed" in r:
             print(f"{mode:<7}{num_visual:>6}  failed: {r['failed']}, peak RSS {r['rss'] / 1e9:.1f} GB")
             continue
-        print(f"{mode:<7}{num_visual:>6}{r['prefill_s']:>11.3f}{r['cached_prompt_s']:>14.4f}{r['decode_ms']:>11.1f}"
-              f"{r['rss'] / 1e9:>9.2f}G")  # fmt: skip
+        print(
+            f"{mode:<7}{num_visual:>6}{r['prefill_s']:>11.3f}{r['cached_prompt_s']:>14.4f}{r['decode_ms']:>11.1f}"
+            f"{r['rss'] / 1e9:>9.2f}G"
+        )
     d = {v: results["dattn", v] for v in VISUAL_TOKENS}
     s = results["sattn", 2304]
     checks = [
         ("prefill t(9216)/t(2304) <= 4.5", d[9216]["prefill_s"] / d[2304]["prefill_s"], 4.5, "<="),
-        ("S-Attn / D-Attn prefill at 2304 >= 2.5", s["prefill_s"] / d[2304]["prefill_s"] if "failed" not in s else float("inf"), 2.5, ">="),
+        (
+            "S-Attn / D-Attn prefill at 2304 >= 2.5",
+            s["prefill_s"] / d[2304]["prefill_s"] if "failed" not in s else float("inf"),
+            2.5,
+            ">=",
+        ),
         ("peak RSS at 9216 (GB) <= 4", d[9216]["rss"] / 1e9, 4.0, "<="),
         ("first / cached prompt at 9216 >= 10", d[9216]["prefill_s"] / d[9216]["cached_prompt_s"], 10.0, ">="),
         ("decode t(9216)/t(576) <= 3.0", d[9216]["decode_ms"] / d[576]["decode_ms"], 3.0, "<="),
-    ]  # fmt: skip
+    ]
     for name, value, bound, op in checks:
         ok = value <= bound if op == "<=" else value >= bound
         print(f"{name:<42}{value:>8.2f}  {'ok' if ok else 'MISSED'}")
     # the floor: the visual products alone, and the decoder as the cached prompt ran it (the same decoder work)
     floor = products_s + d[2304]["cached_prompt_s"]
-    print(f"D-Attn prefill floor at 2304: {products_s:.2f} s of visual-stream products (each timed alone) + "
-          f"{d[2304]['cached_prompt_s']:.2f} s decoder = {floor:.2f} s (measured {d[2304]['prefill_s']:.2f} s); "
-          f"S-Attn / floor = {s['prefill_s'] / floor if 'failed' not in s else float('inf'):.2f}")  # fmt: skip
+    print(
+        f"D-Attn prefill floor at 2304: {products_s:.2f} s of visual-stream products (each timed alone) + "
+        f"{d[2304]['cached_prompt_s']:.2f} s decoder = {floor:.2f} s (measured {d[2304]['prefill_s']:.2f} s); "
+        f"S-Attn / floor = {s['prefill_s'] / floor if 'failed' not in s else float('inf'):.2f}"
+    )
     try:
         import matplotlib
 

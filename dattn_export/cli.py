@@ -15,14 +15,19 @@ import click
 from . import __version__
 from .errors import InputError
 
+FAMILIES = ("mistral", "gemma2")  # presets.TINY_TEXT's families (a test holds them equal): --help imports no torch
+DEBUG = os.environ.get("DATTN_DEBUG") == "1"  # show the traceback behind a one-line error
+
 
 class DAttnGroup(click.Group):
-    """Reports InputError as one line on stderr with exit code 2, never a traceback."""
+    """Reports InputError as one line on stderr with exit code 2, never a traceback (unless DATTN_DEBUG=1)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except InputError as e:
+            if DEBUG:
+                raise
             click.secho(f"error: {e}", err=True, fg="red")
             ctx.exit(2)
 
@@ -52,7 +57,9 @@ def run() -> None:
     os._exit(code)
 
 
-def print_prompt_result(title: str, result, rows: list[tuple[str, str]], seconds: dict[str, float] | None = None) -> None:
+def print_prompt_result(
+    title: str, result, rows: list[tuple[str, str]], seconds: dict[str, float] | None = None
+) -> None:
     from .ui import out, summary_table
 
     out.print(f"prompt ids ({len(result.prompt_ids)}): {result.prompt_ids}")
@@ -66,19 +73,19 @@ def print_prompt_result(title: str, result, rows: list[tuple[str, str]], seconds
 
 @main.command()
 @click.argument("directory", default="dattn-demo", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--family", type=click.Choice(["mistral", "gemma2"]), default="mistral", show_default=True)
+@click.option("--family", type=click.Choice(FAMILIES), default=FAMILIES[0], show_default=True)
 @click.option("--max-new-tokens", default=12, show_default=True)
 def demo(directory: Path, family: str, max_new_tokens: int):
     """The main job end to end on a tiny random-weight D-Attn checkpoint written to DIRECTORY/checkpoint:
     reference generation, convert + verify, ONNX export + validation on ONNX Runtime."""
-    from .convert import convert as run_convert
-    from .demo import DEMO_PROMPT, write_demo_checkpoint
-    from .fileio import atomic_dir
-    from .generation import run_prompt
-    from .onnx_export import export_onnx
+    from .artifacts import atomic_dir
+    from .stages.convert import convert as run_convert
+    from .stages.demo import DEMO_PROMPT, write_demo_checkpoint
+    from .stages.generate import run_prompt
+    from .stages.onnx_export import export_onnx
+    from .stages.validate import validate as run_validate
+    from .stages.verify import verify as run_verify
     from .ui import err, stage
-    from .validate import validate as run_validate
-    from .verify import verify as run_verify
 
     checkpoint, converted, exported = directory / "checkpoint", directory / "converted", directory / "onnx"
     seconds: dict[str, float] = {}
@@ -112,7 +119,7 @@ def demo(directory: Path, family: str, max_new_tokens: int):
 @click.option("--max-new-tokens", default=20, show_default=True)
 def generate(checkpoint: Path, prompt: str, images: tuple[Path, ...], max_new_tokens: int):
     """Greedy generation with the PyTorch reference model: a smoke test for a checkpoint folder."""
-    from .generation import run_prompt
+    from .stages.generate import run_prompt
 
     result = run_prompt(checkpoint, prompt, list(images), max_new_tokens)
     print_prompt_result("dattn-export generate", result, [("checkpoint", str(checkpoint))])
@@ -120,11 +127,17 @@ def generate(checkpoint: Path, prompt: str, images: tuple[Path, ...], max_new_to
 
 def source_options(command):
     """--base and --vision-heads: how to complete a checkpoint that lacks a part."""
-    command = click.option("--vision-heads", type=click.IntRange(min=1),
-                           help="Attention heads of the vision tower, to infer its config from tensor shapes "
-                           "when config.json has no vision_config and the tower is not a known one.")(command)  # fmt: skip
-    return click.option("--base", type=click.Path(exists=True, path_type=Path),
-                        help="Base model folder for an adapter-only save (mm_projector.bin).")(command)  # fmt: skip
+    command = click.option(
+        "--vision-heads",
+        type=click.IntRange(min=1),
+        help="Attention heads of the vision tower, to infer its config from tensor shapes "
+        "when config.json has no vision_config and the tower is not a known one.",
+    )(command)
+    return click.option(
+        "--base",
+        type=click.Path(exists=True, path_type=Path),
+        help="Base model folder for an adapter-only save (mm_projector.bin).",
+    )(command)
 
 
 @main.command()
@@ -133,33 +146,44 @@ def source_options(command):
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def info(checkpoint: Path, base: Path | None, vision_heads: int | None, as_json: bool):
     """Detect a checkpoint's layout and show its architecture, parameters, dtypes, size and problems."""
+    import dataclasses
     import json
 
-    from .info import describe
+    from .stages.info import describe
     from .ui import out, summary_table
 
     report = describe(checkpoint, base, vision_heads)
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(dataclasses.asdict(report), indent=2))
         return
-    arch = report["architecture"] or {}
     rows = [
-        ("layout", f"{report['layout']} ({'; '.join(report['notes'])})"),
-        *((key.replace("_", " "), str(value)) for key, value in arch.items()),
-        ("parameters", ", ".join(f"{k} {v:,}" for k, v in report["parameters"].items())),
-        ("tensors", f"{report['tensors']:,} ({', '.join(f'{k} {v}' for k, v in report['dtypes'].items())})"),
-        ("bytes", f"{report['bytes']:,}"),
-        ("problems", "\n".join(report["problems"]) or "none"),
+        ("layout", f"{report.layout} ({'; '.join(report.notes)})"),
+        *((key.replace("_", " "), str(value)) for key, value in (report.architecture or {}).items()),
+        ("parameters", ", ".join(f"{k} {v:,}" for k, v in report.parameters.items())),
+        ("tensors", f"{report.tensors:,} ({', '.join(f'{k} {v}' for k, v in report.dtypes.items())})"),
+        ("bytes", f"{report.bytes:,}"),
+        ("problems", "\n".join(report.problems) or "none"),
     ]
     out.print(summary_table(f"dattn-export info {checkpoint}", rows))
 
 
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Output folder (written beside, then renamed into place).")  # fmt: skip
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
-              help="auto: the dtype config.json declares, else the dtype most weights are stored in.")  # fmt: skip
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Output folder (written beside, then renamed into place).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
+    default="auto",
+    show_default=True,
+    help="auto: the dtype config.json declares, else the dtype most weights are stored in.",
+)
 @click.option("--max-shard-size", default="5GB", show_default=True)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @source_options
@@ -167,21 +191,30 @@ def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force:
     """Convert training output (HF, Trainer, DeepSpeed ZeRO, adapter-only) to verified sharded safetensors."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from .convert import convert as run_convert
-    from .ui import err, out as stdout, summary_table
+    from .stages.convert import convert as run_convert
+    from .ui import err, summary_table
+    from .ui import out as stdout
 
     progress = Progress(
-        TextColumn("{task.description:<48.48}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeRemainingColumn(), console=err, transient=True,
-    )  # fmt: skip
+        TextColumn("{task.description:<48.48}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    )
     result = run_convert(checkpoint, out, dtype, max_shard_size, force, base, vision_heads, progress)
     shards = sorted(n for n in result.files if n.endswith(".safetensors"))
     rows = [
         ("source", f"{checkpoint} ({result.source.reader.layout}; {'; '.join(result.source.reader.notes)})"),
         ("vision config", result.source.vision_origin),
         ("output", f"{out} ({len(shards)} shard(s), {len(result.files) + 1} files incl. manifest)"),
-        ("tensors", f"{result.tensor_count:,} as {str(result.dtype).removeprefix('torch.')}"
-                    + (f"; stored once: {', '.join(result.dropped)}" if result.dropped else "")),  # fmt: skip
+        (
+            "tensors",
+            f"{result.tensor_count:,} as {str(result.dtype).removeprefix('torch.')}"
+            + (f"; stored once: {', '.join(result.dropped)}" if result.dropped else ""),
+        ),
         ("bytes", f"{result.weight_bytes:,}"),
         ("time", f"{result.seconds:.2f} s ({result.weight_bytes / max(result.seconds, 1e-9) / 1e6:.0f} MB/s)"),
     ]
@@ -196,8 +229,8 @@ def verify(out: Path, against: Path | None, base, vision_heads):
     """Check a converted folder: manifest hashes, every tensor reloads exactly, the model loads and runs."""
     from rich.table import Table
 
+    from .stages.verify import verify as run_verify
     from .ui import out as stdout
-    from .verify import verify as run_verify
 
     checks = run_verify(out, against, base, vision_heads)
     table = Table(title=f"dattn-export verify {out}", title_justify="left")
@@ -213,41 +246,72 @@ def verify(out: Path, against: Path | None, base, vision_heads):
 @main.command("onnx")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--attention", type=click.Choice(["fused", "standard"]), default="fused", show_default=True,
-              help="fused: one dattn::DecomposedAttention node per attention (+ its ONNX function); "
-              "standard: plain ONNX ops only.")  # fmt: skip
+@click.option(
+    "--attention",
+    type=click.Choice(["fused", "standard"]),
+    default="fused",
+    show_default=True,
+    help="fused: one dattn::DecomposedAttention node per attention (+ its ONNX function); "
+    "standard: plain ONNX ops only.",
+)
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18-23; TensorRT 10/11 read 18).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @source_options
 def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset: int, force: bool, base, vision_heads):
     """Export vision.onnx, visual_kv.onnx and decoder.onnx (+ onnx_manifest.json) from any checkpoint convert reads."""
-    from .onnx_export import export_onnx
-    from .ui import err, out as stdout, summary_table
+    from .stages.onnx_export import export_onnx
+    from .ui import err, summary_table
+    from .ui import out as stdout
 
     with err.status("exporting vision.onnx, visual_kv.onnx, decoder.onnx") as status:
-        manifest = export_onnx(checkpoint, out, attention, dtype, opset, force, base, vision_heads,
-                               on_graph=lambda name: status.update(f"exported {name}.onnx"))  # fmt: skip
-    rows = [(name, f"{graph['file']}: {len(graph['inputs'])} inputs, {len(graph['outputs'])} outputs, "
-                   f"{graph['fused_attention_nodes']} fused attention nodes") for name, graph in manifest["graphs"].items()]  # fmt: skip
-    rows += [("attention", f"{manifest['attention']['implementation']} ({manifest['model']['dattn_mode']}, "
-                           f"merge {manifest['model']['merge']})"),
-             ("dtype / opset", f"{manifest['dtype']} / {manifest['opset']}"), ("output", str(out))]  # fmt: skip
+        manifest = export_onnx(
+            checkpoint,
+            out,
+            attention,
+            dtype,
+            opset,
+            force,
+            base,
+            vision_heads,
+            on_graph=lambda name: status.update(f"exported {name}.onnx"),
+        )
+    rows = [
+        (
+            name,
+            f"{graph.file}: {len(graph.inputs)} inputs, {len(graph.outputs)} outputs, "
+            f"{graph.fused_attention_nodes} fused attention nodes",
+        )
+        for name, graph in manifest.graphs.items()
+    ]
+    rows += [
+        (
+            "attention",
+            f"{manifest.attention.implementation} ({manifest.model.dattn_mode}, merge {manifest.model.merge})",
+        ),
+        ("dtype / opset", f"{manifest.dtype} / {manifest.opset}"),
+        ("output", str(out)),
+    ]
     stdout.print(summary_table("dattn-export onnx", rows))
 
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--against", type=click.Path(path_type=Path), help="Reference checkpoint (default: the export's source).")
-@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
-              help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU.")  # fmt: skip
+@click.option(
+    "--backend",
+    type=click.Choice(["ort", "trt"]),
+    default="ort",
+    show_default=True,
+    help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU.",
+)
 @click.option("--steps", default=20, show_default=True, help="Greedy tokens to generate and compare.")
 @click.option("--prompt", default=None, help="Prompt (default: the demo's).")
 @click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
 def validate(out: Path, against: Path | None, backend: str, steps: int, prompt: str | None, image: Path | None):
     """Run the exported graphs and compare them with the PyTorch reference; exit 1 beyond tolerance."""
-    from .demo import DEMO_PROMPT
-    from .validate import validate as run_validate
+    from .stages.demo import DEMO_PROMPT
+    from .stages.validate import validate as run_validate
 
     report = run_validate(out, against, backend, steps, prompt or DEMO_PROMPT, image)
     print_validation(report, out)
@@ -258,19 +322,24 @@ def validate(out: Path, against: Path | None, backend: str, steps: int, prompt: 
 def print_validation(report, folder: Path) -> None:
     from rich.table import Table
 
+    from .artifacts import VALIDATION_REPORT
     from .ui import out
-    from .validate import REPORT_NAME
 
-    table = Table(title=f"dattn-export validate {folder} ({report.backend}, {report.dtype}, "
-                        f"logits tolerance {report.tolerance:g})", title_justify="left")  # fmt: skip
+    table = Table(
+        title=f"dattn-export validate {folder} ({report.backend}, {report.dtype}, "
+        f"logits tolerance {report.tolerance:g})",
+        title_justify="left",
+    )
     for column in ("graph", "output", "max abs error", "max rel error"):
         table.add_column(column)
     for c in report.comparisons:
         table.add_row(c.graph, c.output, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}")
     out.print(table)
     verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
-    out.print(f"greedy tokens: {report.agreement}/{len(report.reference_tokens)} agree; {verdict} "
-              f"(report: {folder / REPORT_NAME})")  # fmt: skip
+    out.print(
+        f"greedy tokens: {report.agreement}/{len(report.reference_tokens)} agree; {verdict} "
+        f"(report: {folder / VALIDATION_REPORT})"
+    )
 
 
 @main.command()
@@ -280,32 +349,72 @@ def print_validation(report, folder: Path) -> None:
 @click.option("--revision", help="Branch to commit to (created from main when missing).")
 @click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to the branch.")
 @click.option("--commit-message", help="Commit message (default: says what was uploaded).")
-@click.option("--token", help="Hub token; default: HF_TOKEN or the stored login. Never printed or uploaded "
-              "(prefer HF_TOKEN: command-line arguments are visible to other users of the machine).")  # fmt: skip
-@click.option("--dry-run", is_flag=True, help="List every file, size and hash and print the model card; contact nothing.")
+@click.option(
+    "--token",
+    help="Hub token; default: HF_TOKEN or the stored login. Never printed or uploaded "
+    "(prefer HF_TOKEN: command-line arguments are visible to other users of the machine).",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="List every file, size and hash and print the model card; contact nothing."
+)
 @click.option("--skip-verify", is_flag=True, help="Publish even if the folder does not verify.")
 @click.option("--license", "license_", default="other", show_default=True, help="License for the model card.")
 @click.option("--base-model", help="The base model for the model card (e.g. the LLM the model started from).")
-def push(out: Path, repo_id: str, private: bool, revision, create_pr: bool, commit_message, token, dry_run: bool,
-         skip_verify: bool, license_: str, base_model):  # fmt: skip
+@click.option(
+    "--validation-report",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="validation_report.json of an ONNX export of this model: its table goes into the model card.",
+)
+def push(
+    out: Path,
+    repo_id: str,
+    private: bool,
+    revision,
+    create_pr: bool,
+    commit_message,
+    token,
+    dry_run: bool,
+    skip_verify: bool,
+    license_: str,
+    base_model,
+    validation_report,
+):
     """Publish a converted folder to the Hugging Face Hub in one commit, with a model card and the model code."""
-    from .hub import push as run_push
-    from .ui import err, out as stdout, summary_table
+    from .stages.push import push as run_push
+    from .ui import err, summary_table
+    from .ui import out as stdout
 
     with err.status("verifying and publishing" if not dry_run else "verifying"):
-        result = run_push(out, repo_id, token=token, private=private, revision=revision, create_pr=create_pr,
-                          commit_message=commit_message, dry_run=dry_run, skip_verify=skip_verify,
-                          license=license_, base_model=base_model)  # fmt: skip
+        result = run_push(
+            out,
+            repo_id,
+            token=token,
+            private=private,
+            revision=revision,
+            create_pr=create_pr,
+            commit_message=commit_message,
+            dry_run=dry_run,
+            skip_verify=skip_verify,
+            license=license_,
+            base_model=base_model,
+            validation_report=validation_report,
+        )
     total = sum(f.size for f in result.files)
     if dry_run:  # sha256sum's format, with sizes: compare with `sha256sum` or the Hub's LFS pointers
-        click.echo(f"dry run: {len(result.files)} files, {total:,} bytes would be committed to {repo_id}; nothing contacted")
+        click.echo(
+            f"dry run: {len(result.files)} files, {total:,} bytes would be committed to {repo_id}; nothing contacted"
+        )
         for f in result.files:
             click.echo(f"{f.sha256}  {f.size:>14,}  {f.path_in_repo}")
         click.echo("\nmodel card (README.md):\n" + result.card)
         return
-    rows = [("repo", result.repo_url), ("commit", result.commit_url or "-"), ("pull request", result.pr_url or "-"),
-            ("files", f"{len(result.files)} ({total:,} bytes)"),
-            ("verified", "skipped" if result.checks is None else "; ".join(c.detail for c in result.checks))]  # fmt: skip
+    rows = [
+        ("repo", result.repo_url),
+        ("commit", result.commit_url or "-"),
+        ("pull request", result.pr_url or "-"),
+        ("files", f"{len(result.files)} ({total:,} bytes)"),
+        ("verified", "skipped" if result.checks is None else "; ".join(c.detail for c in result.checks)),
+    ]
     stdout.print(summary_table("dattn-export push", rows))
 
 
@@ -320,17 +429,26 @@ def push(out: Path, repo_id: str, private: bool, revision, create_pr: bool, comm
 @click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), help="Read and update this cache.")
 @click.option("--no-plugin", is_flag=True, help="Build fused nodes from their ONNX function instead of the plugin.")
 @click.option("--force", is_flag=True, help="Replace ENGINES if it exists.")
-def trt(out: Path, engines: Path, precision, max_batch, max_visual_tokens, max_text_tokens, timing_cache, no_plugin, force):
+def trt(
+    out: Path, engines: Path, precision, max_batch, max_visual_tokens, max_text_tokens, timing_cache, no_plugin, force
+):
     """Build TensorRT engines (with the DecomposedAttention plugin) for the graphs `onnx` exported to OUT."""
-    from .tensorrt import Limits, build_engines
-    from .ui import err, out as stdout, summary_table
+    from .stages.trt_build import Limits, build_engines
+    from .ui import err, summary_table
+    from .ui import out as stdout
 
     limits = Limits(max_batch=max_batch, max_text_tokens=max_text_tokens, max_visual_tokens=max_visual_tokens)
     with err.status("building TensorRT engines"):
-        manifest = build_engines(out, engines, precision or "fp32", limits, timing_cache, force, use_plugin=not no_plugin)
-    rows = [(name, f"{file} ({(engines / file).stat().st_size:,} bytes)") for name, file in manifest["engines"].items()]
-    rows += [("attention", "DecomposedAttention plugin" if manifest["plugin"] else "ONNX function (TensorRT layers)"),
-             ("precision", manifest["precision"]), ("limits", str(manifest["limits"])), ("TensorRT", manifest["tensorrt"])]  # fmt: skip
+        manifest = build_engines(
+            out, engines, precision or "fp32", limits, timing_cache, force, use_plugin=not no_plugin
+        )
+    rows = [(name, f"{file} ({(engines / file).stat().st_size:,} bytes)") for name, file in manifest.engines.items()]
+    rows += [
+        ("attention", "DecomposedAttention plugin" if manifest.plugin else "ONNX function (TensorRT layers)"),
+        ("precision", manifest.precision),
+        ("limits", str(manifest.limits)),
+        ("TensorRT", manifest.tensorrt),
+    ]
     stdout.print(summary_table("dattn-export trt", rows))
 
 
@@ -342,13 +460,21 @@ def trt(out: Path, engines: Path, precision, max_batch, max_visual_tokens, max_t
 @click.option("--force", is_flag=True, help="Replace the report folder if it exists.")
 def analyze(checkpoint: Path, image: Path, prompt: str, out: Path, force: bool):
     """Per layer and text token, the attention mass on the image; MLLM-LAWS curves and attention shift; plots."""
-    from .analyze import analyze as run_analyze
-    from .ui import out as stdout, summary_table
+    from .stages.analyze import analyze as run_analyze
+    from .ui import out as stdout
+    from .ui import summary_table
 
     report = run_analyze(checkpoint, image, prompt, out, force)
-    shift = "n/a (needs <image> with text on both sides)" if report.attention_shift is None else f"{report.attention_shift:.4f}"
+    shift = (
+        "n/a (needs <image> with text on both sides)"
+        if report.attention_shift is None
+        else f"{report.attention_shift:.4f}"
+    )
     per_layer = ", ".join(f"{sum(row) / len(row):.3f}" for row in report.visual_mass)
-    rows = [("tokens", f"{len(report.tokens)} ({report.image_after_token} before the image)"),
-            ("mean visual mass per layer", per_layer), ("attention shift", shift),
-            ("written", f"{out}/report.json, visual_mass.png, laws.png")]  # fmt: skip
+    rows = [
+        ("tokens", f"{len(report.tokens)} ({report.image_after_token} before the image)"),
+        ("mean visual mass per layer", per_layer),
+        ("attention shift", shift),
+        ("written", f"{out}/report.json, visual_mass.png, laws.png"),
+    ]
     stdout.print(summary_table("dattn-export analyze", rows))

@@ -6,13 +6,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.builders import build_model, checkpoint_of
 from PIL import Image
-from test_onnx import checkpoint_of
 
-from conftest import build_model
-from dattn_export.analyze import PLOT_SIZE, analyze
-from dattn_export.demo import demo_image
+from dattn_export.modeling.attention import dattn_op
+from dattn_export.plugins.contract import using_op
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
+from dattn_export.stages.analyze import PLOT_SIZE, analyze
+from dattn_export.stages.demo import demo_image
 
 PROMPT = "USER: Look at this <image> and describe the picture in detail.\nASSISTANT:"
 
@@ -22,17 +23,21 @@ def materialised_masses(model, ids, pixels, image_after):
     mass on visual keys, on text before the image and after it, averaged over heads -> (L, 3, T)."""
     config = model.config
     visual_kv = model.model.encode_visual(model.model.embed_images(pixels))
-    attentions = [layer.self_attn for layer in model.model.layers]
-    for a in attentions:
-        a.record = []
-    model(ids, visual_key_values=visual_kv)
+    calls = []
+
+    def recording_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords):
+        calls.append(dict(q=q, k=k, q_vis=q_vis, k_vis=k_vis))
+        return dattn_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords)
+
+    with using_op(model, recording_op):
+        model(ids, visual_key_values=visual_kv)
     out = []
-    for a in attentions:
-        call = a.record[0]
-        a.record = None
+    for a, call in zip([layer.self_attn for layer in model.model.layers], calls, strict=True):
         groups = config.num_attention_heads // config.num_key_value_heads
         k_vis, k = call["k_vis"].repeat_interleave(groups, 1), call["k"].repeat_interleave(groups, 1)
-        logits = torch.cat([call["q_vis"] @ k_vis.transpose(-1, -2), call["q"] @ k.transpose(-1, -2)], -1).double() * a.scale
+        logits = (
+            torch.cat([call["q_vis"] @ k_vis.transpose(-1, -2), call["q"] @ k.transpose(-1, -2)], -1).double() * a.scale
+        )
         if a.softcap:
             logits = a.softcap * torch.tanh(logits / a.softcap)
         num_visual, tokens = k_vis.shape[2], k.shape[2]
@@ -42,8 +47,15 @@ def materialised_masses(model, ids, pixels, image_after):
                 if j > i or not window_ok:
                     logits[..., i, num_visual + j] = -math.inf
         weights = torch.softmax(logits, dim=-1)[0]  # (heads, T, V + T)
-        out.append(torch.stack([weights[..., :num_visual].sum(-1), weights[..., num_visual : num_visual + image_after].sum(-1),
-                                weights[..., num_visual + image_after :].sum(-1)]).mean(1))  # fmt: skip
+        out.append(
+            torch.stack(
+                [
+                    weights[..., :num_visual].sum(-1),
+                    weights[..., num_visual : num_visual + image_after].sum(-1),
+                    weights[..., num_visual + image_after :].sum(-1),
+                ]
+            ).mean(1)
+        )
     return torch.stack(out)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dattn_export.attention import causal_mask, decomposed_attention
+from dattn_export.modeling.attention import causal_mask, decomposed_attention
 
 torch.manual_seed(0)
 

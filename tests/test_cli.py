@@ -1,6 +1,7 @@
 """The CLI as a user runs it: real subprocesses, exit codes, one-line errors."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -8,23 +9,42 @@ import sys
 
 import pytest
 import torch
+from helpers.cli import run_cli
 from safetensors.torch import load_file, save_file
 
 from dattn_export import __version__
-from dattn_export.demo import DEMO_PROMPT, write_demo_checkpoint
-from dattn_export.loading import load_model
+from dattn_export.checkpoints.source import load_model
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
-
-
-def run_cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "dattn_export", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
-    )
+from dattn_export.stages.demo import DEMO_PROMPT, write_demo_checkpoint
 
 
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory):
     return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint")
+
+
+def test_choice_lists_are_the_presets_and_the_dtype_table():
+    from dattn_export import cli
+    from dattn_export.artifacts import DTYPES
+    from dattn_export.presets import TINY_TEXT
+
+    assert cli.FAMILIES == tuple(TINY_TEXT)
+    dtype_choices = [p.type.choices for c in cli.main.commands.values() for p in c.params if p.name == "dtype"]
+    assert len(dtype_choices) == 2 and all(set(choices) - {"auto"} == set(DTYPES) for choices in dtype_choices)
+
+
+def test_debug_switch_shows_the_traceback(tmp_path):
+    (tmp_path / "empty").mkdir()
+    plain = run_cli("info", tmp_path / "empty")
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr and "is an empty folder" in plain.stderr
+    debug = subprocess.run(
+        [sys.executable, "-m", "dattn_export", "info", str(tmp_path / "empty")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "DATTN_DEBUG": "1"},
+    )
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "InputError" in debug.stderr
 
 
 def test_version_and_help():
@@ -80,7 +100,10 @@ def huge_header_length(folder):
 
 
 BAD_INPUTS = {
-    "missing tensor": (lambda d: drop_tensor(d, "model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight"),
+    "missing tensor": (
+        lambda d: drop_tensor(d, "model.layers.1.mlp.up_proj.weight"),
+        "model.layers.1.mlp.up_proj.weight",
+    ),
     "unknown model_type": (lambda d: edit_config(d, model_type="llava_next"), "model_type 'llava_next'"),
     "shape contradicts config": (lambda d: edit_config(d, intermediate_size=96), "mlp.gate_proj.weight has shape"),
     "bad attention mode": (lambda d: edit_config(d, dattn_mode="flash"), "dattn_mode"),
@@ -88,7 +111,8 @@ BAD_INPUTS = {
     "missing config.json": (lambda d: (d / "config.json").unlink(), "has no config.json"),
     "config not JSON": (lambda d: (d / "config.json").write_text("{oops"), "config.json: not readable JSON"),
     "index names a missing shard": (
-        lambda d: (d / "model-00002-of-00005.safetensors").unlink(), "missing shard model-00002-of-00005"
+        lambda d: (d / "model-00002-of-00005.safetensors").unlink(),
+        "missing shard model-00002-of-00005",
     ),
     "truncated shard": (truncate_first_shard, "model-00001-of-00005.safetensors: tensor "),
     "header length beyond file": (huge_header_length, "header length 1000000000000 is larger than the file"),
@@ -114,15 +138,28 @@ def test_shape_error_names_the_tensor_and_file(demo_checkpoint, tmp_path):
     edit_config(folder, num_key_value_heads=4)
     result = run_cli("generate", folder, "--prompt", "hi")
     assert result.returncode == 2
-    assert re.search(r"model-\d+-of-\d+\.safetensors: tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape "
-                     r"\[32, 64\] but config\.json implies \[64, 64\]", result.stderr), result.stderr  # fmt: skip
+    assert re.search(
+        r"model-\d+-of-\d+\.safetensors: tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape "
+        r"\[32, 64\] but config\.json implies \[64, 64\]",
+        result.stderr,
+    ), result.stderr
 
 
 def test_generate_with_image_matches_library(demo_checkpoint):
-    result = run_cli("generate", demo_checkpoint, "--prompt", "hello", "--image", demo_checkpoint / "demo.png",
-                     "--max-new-tokens", "5")  # fmt: skip
+    result = run_cli(
+        "generate",
+        demo_checkpoint,
+        "--prompt",
+        "hello",
+        "--image",
+        demo_checkpoint / "demo.png",
+        "--max-new-tokens",
+        "5",
+    )
     assert result.returncode == 0, result.stderr
     assert "visual tokens │ 16" in result.stdout
     model = load_model(demo_checkpoint)
-    torch.testing.assert_close(model.model.embed_tokens.weight, load_file(
-        demo_checkpoint / "model-00001-of-00005.safetensors")["model.embed_tokens.weight"])  # fmt: skip
+    torch.testing.assert_close(
+        model.model.embed_tokens.weight,
+        load_file(demo_checkpoint / "model-00001-of-00005.safetensors")["model.embed_tokens.weight"],
+    )

@@ -1,75 +1,21 @@
 """convert / verify / info: every training-output layout round-trips to exactly the original parameters."""
 
 import json
-import os
 import pickle
 
 import pytest
 import torch
-from conftest import build_model, images, left_padded_batch
-from safetensors.torch import load_file, save_file
-from zero_format import HAVE_DEEPSPEED, write_zero_checkpoint
+from helpers.builders import Payload, images, left_padded_batch, model_and_tensors, write_hf, zero_split
+from helpers.checks import assert_converted_equals
+from helpers.zero_format import HAVE_DEEPSPEED, write_zero_checkpoint
+from safetensors.torch import load_file
 
-from dattn_export.convert import MANIFEST_NAME, convert
-from dattn_export.converters import open_checkpoint
-from dattn_export.demo import build_tokenizer
-from dattn_export.info import describe
-from dattn_export.loading import load_model, saved_state_dict
-from dattn_export.verify import verify
-
-
-class Payload:
-    """A pickle that runs `touch` when unpickled by anything that executes pickled code."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def model_and_tensors(family="gemma2", seed=0):
-    model = build_model(family, seed=seed)
-    return model, saved_state_dict(model)
-
-
-def write_hf(folder, model, tensors, fmt="safetensors", shards=2):
-    """fmt: safetensors, bin (torch.save zip), or legacy-bin (the pre-1.6 non-zip torch format)."""
-    folder.mkdir(parents=True)
-    model.config.save_pretrained(folder)
-    build_tokenizer(model.config.vocab_size).save_pretrained(folder)
-    names = list(tensors)
-    parts = [names[i::shards] for i in range(shards)]
-    stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
-    files = [f"{stem}.{ext}"] if shards == 1 else [f"{stem}-{k:05d}-of-{shards:05d}.{ext}" for k in range(1, shards + 1)]
-    for file, part in zip(files, parts):
-        shard = {n: tensors[n].contiguous() for n in part}
-        if fmt == "safetensors":
-            save_file(shard, folder / file, metadata={"format": "pt"})
-        else:
-            torch.save(shard, folder / file, _use_new_zipfile_serialization=fmt == "bin")
-    if shards > 1:
-        weight_map = {n: f for f, part in zip(files, parts) for n in part}
-        (folder / f"{stem}.{ext}.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return folder
-
-
-def zero_split(model, tensors):
-    """Trainable LLM + adapter (fp32 masters), frozen bf16 vision tower, tied lm_head as a shared param."""
-    trainable = {n: t for n, t in tensors.items() if not n.startswith("model.mm_vis.")}
-    frozen = {n: t.to(torch.bfloat16) for n, t in tensors.items() if n.startswith("model.mm_vis.")}
-    shared = {"lm_head.weight": "model.embed_tokens.weight"} if model.config.tie_word_embeddings else {}
-    expected = {**trainable, **{n: t.float() for n, t in frozen.items()}}
-    return trainable, frozen, shared, expected
-
-
-def assert_converted_equals(out, expected):
-    tensors = {}
-    for shard in out.glob("*.safetensors"):
-        tensors.update(load_file(shard))
-    assert set(tensors) == set(expected)
-    for name, tensor in expected.items():
-        assert torch.equal(tensors[name], tensor), name
+from dattn_export.artifacts import CONVERT_MANIFEST
+from dattn_export.checkpoints import open_checkpoint
+from dattn_export.checkpoints.source import load_model
+from dattn_export.stages.convert import convert
+from dattn_export.stages.info import describe
+from dattn_export.stages.verify import verify
 
 
 def logits(model):
@@ -78,7 +24,9 @@ def logits(model):
         return model(ids, images(2), mask).logits
 
 
-@pytest.mark.parametrize("fmt, shards", [("safetensors", 1), ("safetensors", 3), ("bin", 1), ("bin", 2), ("legacy-bin", 2)])
+@pytest.mark.parametrize(
+    "fmt, shards", [("safetensors", 1), ("safetensors", 3), ("bin", 1), ("bin", 2), ("legacy-bin", 2)]
+)
 def test_hf_layouts_round_trip(tmp_path, fmt, shards):
     model, tensors = model_and_tensors()
     source = write_hf(tmp_path / "src", model, tensors, fmt, shards)
@@ -90,7 +38,16 @@ def test_hf_layouts_round_trip(tmp_path, fmt, shards):
     assert (tmp_path / "out" / "tokenizer.json").is_file() and result.dtype == torch.float32
 
 
-ZERO_CASES = [(1, 1, True), (1, 2, False), (2, 1, False), (2, 2, True), (2, 3, True), (3, 1, False), (3, 2, True), (3, 3, True)]
+ZERO_CASES = [
+    (1, 1, True),
+    (1, 2, False),
+    (2, 1, False),
+    (2, 2, True),
+    (2, 3, True),
+    (3, 1, False),
+    (3, 2, True),
+    (3, 3, True),
+]
 
 
 @pytest.mark.parametrize("stage, world_size, bf16_prefix", ZERO_CASES)
@@ -101,8 +58,15 @@ def test_zero_round_trip(tmp_path, stage, world_size, bf16_prefix):
         assert any(t.numel() % 3 for t in trainable.values())
     checkpoint = tmp_path / "checkpoint-10"
     write_hf(checkpoint, model, {"placeholder": torch.zeros(0)}, shards=1)  # ZeRO-3 without gathering: empty save
-    write_zero_checkpoint(checkpoint / "global_step10", trainable, stage=stage, world_size=world_size, frozen=frozen,
-                          shared=shared, bf16_prefix=bf16_prefix)  # fmt: skip
+    write_zero_checkpoint(
+        checkpoint / "global_step10",
+        trainable,
+        stage=stage,
+        world_size=world_size,
+        frozen=frozen,
+        shared=shared,
+        bf16_prefix=bf16_prefix,
+    )
     (checkpoint / "latest").write_text("global_step10")
     marker = tmp_path / "pwned"
     (checkpoint / "training_args.bin").write_bytes(pickle.dumps(Payload(marker)))  # never read
@@ -120,7 +84,7 @@ def test_zero_bf16_output_and_manifest(tmp_path):
     model.config.save_pretrained(tmp_path / "ckpt")
     convert(step, tmp_path / "out", dtype="bf16")
     assert_converted_equals(tmp_path / "out", {n: t.to(torch.bfloat16) for n, t in expected.items()})
-    manifest = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
+    manifest = json.loads((tmp_path / "out" / CONVERT_MANIFEST).read_text())
     assert manifest["source"]["layout"] == "deepspeed-zero" and manifest["dtype"] == "bfloat16"
     q = manifest["tensors"]["model.layers.0.self_attn.q_proj.weight"]
     assert q["dtype"] == "bfloat16" and q["shape"] == [64, 64] and q["source_dtype"] == "float32"
@@ -146,8 +110,9 @@ def test_zero_matches_deepspeeds_zero_to_fp32(tmp_path, stage, world_size):
 
     model, tensors = model_and_tensors()
     trainable, frozen, shared, _ = zero_split(model, tensors)
-    write_zero_checkpoint(tmp_path / "global_step7", trainable, stage=stage, world_size=world_size, frozen=frozen,
-                          shared=shared)  # fmt: skip
+    write_zero_checkpoint(
+        tmp_path / "global_step7", trainable, stage=stage, world_size=world_size, frozen=frozen, shared=shared
+    )
     theirs = get_fp32_state_dict_from_zero_checkpoint(tmp_path, tag="global_step7")
     ours = open_checkpoint(tmp_path / "global_step7").tensors
     assert set(ours) == set(theirs)
@@ -181,12 +146,19 @@ def test_vision_config_from_known_tower_or_shapes(tmp_path):
     tower = config.pop("vision_config")
     (source / "config.json").write_text(json.dumps(config))
     report = describe(source)
-    assert "pass --vision-heads" in report["problems"][0]
+    assert "pass --vision-heads" in report.problems[0]
     convert(source, tmp_path / "out", dtype="fp32", vision_heads=tower["num_attention_heads"])
     written = json.loads((tmp_path / "out" / "config.json").read_text())["vision_config"]
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "image_size", "patch_size", "num_attention_heads"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "image_size",
+        "patch_size",
+        "num_attention_heads",
+    ):
         assert written[key] == tower[key], key
-    assert describe(tmp_path / "out")["architecture"]["vision_config"].endswith("(config.json vision_config)")
+    assert describe(tmp_path / "out").architecture["vision_config"].endswith("(config.json vision_config)")
     torch.testing.assert_close(logits(load_model(tmp_path / "out")), logits(model), atol=0, rtol=0)
 
 
@@ -194,12 +166,12 @@ def test_info_reports_layout_parameters_and_dtypes(tmp_path):
     model, tensors = model_and_tensors()
     source = write_hf(tmp_path / "src", model, {n: t.to(torch.bfloat16) for n, t in tensors.items()})
     report = describe(source)
-    assert report["layout"] == "hf-safetensors" and report["dtypes"] == {"bfloat16": len(tensors)}
+    assert report.layout == "hf-safetensors" and report.dtypes == {"bfloat16": len(tensors)}
     vision = sum(t.numel() for n, t in tensors.items() if n.startswith("model.mm_vis."))
-    assert report["parameters"]["vision tower"] == vision
-    assert sum(report["parameters"].values()) == sum(t.numel() for t in tensors.values())
-    assert report["bytes"] == 2 * sum(t.numel() for t in tensors.values()) and report["problems"] == []
-    assert report["architecture"]["kv_heads"] == 1 and report["architecture"]["visual_tokens_per_image"] == 16
+    assert report.parameters["vision tower"] == vision
+    assert sum(report.parameters.values()) == sum(t.numel() for t in tensors.values())
+    assert report.bytes == 2 * sum(t.numel() for t in tensors.values()) and report.problems == []
+    assert report.architecture["kv_heads"] == 1 and report.architecture["visual_tokens_per_image"] == 16
 
 
 def test_verify_detects_tampering(tmp_path):
@@ -210,7 +182,10 @@ def test_verify_detects_tampering(tmp_path):
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
     checks = {c.name: c for c in verify(tmp_path / "out", against=tmp_path / "src")}
-    assert not checks["files: size and sha256"].ok and "model.safetensors sha256" in checks["files: size and sha256"].detail
+    assert (
+        not checks["files: size and sha256"].ok
+        and "model.safetensors sha256" in checks["files: size and sha256"].detail
+    )
     assert not checks["tensors reload"].ok
 
 
@@ -220,13 +195,15 @@ def test_writer_streams_mapped_and_buffered_tensors(tmp_path, monkeypatch, hash_
     no lag at all (every mapped tensor waits for its hash) or a lag larger than the file."""
     import hashlib
 
-    from dattn_export.converters import safetensors_writer
-    from dattn_export.converters.safetensors_writer import PlannedTensor, write_safetensors
+    from dattn_export.checkpoints import safetensors_writer
+    from dattn_export.checkpoints.safetensors_writer import PlannedTensor, write_safetensors
 
     monkeypatch.setattr(safetensors_writer, "HASH_LAG", hash_lag)
     generator = torch.Generator().manual_seed(0)
-    tensors = {f"t{i}": torch.randn(7 + i, 5, generator=generator).to(torch.bfloat16 if i % 3 else torch.float32)
-               for i in range(9)}  # fmt: skip
+    tensors = {
+        f"t{i}": torch.randn(7 + i, 5, generator=generator).to(torch.bfloat16 if i % 3 else torch.float32)
+        for i in range(9)
+    }
     raw = tmp_path / "raw.bin"  # the mapped tensors' bytes lie here, as in a checkpoint's file
     offsets, blob = {}, b""
     for name, t in tensors.items():
@@ -236,8 +213,9 @@ def test_writer_streams_mapped_and_buffered_tensors(tmp_path, monkeypatch, hash_
     def planned(i, name, t):
         if i % 2:  # mapped: copied in the kernel from raw.bin
             return PlannedTensor(name, t.dtype, tuple(t.shape), lambda _, t=t: t, (raw, offsets[name]))
-        return PlannedTensor(name, t.dtype, tuple(t.shape),
-                             lambda out, t=t: out[: t.nbytes].view(t.dtype).view(t.shape).copy_(t))  # fmt: skip
+        return PlannedTensor(
+            name, t.dtype, tuple(t.shape), lambda out, t=t: out[: t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        )
 
     out = tmp_path / "model.safetensors"
     written = write_safetensors(out, [planned(i, n, t) for i, (n, t) in enumerate(tensors.items())])

@@ -6,10 +6,10 @@ import zipfile
 
 import pytest
 import torch
+from helpers.builders import Payload, model_and_tensors, write_hf, zero_split
+from helpers.cli import run_cli
+from helpers.zero_format import write_zero_checkpoint
 from safetensors.torch import save_file
-from test_cli import run_cli
-from test_convert import Payload, model_and_tensors, write_hf, zero_split
-from zero_format import write_zero_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,9 @@ def missing_tensor(folder):
     save_file(tensors, shard, metadata={"format": "pt"})
     index = folder / "model.safetensors.index.json"
     weight_map = json.loads(index.read_text())["weight_map"]
-    index.write_text(json.dumps({"weight_map": {k: v for k, v in weight_map.items() if k in tensors or v != shard.name}}))
+    index.write_text(
+        json.dumps({"weight_map": {k: v for k, v in weight_map.items() if k in tensors or v != shard.name}})
+    )
     return folder
 
 
@@ -163,16 +165,34 @@ CASES = {
     "duplicate tensor across shards": ("hf", duplicate_across_shards, "is also stored in", []),
     "shape contradicts config": ("hf", shape_mismatch, "but config.json implies", []),
     "missing tensor": ("hf", missing_tensor, "missing tensor", []),
-    "unknown model_type": ("hf", lambda d: edit_json(d / "config.json", model_type="llava") or d / "config.json",
-                           "model_type 'llava' is not a D-Attn model", []),  # fmt: skip
-    "config.json not JSON": ("hf", lambda d: (d / "config.json").write_text("{") or d / "config.json", "not readable JSON", []),
+    "unknown model_type": (
+        "hf",
+        lambda d: edit_json(d / "config.json", model_type="llava") or d / "config.json",
+        "model_type 'llava' is not a D-Attn model",
+        [],
+    ),
+    "config.json not JSON": (
+        "hf",
+        lambda d: (d / "config.json").write_text("{") or d / "config.json",
+        "not readable JSON",
+        [],
+    ),
     "no config.json": ("hf", lambda d: (d / "config.json").unlink() or d, "has no config.json", []),
-    "no vision config, unknown tower": ("hf", lambda d: edit_json(d / "config.json", vision_config=None) or d / "config.json",
-                                        "pass --vision-heads", []),  # fmt: skip
+    "no vision config, unknown tower": (
+        "hf",
+        lambda d: edit_json(d / "config.json", vision_config=None) or d / "config.json",
+        "pass --vision-heads",
+        [],
+    ),
     "NaN in weights": ("hf", nan_weights, "NaN/Inf value(s)", []),
     "fp16 overflow": ("hf", fp16_overflow, "beyond fp16's 65504", ["--dtype", "fp16"]),
     "pickle with os.system (plain)": ("hf", malicious_bin, "refused to unpickle", []),
-    "pickle with os.system (torch zip)": ("hf", malicious_zip_bin, "refused to unpickle: it references posix.system", []),
+    "pickle with os.system (torch zip)": (
+        "hf",
+        malicious_zip_bin,
+        "refused to unpickle: it references posix.system",
+        [],
+    ),
     "missing ZeRO rank file": ("zero", remove_rank, "rank file(s) [1] missing", []),
     "wrong world size": ("zero", wrong_world_size, "world size 3 (partition_count)", []),
     "ZeRO without optimizer files": ("zero", no_optimizer_files, "no *_optim_states.pt", []),

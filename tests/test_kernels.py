@@ -15,8 +15,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from dattn_export.attention import dattn_op  # noqa: E402
-from dattn_export.kernels import launch  # noqa: E402
+from dattn_export.plugins import contract  # noqa: E402
+from dattn_export.plugins.contract import Attributes  # noqa: E402
+from dattn_export.plugins.triton_kernel import launch  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # interpreted on CPU, compiled on a GPU
@@ -31,9 +32,16 @@ def problem(dtype, batch, heads, kv_heads, queries, past, visual, dim, seed):
     visual_mask = torch.ones(batch, visual, dtype=torch.bool)
     if visual > 4:
         visual_mask[-1, -3:] = False
-    return (rand(batch, heads, queries, dim), rand(batch, kv_heads, keys, dim), rand(batch, kv_heads, keys, dim),
-            key_mask.to(DEVICE), rand(batch, heads, queries, dim), rand(batch, kv_heads, visual, dim),
-            rand(batch, kv_heads, visual, dim), visual_mask.to(DEVICE))  # fmt: skip
+    return (
+        rand(batch, heads, queries, dim),
+        rand(batch, kv_heads, keys, dim),
+        rand(batch, kv_heads, keys, dim),
+        key_mask.to(DEVICE),
+        rand(batch, heads, queries, dim),
+        rand(batch, kv_heads, visual, dim),
+        rand(batch, kv_heads, visual, dim),
+        visual_mask.to(DEVICE),
+    )
 
 
 # a covering grid: every value of every axis appears, combined pairwise by rotation rather than in full product
@@ -41,7 +49,12 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [64, 128, 256]
 GQA = [(8, 8), (8, 2), (8, 1)]  # ratios 1, 4, 8
 SHAPES = [  # (queries, past, visual): prefill, decode, |V| 0 / 1 / odd / large, odd text, with past
-    (17, 0, 0), (1, 23, 1), (5, 3, 37), (1, 40, 300), (33, 0, 19), (7, 12, 64),
+    (17, 0, 0),
+    (1, 23, 1),
+    (5, 3, 37),
+    (1, 40, 300),
+    (33, 0, 19),
+    (7, 12, 64),
 ]
 CASES = [
     (dtype, HEAD_DIMS[i % 3], GQA[(i // 3) % 3], shape, softcap, merge)
@@ -55,9 +68,11 @@ CASES = [
 def test_kernel_matches_reference(dtype, dim, heads, shape, softcap, merge):
     (q_heads, kv_heads), (queries, past, visual) = heads, shape
     args = problem(dtype, 2, q_heads, kv_heads, queries, past, visual, dim, seed=dim + queries + visual)
-    options = dict(scale=dim**-0.5, softcap=softcap, merge=merge, window=6 if past > 10 else None)
-    got = launch(*args, **options)
-    expected = dattn_op(*args, **options)
+    attributes = Attributes.from_reference(
+        scale=dim**-0.5, softcap=softcap, merge=merge, window=6 if past > 10 else None
+    )
+    got = launch(*args, attributes)
+    expected = contract.reference(args, attributes)
     assert got.dtype == dtype and got.shape == expected.shape
     error = (got.float() - expected.float()).abs().max().item()
     assert error <= TOLERANCE[dtype], f"max abs error {error:.2e}"
@@ -66,20 +81,24 @@ def test_kernel_matches_reference(dtype, dim, heads, shape, softcap, merge):
 def test_kernel_without_causality():
     """causal=False: MMCA's attention within an image (every real key visible, no visual segment)."""
     args = problem(torch.float32, 3, 4, 2, 16, 0, 0, 32, seed=8)
-    torch.testing.assert_close(launch(*args, scale=0.2, merge="sum", causal=False),
-                               dattn_op(*args, scale=0.2, merge="sum", causal=False), atol=1e-4, rtol=0)  # fmt: skip
+    attributes = Attributes(0.2, merge="sum", causal=0)
+    torch.testing.assert_close(launch(*args, attributes), contract.reference(args, attributes), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("merge", ["alpha", "sum"])
 def test_kernel_causal_visual_and_lse(merge):
     args = problem(torch.float32, 2, 4, 2, 6, 3, 21, 32, seed=5)
-    out, lse_v, lse_t = launch(*args, scale=0.2, merge=merge, causal_visual=True, window=8, return_lse=True)
-    torch.testing.assert_close(out, dattn_op(*args, scale=0.2, merge=merge, causal_visual=True, window=8), atol=1e-4, rtol=0)
+    attributes = Attributes(0.2, merge=merge, causal_visual=1, window=8)
+    out, lse_v, lse_t = launch(*args, attributes, return_lse=True)
+    torch.testing.assert_close(out, contract.reference(args, attributes), atol=1e-4, rtol=0)
     # the LSEs are the log-sum-exp of each segment's logits, computed literally
     q, k, _, key_mask, q_vis, k_vis, _, visual_mask = args
     slots = torch.arange(21 + 9, device=DEVICE)
     query_slots = slots[-6:]
-    for lse, query, keys, key_slots, mask in ((lse_v, q_vis, k_vis, slots[:21], visual_mask), (lse_t, q, k, slots[21:], key_mask)):
+    for lse, query, keys, key_slots, mask in (
+        (lse_v, q_vis, k_vis, slots[:21], visual_mask),
+        (lse_t, q, k, slots[21:], key_mask),
+    ):
         logits = query @ keys.repeat_interleave(2, 1).transpose(-1, -2) * 0.2
         distance = query_slots[:, None] - key_slots[None, :]
         visible = (distance >= 0) & (distance < 8) & mask[:, None, None, :]
@@ -89,10 +108,11 @@ def test_kernel_causal_visual_and_lse(merge):
 
 PTX_SCRIPT = """
 import json, sys
-from dattn_export.kernels import compile_ptx
+from dattn_export.plugins.contract import Attributes
+from dattn_export.plugins.triton_kernel import compile_ptx
 arch, dtype, merge = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-name, ptx, metadata = compile_ptx(dtype, 128, scale=128**-0.5, softcap=50.0, window=4096, merge=merge,
-                                  causal_visual=False, arch=arch, ptx_version=84)  # drivers of CUDA >= 12.4
+attributes = Attributes(128**-0.5, softcap=50.0, window=4096, merge=merge)
+name, ptx, metadata = compile_ptx(dtype, 128, attributes, arch=arch, ptx_version=84)  # drivers of CUDA >= 12.4
 print(json.dumps({"name": name, "ptx": ptx, "num_warps": metadata.num_warps}))
 """
 
@@ -103,14 +123,22 @@ def test_kernel_compiles_to_ptx_without_a_gpu(arch, dtype, merge):
     """What the TensorRT plugin's ahead-of-time implementation ships: PTX for the target architecture.
     Compiled in a child process: under TRITON_INTERPRET the kernel is interpreted, not compiled."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(arch), dtype, merge], capture_output=True,
-                            text=True, env=env, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", PTX_SCRIPT, str(arch), dtype, merge],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     compiled = json.loads(result.stdout.strip().splitlines()[-1])
     assert f".target sm_{arch}" in compiled["ptx"] and f".entry {compiled['name']}(" in compiled["ptx"]
     assert ".version 8.4" in compiled["ptx"]
-    params = [line.split()[1] for line in compiled["ptx"].split(f".entry {compiled['name']}(")[1].split(")")[0].splitlines()
-              if ".param" in line]  # fmt: skip
+    params = [
+        line.split()[1]
+        for line in compiled["ptx"].split(f".entry {compiled['name']}(")[1].split(")")[0].splitlines()
+        if ".param" in line
+    ]
     # TensorRT's AOT order: 8 input pointers, the 14 INT_ARGS, the output pointer (then Triton's scratch pointers)
     assert params[:8] == [".u64"] * 8 and params[8:22] == [".u32"] * 14 and params[22] == ".u64"
     assert compiled["num_warps"] >= 1

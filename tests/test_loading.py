@@ -3,10 +3,10 @@
 import json
 
 import torch
-from conftest import build_model, images, left_padded_batch
+from helpers.builders import build_model, images, left_padded_batch
 from safetensors.torch import save_file
 
-from dattn_export.loading import load_model, saved_state_dict
+from dattn_export.checkpoints.source import load_model, saved_state_dict
 
 
 def save_folder(model, folder, tensors, writer):
@@ -50,7 +50,7 @@ def test_sharded_bin_loads(tmp_path):
 
 def test_views_of_shared_storage_read_lazily(tmp_path):
     """torch.save keeps views (transposes, slices, tied tensors) as offsets and strides into one storage."""
-    from dattn_export.converters.lazy import read_torch_file
+    from dattn_export.checkpoints.lazy import read_torch_file
 
     base = torch.arange(60.0).reshape(6, 10)
     views = {"transposed": base.t()[2:5], "window": base[1:4, 2:7], "same": base, "empty": base[:0]}

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import build_model, images, left_padded_batch
+from helpers.builders import build_model, images, left_padded_batch
 from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
-from dattn_export.loading import saved_state_dict
+from dattn_export.checkpoints.source import saved_state_dict
 
 HF_CLASSES = {"dattn_mistral": (MistralConfig, MistralForCausalLM), "dattn_gemma2": (Gemma2Config, Gemma2ForCausalLM)}
 ATOL = 1e-5
@@ -124,9 +124,11 @@ def test_incremental_decoding_equals_full_forward(family, mode):
         steps = [out.logits]
         for t in range(prompt, ids.shape[1]):
             out = model(
-                ids[:, t : t + 1], attention_mask=mask[:, : t + 1],
-                past_key_values=out.past_key_values, visual_key_values=visual_kv,
-            )  # fmt: skip
+                ids[:, t : t + 1],
+                attention_mask=mask[:, : t + 1],
+                past_key_values=out.past_key_values,
+                visual_key_values=visual_kv,
+            )
             steps.append(out.logits)
     incremental = torch.cat(steps, dim=1)
     keep = valid_positions(mask)
@@ -198,7 +200,9 @@ def test_mmca_visual_stream_is_attention_within_each_image(family):
         x = layer.input_layernorm(visual)
         q, k, v = (attn.heads(p, x) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         cos, sin = m.rotary_emb(visual, (torch.arange(visual.shape[1]) % per_image)[None])
-        rotate = lambda t: t * cos[:, None] + torch.cat([-t[..., t.shape[-1] // 2 :], t[..., : t.shape[-1] // 2]], -1) * sin[:, None]  # noqa: E731
+        rotate = lambda t: (
+            t * cos[:, None] + torch.cat([-t[..., t.shape[-1] // 2 :], t[..., : t.shape[-1] // 2]], -1) * sin[:, None]
+        )  # noqa: E731
         q, k = rotate(q), rotate(k)
         groups = config.num_attention_heads // config.num_key_value_heads
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)

@@ -6,56 +6,21 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import build_model, images, left_padded_batch
-from test_cli import run_cli
+from helpers.builders import build_model, checkpoint_of, images, left_padded_batch
+from helpers.checks import ATOL, SHAPES, run_case
+from helpers.cli import run_cli
 
-from dattn_export.demo import write_demo_checkpoint
-from dattn_export.loading import saved_state_dict
-from dattn_export.onnx_export import export_onnx
-from dattn_export.ort_runtime import OrtModel
-from dattn_export.validate import validate
-
-ATOL = 1e-4
-
-
-def checkpoint_of(model, folder):
-    """A checkpoint folder (tokenizer and all) holding `model`'s weights."""
-    write_demo_checkpoint(folder, model.config.model_type.removeprefix("dattn_"))
-    from safetensors.torch import save_file
-
-    for shard in folder.glob("model*.safetensors*"):
-        shard.unlink()
-    save_file(saved_state_dict(model), folder / "model.safetensors", metadata={"format": "pt"})
-    model.config.save_pretrained(folder)
-    return folder
-
-
-# (batch, new text tokens, past text tokens, images)
-SHAPES = [(1, 1, 0, 1), (3, 52, 0, 2), (3, 1, 41, 1), (1, 55, 44, 2)]
-
-
-def run_case(model, runtime, batch, new, past, num_images, seed):
-    lengths = [past + new - 5 * row for row in range(batch)]  # left padding grows down the batch
-    ids, mask = left_padded_batch(lengths, seed=seed)
-    pixels = images(batch, num_images, seed=seed)
-    with torch.no_grad():
-        expected = model(ids, pixels, mask).logits[:, past:]
-        past_kv = model(ids[:, :past], pixels, mask[:, :past]).past_key_values if past else None
-    visual = runtime.encode_visual(runtime.embed_images(pixels.numpy()))
-    past_np = [t.numpy() for kv in past_kv for t in kv] if past else runtime.empty_kv(batch)
-    logits, present = runtime.decode(ids[:, past:].numpy(), mask.numpy(), past_np, visual)
-    keep = mask[:, past:].bool().numpy()
-    error = np.abs(logits[keep] - expected.numpy()[keep]).max()
-    assert error <= ATOL, f"batch {batch}, {new} new, {past} past, {num_images} images: max abs error {error:.2e}"
-    assert present[0].shape[2] == past + new
-    return error
+from dattn_export.runtime.ort import OrtModel
+from dattn_export.stages.demo import write_demo_checkpoint
+from dattn_export.stages.onnx_export import export_onnx
+from dattn_export.stages.validate import validate
 
 
 @pytest.mark.parametrize("mode", ["dattn", "dattn-sum", "sattn", "mmca"])
 def test_onnx_runtime_matches_reference(tmp_path, family, mode):
     model = build_model(family, dattn_mode=mode)
     manifest = export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
-    assert manifest["graphs"]["decoder"]["fused_attention_nodes"] == model.config.num_hidden_layers
+    assert manifest.graphs["decoder"].fused_attention_nodes == model.config.num_hidden_layers
     runtime = OrtModel(tmp_path / "onnx")
     for seed, shape in enumerate(SHAPES):
         run_case(model, runtime, *shape, seed=seed)
@@ -92,7 +57,7 @@ def test_chunked_visual_encoding_equals_one_run(tmp_path):
 
 def test_large_graphs_keep_weights_in_external_data(tmp_path, monkeypatch):
     """Graphs whose weights pass the threshold (1 GiB; 0 here) keep them in a .data file beside the .onnx."""
-    import dattn_export.onnx_export as onnx_export
+    import dattn_export.stages.onnx_export as onnx_export
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
     model = build_model("mistral")

@@ -7,20 +7,27 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from dattn_export.attention import OP_DOMAIN, OP_TYPE, OP_VERSION, dattn_op
-from dattn_export.onnx_function import INPUTS, Variant, build_function
+from dattn_export.plugins import contract
+from dattn_export.plugins.contract import Attributes
+from dattn_export.plugins.onnx_node import Variant, build_function
 
 OPSET = 18
 
 
 def single_node_model(attributes: dict, variant: Variant, dtype=TensorProto.FLOAT) -> bytes:
-    node = helper.make_node(OP_TYPE, list(INPUTS), ["out"], domain=OP_DOMAIN, **attributes)
+    node = helper.make_node(contract.TYPE, list(contract.INPUTS), ["out"], domain=contract.DOMAIN, **attributes)
+
     def value(name, elem, rank):
         return helper.make_tensor_value_info(name, elem, [None] * rank)
-    inputs = [value(n, TensorProto.BOOL if "mask" in n else dtype, 2 if "mask" in n else 4) for n in INPUTS]
+
+    inputs = [value(n, TensorProto.BOOL if "mask" in n else dtype, 2 if "mask" in n else 4) for n in contract.INPUTS]
     graph = helper.make_graph([node], "dattn", inputs, [value("out", dtype, 4)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(OP_DOMAIN, OP_VERSION)],
-                              functions=[build_function(variant, OPSET)], ir_version=10)  # fmt: skip
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(contract.DOMAIN, contract.VERSION)],
+        functions=[build_function(variant, OPSET)],
+        ir_version=10,
+    )
     onnx.checker.check_model(model, full_check=True)
     return model.SerializeToString()
 
@@ -35,10 +42,15 @@ def problem(batch, heads, kv_heads, queries, past, visual, dim, seed):
     if visual > 3:
         visual_mask[-1, -3:] = False  # fewer images in the last row
     return dict(
-        q=rand(batch, heads, queries, dim), k=rand(batch, kv_heads, keys, dim), v=rand(batch, kv_heads, keys, dim),
-        key_mask=key_mask, q_vis=rand(batch, heads, queries, dim), k_vis=rand(batch, kv_heads, visual, dim),
-        v_vis=rand(batch, kv_heads, visual, dim), visual_mask=visual_mask,
-    )  # fmt: skip
+        q=rand(batch, heads, queries, dim),
+        k=rand(batch, kv_heads, keys, dim),
+        v=rand(batch, kv_heads, keys, dim),
+        key_mask=key_mask,
+        q_vis=rand(batch, heads, queries, dim),
+        k_vis=rand(batch, kv_heads, visual, dim),
+        v_vis=rand(batch, kv_heads, visual, dim),
+        visual_mask=visual_mask,
+    )
 
 
 GRID = [
@@ -58,43 +70,47 @@ GRID = [
 @pytest.mark.parametrize("heads, kv_heads, queries, past, visual, softcap, window, merge, causal_visual", GRID)
 def test_function_body_matches_reference(heads, kv_heads, queries, past, visual, softcap, window, merge, causal_visual):
     inputs = problem(2, heads, kv_heads, queries, past, visual, 16, seed=heads + queries + visual)
-    attributes = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=16, scale=0.3, softcap=float(softcap or 0.0),
-                      window=int(window or 0), merge=merge, causal_visual=int(causal_visual),
-                      plugin_namespace="dattn", plugin_version="1")  # fmt: skip
+    attributes = Attributes.from_reference(
+        scale=0.3, softcap=softcap, window=window, merge=merge, causal_visual=causal_visual
+    )
     variant = Variant(merge, softcap is not None, causal_visual, compute_cast=False)
-    session = ort.InferenceSession(single_node_model(attributes, variant), providers=["CPUExecutionProvider"])
+    node = single_node_model(attributes.node_attributes(heads, kv_heads, 16), variant)
+    session = ort.InferenceSession(node, providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {n: t.numpy() for n, t in inputs.items()})
-    expected = dattn_op(*inputs.values(), scale=0.3, softcap=softcap, window=window, merge=merge, causal_visual=causal_visual)
+    expected = contract.reference(tuple(inputs.values()), attributes)
     np.testing.assert_allclose(got, expected.numpy(), atol=1e-5, rtol=0)
     assert np.abs(expected.numpy()).max() > 0.1
 
 
 @pytest.mark.parametrize("merge", ["alpha", "sum"])
 def test_function_body_without_causality(merge):
-    """causal=0 (MMCA's attention within an image): every real key is visible; an absent attribute means 1."""
+    """causal=0 (MMCA's attention within an image): every real key is visible; an absent attribute means 1 (as does
+    every other absent attribute: its default in the contract)."""
     inputs = problem(2, 4, 2, 6, 0, 0, 16, seed=11)
-    attributes = dict(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.3, softcap=0.0, window=0, merge=merge,
-                      causal_visual=0, plugin_namespace="dattn", plugin_version="1")  # fmt: skip
     variant = Variant(merge, False, False, compute_cast=False)
     feeds = {n: t.numpy() for n, t in inputs.items()}
+    args = tuple(inputs.values())
     for causal in (0, 1, None):
-        node_attributes = attributes if causal is None else {**attributes, "causal": causal}
+        attributes = Attributes(0.3, merge=merge, causal=1 if causal is None else causal)
+        node_attributes = attributes.node_attributes(4, 2, 16)
+        if causal is None:  # only what has no default
+            node_attributes = {k: v for k, v in node_attributes.items() if k not in Attributes.defaults()}
         session = ort.InferenceSession(single_node_model(node_attributes, variant), providers=["CPUExecutionProvider"])
         (got,) = session.run(None, feeds)
-        expected = dattn_op(*inputs.values(), scale=0.3, merge=merge, causal=causal != 0)
-        np.testing.assert_allclose(got, expected.numpy(), atol=1e-5, rtol=0)
-    bidirectional = dattn_op(*inputs.values(), scale=0.3, merge=merge, causal=False)
-    assert (bidirectional - dattn_op(*inputs.values(), scale=0.3, merge=merge)).abs().max() > 0.05
+        np.testing.assert_allclose(got, contract.reference(args, attributes).numpy(), atol=1e-5, rtol=0)
+    bidirectional = contract.reference(args, Attributes(0.3, merge=merge, causal=0))
+    assert (bidirectional - contract.reference(args, Attributes(0.3, merge=merge))).abs().max() > 0.05
 
 
 def test_function_body_fp16_computes_in_fp32():
     inputs = problem(2, 8, 2, 3, 4, 6, 16, seed=3)
     inputs = {n: t.half() if t.is_floating_point() else t for n, t in inputs.items()}
-    attributes = dict(num_heads=8, num_kv_heads=2, head_dim=16, scale=0.25, softcap=0.0, window=0, merge="alpha",
-                      causal_visual=0, plugin_namespace="dattn", plugin_version="1")  # fmt: skip
-    model = single_node_model(attributes, Variant("alpha", False, False, compute_cast=True), TensorProto.FLOAT16)
+    attributes = Attributes(0.25)
+    model = single_node_model(
+        attributes.node_attributes(8, 2, 16), Variant("alpha", False, False, compute_cast=True), TensorProto.FLOAT16
+    )
     session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {n: t.numpy() for n, t in inputs.items()})
-    expected = dattn_op(*inputs.values(), scale=0.25)
+    expected = contract.reference(tuple(inputs.values()), attributes)
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float32), expected.float().numpy(), atol=2e-3, rtol=0)

@@ -10,12 +10,12 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from hub_server import start
+from helpers.hub_server import start
 from huggingface_hub import ModelCard
 
-from dattn_export.convert import convert
-from dattn_export.demo import DEMO_PROMPT, write_demo_checkpoint
-from dattn_export.loading import load_model
+from dattn_export.checkpoints.source import load_model
+from dattn_export.stages.convert import convert
+from dattn_export.stages.demo import DEMO_PROMPT, write_demo_checkpoint
 
 TOKEN = "hf_alice_secret_token_42"
 TOKENS = {TOKEN: "alice", "hf_bob_token": "bob"}
@@ -37,8 +37,15 @@ def hub():
 
 
 def hub_env(tmp_path, endpoint, token=TOKEN):
-    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": endpoint,
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_ETAG_TIMEOUT": "5",
+        "HF_HUB_DOWNLOAD_TIMEOUT": "5",
+    }
     env.pop("HF_TOKEN", None)
     if token:
         env["HF_TOKEN"] = token
@@ -46,8 +53,13 @@ def hub_env(tmp_path, endpoint, token=TOKEN):
 
 
 def push_cli(tmp_path, endpoint, *args, token=TOKEN):
-    result = subprocess.run([sys.executable, "-m", "dattn_export", "push", *map(str, args)], capture_output=True,
-                            text=True, timeout=300, env=hub_env(tmp_path, endpoint, token))  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "dattn_export", "push", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=hub_env(tmp_path, endpoint, token),
+    )
     assert TOKEN not in result.stdout + result.stderr, "the token was printed"
     return result
 
@@ -57,7 +69,7 @@ def commits_on(state, repo_id):
     return [] if repo is None else [c for c in repo.commits.values() if c["files"]]
 
 
-FRESH_PROCESS = textwrap.dedent('''
+FRESH_PROCESS = textwrap.dedent("""
     import sys
     sys.modules["dattn_export"] = None  # this process must not be able to use the package
     import numpy as np, torch
@@ -74,30 +86,58 @@ FRESH_PROCESS = textwrap.dedent('''
     with torch.no_grad():
         np.save(out, model(ids, pixels).logits.numpy())
     readme = open(folder + "/README.md").read()
-    snippet = readme.split("```python")[1].split("```")[0].replace('Image.open("image.png")', 'Image.new("RGB", (40, 40), (200, 30, 30))')
+    snippet = readme.split("```python")[1].split("```")[0]
+    snippet = snippet.replace('Image.open("image.png")', 'Image.new("RGB", (40, 40), (200, 30, 30))')
     exec(snippet)  # the model card's usage snippet, as written
-''')
+""")
 
 
 def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp_path):
     state, endpoint = hub
-    result = push_cli(tmp_path, endpoint, converted, "--repo-id", "alice/tiny-dattn", "--license", "apache-2.0",
-                      "--base-model", "google/gemma-2-2b")  # fmt: skip
+    result = push_cli(
+        tmp_path,
+        endpoint,
+        converted,
+        "--repo-id",
+        "alice/tiny-dattn",
+        "--license",
+        "apache-2.0",
+        "--base-model",
+        "google/gemma-2-2b",
+    )
     assert result.returncode == 0, result.stderr
     (commit,) = commits_on(state, "alice/tiny-dattn")  # one commit holds everything
     files = commit["files"]
-    for name in ("config.json", "modeling_dattn.py", "configuration_dattn.py", "attention.py", "tokenizer.json",
-                 "preprocessor_config.json", "model.safetensors", "dattn_manifest.json", "README.md"):  # fmt: skip
+    for name in (
+        "config.json",
+        "modeling_dattn.py",
+        "configuration_dattn.py",
+        "attention.py",
+        "tokenizer.json",
+        "preprocessor_config.json",
+        "model.safetensors",
+        "dattn_manifest.json",
+        "README.md",
+    ):
         assert name in files, name
     assert files["model.safetensors"][1] is True  # uploaded through LFS
-    assert json.loads(files["config.json"][0])["auto_map"]["AutoModelForCausalLM"] == "modeling_dattn.DAttnGemma2ForCausalLM"
+    assert (
+        json.loads(files["config.json"][0])["auto_map"]["AutoModelForCausalLM"]
+        == "modeling_dattn.DAttnGemma2ForCausalLM"
+    )
     assert TOKEN.encode() not in b"".join(data for data, _ in files.values()), "the token was uploaded"
 
     script = tmp_path / "fresh.py"
     script.write_text(FRESH_PROCESS)
     env = hub_env(tmp_path, endpoint, token=None)
-    run = subprocess.run([sys.executable, str(script), "alice/tiny-dattn", str(tmp_path / "logits.npy")],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(script), "alice/tiny-dattn", str(tmp_path / "logits.npy")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 300, (2, 7), generator=g)
@@ -111,7 +151,11 @@ def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "image-text-to-text"
     assert card.data.license == "apache-2.0" and card.data.base_model == "google/gemma-2-2b"
     assert {"dattn", "custom_code"} <= set(card.data.tags)
-    assert "| tensors reload | ok |" in card.text and "trust_remote_code=True" in card.text and DEMO_PROMPT[:20] in card.text
+    assert (
+        "| tensors reload | ok |" in card.text
+        and "trust_remote_code=True" in card.text
+        and DEMO_PROMPT[:20] in card.text
+    )
 
 
 def test_dry_run_lists_everything_and_contacts_nothing(converted, tmp_path):
@@ -199,17 +243,54 @@ def test_network_down(converted, tmp_path):
 
 
 def test_card_describes_the_attention_mode(tmp_path):
-    from conftest import build_model
-    from test_onnx import checkpoint_of
+    from helpers.builders import build_model, checkpoint_of
 
-    from dattn_export.hub import model_card
+    from dattn_export.stages.push import model_card
 
-    cases = [("mmca", {"dattn_mode": "mmca"}, "full attention within each image", "multi-modal causal attention"),
-             ("dattn", {}, "diagonal V2V", "alpha merge: one softmax over [visual ; text] |"),
-             ("wings", {"wings_rank": 4, "wings_layers": [1]}, "diagonal V2V",
-              "alpha merge: one softmax over [visual ; text]; WINGS visual and text learners (rank 4) with a router in layers [1] |")]  # fmt: skip
+    cases = [
+        ("mmca", {"dattn_mode": "mmca"}, "full attention within each image", "multi-modal causal attention"),
+        ("dattn", {}, "diagonal V2V", "alpha merge: one softmax over [visual ; text] |"),
+        (
+            "wings",
+            {"wings_rank": 4, "wings_layers": [1]},
+            "diagonal V2V",
+            "alpha merge: one softmax over [visual ; text]; WINGS visual and text learners (rank 4) with a router in "
+            "layers [1] |",
+        ),
+    ]
     for name, overrides, visual, text in cases:
         convert(checkpoint_of(build_model("mistral", **overrides), tmp_path / name), tmp_path / f"{name}-out")
         card = model_card(tmp_path / f"{name}-out", f"alice/{name}", None, "other", None)
         assert f"| visual stream | {visual}" in card and f"| text attention | {text}" in card, card
         assert ("WINGS learners" in card) == ("wings_rank" in overrides)
+
+
+def test_validation_report_goes_into_the_card(converted, tmp_path):
+    """push --validation-report: an ONNX export's validation_report.json becomes the card's ONNX validation table."""
+    from dattn_export.stages.validate import Comparison, ValidationReport
+
+    report = ValidationReport(
+        "onnx",
+        "ckpt",
+        "ort",
+        "float32",
+        1e-4,
+        13,
+        16,
+        [Comparison("decoder", "logits (prefill)", 3.1e-06, 7.5e-07)],
+        [5, 7, 9],
+        [5, 7, 9],
+    )
+    path = tmp_path / "validation_report.json"
+    path.write_text(json.dumps(report.to_json()))
+    result = push_cli(
+        tmp_path, "http://127.0.0.1:9", converted, "--repo-id", "alice/x", "--dry-run", "--validation-report", path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "## ONNX validation" in result.stdout and "greedy tokens 3/3 agree" in result.stdout
+    assert "| decoder | logits (prefill) | 3.10e-06 |" in result.stdout
+    path.write_text("{}")
+    result = push_cli(
+        tmp_path, "http://127.0.0.1:9", converted, "--repo-id", "alice/x", "--dry-run", "--validation-report", path
+    )
+    assert result.returncode == 2 and "is not a readable validation_report.json" in result.stderr

@@ -8,12 +8,14 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from dattn_export.demo import write_demo_checkpoint
-from dattn_export.onnx_export import export_onnx
-from dattn_export.tensorrt import Limits, profile_shapes
+from dattn_export.artifacts import GraphValue
+from dattn_export.stages.demo import write_demo_checkpoint
+from dattn_export.stages.onnx_export import export_onnx
+from dattn_export.stages.trt_build import Limits, profile_shapes
 
 
 @pytest.mark.skipif(
@@ -23,8 +25,13 @@ from dattn_export.tensorrt import Limits, profile_shapes
 @pytest.mark.parametrize("family, overrides", [("mistral", {}), ("gemma2", {}), ("mistral", {"wings_rank": 8})])
 def test_tensorrt_rtx_parses_and_builds_every_graph(tmp_path, family, overrides):
     export_onnx(write_demo_checkpoint(tmp_path / "ckpt", family, **overrides), tmp_path / "onnx")
-    result = subprocess.run([sys.executable, "-m", "dattn_export.tensorrt", str(tmp_path / "onnx"), "--module",
-                             "tensorrt_rtx_bindings"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    script = Path(__file__).parent / "helpers" / "trt_engines.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "onnx"), "--module", "tensorrt_rtx_bindings"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     sizes = json.loads(result.stdout)
     assert set(sizes) == {"vision", "visual_kv", "decoder"} and all(size > 10_000 for size in sizes.values())
@@ -32,10 +39,10 @@ def test_tensorrt_rtx_parses_and_builds_every_graph(tmp_path, family, overrides)
 
 def test_profiles_cover_prefill_decode_and_no_image():
     decoder_inputs = [
-        {"name": "input_ids", "shape": ["batch", "sequence"]},
-        {"name": "attention_mask", "shape": ["batch", "total_sequence"]},
-        {"name": "past_key_values.0.key", "shape": ["batch", 8, "past_sequence", 64]},
-        {"name": "visual_key_values.0.key", "shape": ["batch", 8, "visual_sequence", 64]},
+        GraphValue("input_ids", "int64", ["batch", "sequence"]),
+        GraphValue("attention_mask", "int64", ["batch", "total_sequence"]),
+        GraphValue("past_key_values.0.key", "float", ["batch", 8, "past_sequence", 64]),
+        GraphValue("visual_key_values.0.key", "float", ["batch", 8, "visual_sequence", 64]),
     ]
     shapes = profile_shapes(decoder_inputs, Limits(max_batch=4, max_text_tokens=512, max_visual_tokens=9216))
     assert shapes["input_ids"] == ([1, 1], [4, 128], [4, 512])

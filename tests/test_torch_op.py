@@ -3,10 +3,13 @@
 import pytest
 import torch
 
-from dattn_export.attention import dattn_op
-from dattn_export.torch_op import decomposed_attention
+from dattn_export.plugins import contract
+from dattn_export.plugins.contract import Attributes
+from dattn_export.plugins.torch_op import decomposed_attention
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU: the CUDA dispatch runs the Triton kernel")
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs an NVIDIA GPU: the CUDA dispatch runs the Triton kernel"
+)
 
 
 def inputs(device="cpu", dtype=torch.float32):
@@ -14,15 +17,27 @@ def inputs(device="cpu", dtype=torch.float32):
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
     key_mask = torch.ones(2, 9, dtype=torch.bool, device=device)
     key_mask[0, :2] = False
-    return (rand(2, 8, 5, 64), rand(2, 2, 9, 64), rand(2, 2, 9, 64), key_mask, rand(2, 8, 5, 64), rand(2, 2, 33, 64),
-            rand(2, 2, 33, 64), torch.ones(2, 33, dtype=torch.bool, device=device))  # fmt: skip
+    return (
+        rand(2, 8, 5, 64),
+        rand(2, 2, 9, 64),
+        rand(2, 2, 9, 64),
+        key_mask,
+        rand(2, 8, 5, 64),
+        rand(2, 2, 33, 64),
+        rand(2, 2, 33, 64),
+        torch.ones(2, 33, dtype=torch.bool, device=device),
+    )
 
 
 def test_cpu_dispatch_is_the_reference_and_the_op_is_well_formed():
     args = inputs()
-    torch.testing.assert_close(decomposed_attention(*args, 0.125, 3.0, 4, "sum"),
-                               dattn_op(*args, scale=0.125, softcap=3.0, window=4, merge="sum"), atol=0, rtol=0)  # fmt: skip
-    torch.library.opcheck(decomposed_attention, (*args, 0.125, 0.0, 0, "alpha", False))
+    torch.testing.assert_close(
+        decomposed_attention(*args, 0.125, 3.0, 4, "sum"),
+        contract.reference(args, Attributes(0.125, 3.0, 4, "sum")),
+        atol=0,
+        rtol=0,
+    )
+    torch.library.opcheck(decomposed_attention, (*args, 0.125, 0.0, 0, "alpha", 0))
     assert torch.ops.dattn.decomposed_attention.default is not None
 
 
@@ -41,5 +56,5 @@ def test_the_op_traces_into_an_exported_program():
 def test_cuda_dispatch_runs_the_kernel(dtype, atol):
     args = inputs("cuda", dtype)
     got = decomposed_attention(*args, 0.125, 50.0, 0, "alpha")
-    expected = dattn_op(*args, scale=0.125, softcap=50.0)
+    expected = contract.reference(args, Attributes(0.125, softcap=50.0))
     assert (got.float() - expected.float()).abs().max().item() <= atol

@@ -8,27 +8,46 @@ import sys
 import pytest
 import torch
 
-from dattn_export.trt_plugin import Attributes, int_arguments, launch_grid, output_shape
+from dattn_export.plugins import contract
+from dattn_export.plugins.contract import Attributes
+from dattn_export.plugins.tensorrt_plugin import signature
+from dattn_export.plugins.triton_kernel import int_arguments, launch_grid
 
 HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
-gpu = pytest.mark.skipif(not (HAVE_TENSORRT and torch.cuda.is_available()),
-                         reason="needs TensorRT (NVIDIA's wheels) and an NVIDIA GPU")  # fmt: skip
+gpu = pytest.mark.skipif(
+    not (HAVE_TENSORRT and torch.cuda.is_available()), reason="needs TensorRT (NVIDIA's wheels) and an NVIDIA GPU"
+)
 
 
 def test_attributes_are_checked():
-    Attributes(8, 2, 128, 0.088, 50.0, 4096, "alpha", 0)
-    for bad in (dict(merge="max"), dict(head_dim=96), dict(num_kv_heads=3), dict(window=-1)):
-        fields = {**dict(num_heads=8, num_kv_heads=2, head_dim=128, scale=0.088, softcap=0.0, window=0, merge="sum",
-                         causal_visual=0), **bad}  # fmt: skip
+    Attributes(0.088, 50.0, 4096, "alpha", 0)
+    contract.check_shapes(8, 2, 128)
+    for bad in (dict(merge="max"), dict(window=-1), dict(scale=0.0)):
         with pytest.raises(ValueError, match="dattn::DecomposedAttention"):
-            Attributes(**fields)
+            Attributes(**{"scale": 0.088, **bad})
+    for heads, kv_heads, head_dim in ((8, 2, 96), (8, 3, 128)):
+        with pytest.raises(ValueError, match="dattn::DecomposedAttention"):
+            contract.check_shapes(heads, kv_heads, head_dim)
 
 
-def test_shape_inference_grid_and_scalar_arguments():
-    attributes = Attributes(8, 2, 64, 0.125, 0.0, 0, "alpha", 0)
-    assert output_shape((3, 8, 17, 64), (3, 2, 40, 64), (3, 2, 576, 64), attributes) == (3, 8, 17, 64)
-    with pytest.raises(ValueError, match="k is"):
-        output_shape((3, 8, 17, 64), (3, 4, 40, 64), (3, 2, 576, 64), attributes)
+def test_plugin_signature_follows_tensorrt_plugin_rules():
+    """What tensorrt.plugin's register() checks of a signature (read from its _validate.py): every parameter
+    annotated with a class, the TensorDescs first, attributes of serializable builtin types after, no defaults,
+    a return annotation; and the names are the contract's."""
+    import inspect
+
+    class TensorDesc:  # stands in for tensorrt.plugin.TensorDesc
+        pass
+
+    sig = signature(TensorDesc, tuple[TensorDesc])
+    params = list(sig.parameters.values())
+    assert [p.name for p in params] == [*contract.INPUTS, *contract.SHAPE_ATTRIBUTES, *Attributes.names()]
+    assert all(p.annotation is TensorDesc for p in params[: len(contract.INPUTS)])
+    assert all(p.annotation in (int, float, str) for p in params[len(contract.INPUTS) :])
+    assert all(p.default is inspect.Parameter.empty for p in params) and sig.return_annotation == tuple[TensorDesc]
+
+
+def test_launch_grid_and_scalar_arguments():
     assert launch_grid((3, 8, 17, 64)) == (2, 24)
     # the strides the kernel gets equal those of contiguous tensors of these shapes
     q, k, kv = torch.empty(3, 8, 17, 64), torch.empty(3, 2, 40, 64), torch.empty(3, 2, 576, 64)
@@ -39,8 +58,12 @@ def test_shape_inference_grid_and_scalar_arguments():
 def test_trt_command_says_what_is_missing(tmp_path):
     (tmp_path / "onnx").mkdir()
     (tmp_path / "onnx" / "onnx_manifest.json").write_text(json.dumps({"graphs": {}}))
-    result = subprocess.run([sys.executable, "-m", "dattn_export", "trt", tmp_path / "onnx", "-o", tmp_path / "engines"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "dattn_export", "trt", tmp_path / "onnx", "-o", tmp_path / "engines"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if HAVE_TENSORRT and torch.cuda.is_available():
         pytest.skip("TensorRT and a GPU are present: nothing is missing")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -53,10 +76,10 @@ def test_trt_command_says_what_is_missing(tmp_path):
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_engines_match_pytorch_with_plugin_and_with_function(tmp_path, family):
     """Engines with the plugin and engines with the ONNX function fallback both validate against PyTorch."""
-    from dattn_export.demo import write_demo_checkpoint
-    from dattn_export.onnx_export import export_onnx
-    from dattn_export.tensorrt import Limits, build_engines
-    from dattn_export.validate import validate
+    from dattn_export.stages.demo import write_demo_checkpoint
+    from dattn_export.stages.onnx_export import export_onnx
+    from dattn_export.stages.trt_build import Limits, build_engines
+    from dattn_export.stages.validate import validate
 
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt", family)
     export_onnx(checkpoint, tmp_path / "onnx")

@@ -5,17 +5,16 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import build_model, images, left_padded_batch
-from test_convert import assert_converted_equals, write_hf, zero_split
-from test_onnx import SHAPES, checkpoint_of, run_case
-from zero_format import write_zero_checkpoint
+from helpers.builders import build_model, checkpoint_of, images, left_padded_batch, write_hf, zero_split
+from helpers.checks import SHAPES, assert_converted_equals, run_case
+from helpers.zero_format import write_zero_checkpoint
 
-from dattn_export.convert import convert
-from dattn_export.info import describe
-from dattn_export.loading import load_model, saved_state_dict
-from dattn_export.onnx_export import export_onnx
-from dattn_export.ort_runtime import OrtModel
-from dattn_export.validate import validate
+from dattn_export.checkpoints.source import load_model, saved_state_dict
+from dattn_export.runtime.ort import OrtModel
+from dattn_export.stages.convert import convert
+from dattn_export.stages.info import describe
+from dattn_export.stages.onnx_export import export_onnx
+from dattn_export.stages.validate import validate
 
 RANK = 8
 ATOL = 1e-5
@@ -69,14 +68,16 @@ def main_attention_mass(layer, q, q_vis, k, k_vis, key_mask, visual_mask):
     is_text = torch.arange(num_visual + num_text) >= num_visual
     ordered = (k_slot[None] <= q_slot[:, None]) & (
         attn.window is None or (q_slot[:, None] - k_slot[None] < attn.window)
-    )  # fmt: skip
+    )
     if not attn.causal_visual:  # debiased: every real visual key is visible
         ordered = ordered | ~is_text[None]
     allowed = ordered[None] & torch.cat([visual_mask, key_mask], dim=1).bool()[:, None]
     features = []
     for h in range(heads):
         kv_head = h // (heads // k.shape[1])
-        s = torch.cat([q_vis[:, h] @ k_vis[:, kv_head].transpose(-1, -2), q[:, h] @ k[:, kv_head].transpose(-1, -2)], -1)
+        s = torch.cat(
+            [q_vis[:, h] @ k_vis[:, kv_head].transpose(-1, -2), q[:, h] @ k[:, kv_head].transpose(-1, -2)], -1
+        )
         s = s * attn.scale
         if attn.softcap:
             s = torch.tanh(s / attn.softcap) * attn.softcap
@@ -121,8 +122,9 @@ def test_layer_equals_literal_formulas(family, mode):
         weights = torch.softmax(mass @ router.weight.T + router.bias, dim=-1)
 
         q_v = split_heads(residual_low_rank(x, layer.wings_visual.q_proj), attn.head_dim)
-        visual_out = learner_attention(q_v, k_wv, v_wv, visual_mask.bool()[:, None, :].expand(-1, num_new, -1),
-                                       layer.wings_visual.o_proj)  # fmt: skip
+        visual_out = learner_attention(
+            q_v, k_wv, v_wv, visual_mask.bool()[:, None, :].expand(-1, num_new, -1), layer.wings_visual.o_proj
+        )
         text = layer.wings_text
         q_t = rotate(split_heads(residual_low_rank(x, text.q_proj), attn.head_dim), cos, sin)
         k_t = rotate(split_heads(residual_low_rank(x, text.k_proj), attn.head_dim), cos, sin)
@@ -171,8 +173,12 @@ def test_incremental_decoding_equals_full_forward(family, mode):
         step = model(ids[:, :6], pixels, mask[:, :6])
         pieces = [step.logits]
         for t in range(6, ids.shape[1]):
-            step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=step.past_key_values,
-                         visual_key_values=step.visual_key_values)  # fmt: skip
+            step = model(
+                ids[:, t : t + 1],
+                attention_mask=mask[:, : t + 1],
+                past_key_values=step.past_key_values,
+                visual_key_values=step.visual_key_values,
+            )
             pieces.append(step.logits)
         assert [len(layer) for layer in step.past_key_values] == [4, 2, 4]
         tokens = model.generate(ids, pixels, mask, max_new_tokens=8)
@@ -191,8 +197,11 @@ def test_converts_from_every_layout_with_the_learners(tmp_path):
     tensors = saved_state_dict(model)
     learners = {n: t for n, t in tensors.items() if ".wings_" in n}
     hidden = model.config.hidden_size
-    assert sum(t.numel() for t in learners.values()) == 2 * 4 * 2 * hidden * RANK + 2 * (2 * model.config.num_attention_heads) + 2
-    assert describe(write_hf(tmp_path / "bin", model, tensors, "bin", 2))["parameters"]["WINGS learners"] == sum(
+    assert (
+        sum(t.numel() for t in learners.values())
+        == 2 * 4 * 2 * hidden * RANK + 2 * (2 * model.config.num_attention_heads) + 2
+    )
+    assert describe(write_hf(tmp_path / "bin", model, tensors, "bin", 2)).parameters["WINGS learners"] == sum(
         t.numel() for t in learners.values()
     )
     convert(tmp_path / "bin", tmp_path / "from-bin", dtype="fp32")
@@ -203,8 +212,9 @@ def test_converts_from_every_layout_with_the_learners(tmp_path):
         torch.testing.assert_close(converted, model(ids, images(2), mask).logits, atol=0, rtol=0)
 
     trainable, frozen, shared, expected = zero_split(model, tensors)
-    step = write_zero_checkpoint(tmp_path / "zero" / "global_step4", trainable, stage=3, world_size=3, frozen=frozen,
-                                 shared=shared)  # fmt: skip
+    step = write_zero_checkpoint(
+        tmp_path / "zero" / "global_step4", trainable, stage=3, world_size=3, frozen=frozen, shared=shared
+    )
     model.config.save_pretrained(tmp_path / "zero")
     convert(step, tmp_path / "from-zero", dtype="fp32")
     assert_converted_equals(tmp_path / "from-zero", expected)  # fp32 masters, the frozen tower as stored (bf16)
@@ -212,17 +222,19 @@ def test_converts_from_every_layout_with_the_learners(tmp_path):
     # a WINGS config whose checkpoint lacks a learner tensor is refused, naming it
     del tensors["model.layers.1.wings_router.bias"]
     write_hf(tmp_path / "missing", model, tensors, shards=1)
-    assert "model.layers.1.wings_router.bias" in " ".join(describe(tmp_path / "missing")["problems"])
+    assert "model.layers.1.wings_router.bias" in " ".join(describe(tmp_path / "missing").problems)
 
 
-@pytest.mark.parametrize("family, mode", [("mistral", "dattn"), ("gemma2", "dattn"), ("mistral", "sattn"), ("gemma2", "mmca")])
+@pytest.mark.parametrize(
+    "family, mode", [("mistral", "dattn"), ("gemma2", "dattn"), ("mistral", "sattn"), ("gemma2", "mmca")]
+)
 def test_onnx_runtime_matches_reference(tmp_path, family, mode):
     model = wings_model(family, mode, wings_layers=[0, 2])
     manifest = export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
-    assert manifest["model"]["wings"] == {"rank": RANK, "layers": [0, 2], "heads": model.config.wings_heads}
-    decoder_inputs = [i["name"] for i in manifest["graphs"]["decoder"]["inputs"]]
+    assert manifest.to_json()["model"]["wings"] == {"rank": RANK, "layers": [0, 2], "heads": model.config.wings_heads}
+    decoder_inputs = [i.name for i in manifest.graphs["decoder"].inputs]
     assert "past_key_values.0.wings_key" in decoder_inputs and "past_key_values.1.wings_key" not in decoder_inputs
-    assert manifest["graphs"]["decoder"]["fused_attention_nodes"] == model.config.num_hidden_layers
+    assert manifest.graphs["decoder"].fused_attention_nodes == model.config.num_hidden_layers
     runtime = OrtModel(tmp_path / "onnx")
     for seed, shape in enumerate(SHAPES):
         run_case(model, runtime, *shape, seed=seed)
@@ -237,4 +249,7 @@ def test_onnx_runtime_matches_reference(tmp_path, family, mode):
 
     report = validate(tmp_path / "onnx", steps=20)  # greedy tokens through the graphs, every cache part compared
     assert report.passed and report.agreement == 20
-    assert {c.output for c in report.comparisons} >= {"visual_key_values.0.wings_key", "visual_key_values.2.wings_value"}
+    assert {c.output for c in report.comparisons} >= {
+        "visual_key_values.0.wings_key",
+        "visual_key_values.2.wings_value",
+    }

@@ -1,0 +1,368 @@
+"""Lazy tensors: where a tensor's bytes lie in a file, read with pread only when needed.
+
+Tensors are read with pread, or mapped one at a time (`mapped`) where their bytes are only looked at, never
+whole files: mapped file pages count towards RSS for as long as they stay mapped, so converting a model needs
+memory for one or two tensors, not one shard.
+
+Two file formats are parsed here without loading their data:
+  * safetensors: an 8-byte little-endian header length, a JSON header, raw little-endian data;
+  * torch.save zip archives (.bin, .pt): `data.pkl` is unpickled by a restricted unpickler that knows only
+    tensors, a few containers and dtypes, and DeepSpeed's own classes (as inert stand-ins that run
+    nothing); any other global (os.system, ...) is refused before anything is called.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import json
+import math
+import mmap
+import os
+import pickle
+import struct
+import warnings
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}  # fmt: skip
+
+
+class Sized:
+    """numel and nbytes of anything with a `shape` and a `dtype`."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class LazyTensor(Sized):
+    """`shape` elements of `dtype` at byte `offset` of `file` (with element `stride`, None = contiguous)."""
+
+    file: Path
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None = None
+
+    def narrow(self, start: int, length: int) -> LazyTensor:
+        """Elements [start, start + length) of a contiguous 1-D tensor."""
+        return LazyTensor(self.file, self.offset + start * self.dtype.itemsize, self.dtype, (length,))
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Read a contiguous tensor's bytes straight into `out` (a uint8 view of the destination)."""
+        with open(self.file, "rb") as f:
+            view, done = memoryview(out.numpy()), 0
+            while done < len(view):
+                got = os.preadv(f.fileno(), [view[done:]], self.offset + done)
+                if got == 0:
+                    raise InputError(
+                        self.file, f"ends before the tensor data at byte {self.offset + done} (truncated?)"
+                    )
+                done += got
+
+    def mapped(self) -> torch.Tensor:
+        """A contiguous tensor's bytes where they are, mapped from the page cache: checking and hashing them needs
+        no copy. Private (copy-on-write) so the tensor is writable without ever writing the file."""
+        start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
+        with open(self.file, "rb") as f:
+            if os.fstat(f.fileno()).st_size < self.offset + self.nbytes:
+                raise InputError(
+                    self.file, f"ends before the tensor data at byte {self.offset + self.nbytes} (truncated?)"
+                )
+            region = mmap.mmap(f.fileno(), self.offset + self.nbytes - start, offset=start, access=mmap.ACCESS_COPY)
+        region.madvise(mmap.MADV_SEQUENTIAL)
+        data = torch.frombuffer(region, dtype=torch.uint8, count=self.nbytes, offset=self.offset - start)
+        return data.view(self.dtype).view(self.shape)
+
+    def mapped_pieces(self) -> Iterator[torch.Tensor]:
+        """The elements in order, as 1-D mapped tensors (one here)."""
+        yield self.mapped().view(-1)
+
+    def load(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, read into `buffer` (uint8, at least nbytes) when given: reusing memory avoids the page
+        faults of a fresh allocation, which cost more than the read itself."""
+        if self.stride is None or self.stride == contiguous_stride(self.shape):
+            out = _destination(buffer, self.numel, self.dtype)
+            self.read_into(out.view(torch.uint8))
+            return out.view(self.shape)
+        flat = LazyTensor(self.file, self.offset, self.dtype, (storage_span(self.shape, self.stride),)).load()
+        return flat.as_strided(self.shape, self.stride).clone()
+
+
+@dataclass(frozen=True)
+class GatheredTensor(Sized):
+    """A tensor whose elements are the concatenation of `parts` (1-D), cut to `shape` (ZeRO partitions)."""
+
+    parts: tuple[LazyTensor, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    @property
+    def file(self) -> Path:
+        return self.parts[0].file
+
+    def mapped_pieces(self) -> Iterator[torch.Tensor]:
+        """The elements in order, as 1-D mapped tensors, one per part, without the padding after the last."""
+        remaining = self.numel
+        for part in self.parts:
+            if remaining and part.numel:
+                piece = part.mapped()[:remaining]
+                remaining -= piece.numel()
+                yield piece
+
+    def load(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        flat = _destination(buffer, sum(p.numel for p in self.parts), self.dtype)
+        start = 0
+        for part in self.parts:
+            part.read_into(flat[start : start + part.numel].view(torch.uint8))
+            start += part.numel
+        return flat[: self.numel].view(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedTensor(Sized):
+    """A tensor already in memory, behind the same interface (legacy torch files cannot be read lazily)."""
+
+    tensor: torch.Tensor
+    file: Path
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def load(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        return self.tensor
+
+
+def _destination(buffer: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor of `numel` elements: a view of `buffer` when given, else a new allocation."""
+    if buffer is None:
+        return torch.empty(numel, dtype=dtype)
+    return buffer[: numel * dtype.itemsize].view(dtype)
+
+
+def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements of storage a strided tensor reaches, from its first element to its last."""
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def slice_flat(pieces: list[LazyTensor], start: int, length: int) -> list[LazyTensor]:
+    """Elements [start, start + length) of the concatenation of contiguous 1-D `pieces`."""
+    out, base = [], 0
+    for piece in pieces:
+        lo, hi = max(start, base), min(start + length, base + piece.numel)
+        if lo < hi:
+            out.append(piece.narrow(lo - base, hi - lo))
+        base += piece.numel
+    if sum(p.numel for p in out) != length:
+        raise ValueError(f"elements [{start}, {start + length}) lie beyond the {base} stored")
+    return out
+
+
+# --- safetensors ----------------------------------------------------------------------------------
+
+
+def read_safetensors(file: Path) -> dict[str, LazyTensor]:
+    """The tensors of a safetensors file, validated against the file's size; no data is read."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise InputError(file, f"not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+        header_len = struct.unpack("<Q", prefix)[0]
+        if header_len > size - 8:
+            raise InputError(file, f"safetensors header length {header_len} is larger than the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise InputError(file, f"safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise InputError(file, "safetensors header is not a JSON object")
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            shape = tuple(int(n) for n in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise InputError(file, f"tensor {name}: malformed safetensors header entry {info!r}") from None
+        tensor = LazyTensor(file, 8 + header_len + begin, dtype, shape)
+        if end - begin != tensor.nbytes:
+            raise InputError(file, f"tensor {name}: {end - begin} bytes stored for shape {list(shape)} {info['dtype']}")
+        if 8 + header_len + end > size:
+            raise InputError(file, f"tensor {name} extends past the end of the file ({size} bytes): truncated?")
+        tensors[name] = tensor
+    return tensors
+
+
+# --- torch.save archives ---------------------------------------------------------------------------
+
+
+class UnsafePickle(Exception):
+    pass
+
+
+class InertObject:
+    """Stands in for a DeepSpeed class (loss scaler, ZeRO stage enum, config): keeps its data, runs nothing."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __int__(self):  # enums (ZeroStageEnum) are pickled as their class called with the value
+        return int(self.args[0])
+
+
+@functools.cache
+def inert_class(module: str, name: str) -> type:
+    return type(name, (InertObject,), {"__module__": module, "__qualname__": name})
+
+
+@dataclass(frozen=True)
+class _Storage:
+    file: Path
+    offset: int
+    dtype: torch.dtype
+    numel: int
+
+
+def _rebuild_tensor(storage: _Storage, storage_offset, size, stride, *_ignored) -> LazyTensor:
+    size, stride = tuple(size), tuple(stride)
+    span = storage_span(size, stride)
+    if storage_offset + span > storage.numel:
+        raise UnsafePickle(f"a tensor reaches past its storage ({storage_offset + span} > {storage.numel} elements)")
+    return LazyTensor(
+        storage.file, storage.offset + storage_offset * storage.dtype.itemsize, storage.dtype, size, stride
+    )
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *_ignored):
+    return data
+
+
+SAFE_GLOBALS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch", "Size"): torch.Size,
+    ("builtins", "set"): set,
+    ("__builtin__", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("__builtin__", "frozenset"): frozenset,
+}
+
+
+class _LazyUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, file: Path, storage_offsets: dict[str, int]):
+        super().__init__(io.BytesIO(data))
+        self.file, self.storage_offsets = file, storage_offsets
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in SAFE_GLOBALS:
+            return SAFE_GLOBALS[module, name]
+        if module == "torch" and name in STORAGE_DTYPES:
+            return STORAGE_DTYPES[name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module.split(".")[0] == "deepspeed":
+            return inert_class(module, name)
+        raise UnsafePickle(f"it references {module}.{name}, which is not a tensor or a known checkpoint class")
+
+    def persistent_load(self, pid):
+        kind, dtype, key, _location, numel = pid
+        if kind != "storage" or not isinstance(dtype, torch.dtype) or key not in self.storage_offsets:
+            raise UnsafePickle(f"unexpected storage reference {pid!r}")
+        return _Storage(self.file, self.storage_offsets[key], dtype, numel)
+
+
+def _member_data_offset(raw, info: zipfile.ZipInfo) -> int:
+    """Where a stored (uncompressed) member's bytes begin: after its local file header."""
+    raw.seek(info.header_offset)
+    local = raw.read(30)
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # first pickle of a pre-1.6 torch.save file
+
+
+def read_torch_file(file: Path):
+    """Unpickle a torch.save file with tensors as LazyTensor; refuses anything but data and known classes."""
+    try:
+        with open(file, "rb") as raw:
+            if not zipfile.is_zipfile(raw):
+                return _read_non_zip(file, raw)
+            with zipfile.ZipFile(raw) as archive:
+                pickles = [i for i in archive.infolist() if i.filename.endswith("data.pkl")]
+                if not pickles:
+                    raise InputError(file, "is a zip archive without data.pkl: not a torch.save file")
+                prefix = pickles[0].filename[: -len("data.pkl")]
+                offsets = {}
+                for info in archive.infolist():
+                    if info.filename.startswith(prefix + "data/"):
+                        if info.compress_type != zipfile.ZIP_STORED:
+                            raise InputError(file, f"{info.filename} is compressed: not a torch.save file")
+                        offsets[info.filename[len(prefix) + 5 :]] = _member_data_offset(raw, info)
+                return _LazyUnpickler(archive.read(pickles[0]), file, offsets).load()
+    except UnsafePickle as e:
+        raise InputError(file, f"refused to unpickle: {e}") from None
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, TypeError, RuntimeError) as e:
+        raise InputError(file, f"not a readable PyTorch file ({str(e).strip().splitlines()[0]})") from None
+
+
+def _read_non_zip(file: Path, raw):
+    """A plain pickle goes through the restricted unpickler (which refuses code); a legacy (pre-1.6) torch
+    file, recognised by its magic number, through torch's own weights-only loader, eagerly."""
+    raw.seek(0)
+    first = _LazyUnpickler(raw.read(), file, {}).load()
+    if first != LEGACY_MAGIC:
+        raise InputError(file, "is a plain pickle without tensors, not a torch.save file")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    if isinstance(state, dict):
+        state = {k: LoadedTensor(v, file) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return state

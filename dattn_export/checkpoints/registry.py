@@ -1,0 +1,83 @@
+"""One registry of checkpoint layouts: the first reader whose `detect` accepts a path opens it.
+
+A reader exposes every tensor lazily (nothing is read before `.load()`), under the names as stored, and
+the folder that holds config.json and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from ..errors import InputError
+from .lazy import GatheredTensor, LazyTensor, LoadedTensor
+from .names import canonical_name
+
+READERS: list[type[CheckpointReader]] = []
+Lazy = LazyTensor | GatheredTensor | LoadedTensor
+
+
+class CheckpointReader(ABC):
+    layout: str  # short name shown to users
+    description: str
+    priority: int = 10  # detection order: lower first (a Trainer folder also holds HF weights files)
+    adapter_only = False  # holds only adapter weights: needs a base model
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.tensors: dict[str, Lazy] = {}
+        self.config_dir = self.path
+        self.notes: list[str] = []  # facts worth telling the user (what was read, from where)
+
+    @classmethod
+    @abstractmethod
+    def detect(cls, path: Path) -> bool:
+        """Cheap check from file names only that `path` is in this layout."""
+
+
+def register(reader: type[CheckpointReader]) -> type[CheckpointReader]:
+    READERS.append(reader)
+    return reader
+
+
+def detect_reader(path: Path) -> type[CheckpointReader]:
+    if not path.exists():
+        raise InputError(path, "does not exist")
+    if path.is_dir() and not any(path.iterdir()):
+        raise InputError(path, "is an empty folder")
+    for reader in sorted(READERS, key=lambda r: r.priority):
+        if reader.detect(path):
+            return reader
+    known = "; ".join(f"{r.layout} ({r.description})" for r in READERS)
+    raise InputError(path, f"no checkpoint layout recognised; known layouts: {known}")
+
+
+def open_checkpoint(path: str | Path, base: str | Path | None = None) -> CheckpointReader:
+    """Open `path` lazily. With `base`, the tensors of `path` replace those of the model at `base`."""
+    path = Path(path)
+    reader = detect_reader(path)(path)
+    if base is not None:
+        return OverlayReader(open_checkpoint(base), reader)
+    if reader.adapter_only:
+        raise InputError(path, "holds only adapter weights: pass --base with the model folder they were trained on")
+    return reader
+
+
+class OverlayReader(CheckpointReader):
+    """A base model with some tensors replaced (LLaVA-style adapter-only saves). Names are canonical."""
+
+    layout = "overlay"
+    description = "adapter weights over a base model (--base)"
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        return False
+
+    def __init__(self, base: CheckpointReader, overlay: CheckpointReader):
+        super().__init__(overlay.path)
+        self.tensors = {canonical_name(n): t for n, t in base.tensors.items()}
+        replaced = [canonical_name(n) for n in overlay.tensors]
+        self.tensors.update(zip(replaced, overlay.tensors.values()))
+        self.config_dir = overlay.config_dir if (overlay.config_dir / "config.json").is_file() else base.config_dir
+        self.layout = f"{overlay.layout} + base {base.layout}"
+        self.notes = [*overlay.notes, f"{len(replaced)} tensor(s) over the base at {base.path}", *base.notes]

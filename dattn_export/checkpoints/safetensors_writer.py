@@ -1,0 +1,183 @@
+"""Hugging Face sharded safetensors, written as a stream: one tensor in memory at a time.
+
+`model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` (or a single `model.safetensors`).
+The header is known before any data (names, dtypes, shapes come from the plan), so each shard is written
+front to back and hashed as it is written. The safetensors library reads the result back in `verify`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+
+from .lazy import SAFETENSORS_NAMES
+
+INDEX_NAME = "model.safetensors.index.json"
+HASH_LAG = 128 << 20  # bytes of mapped tensors that hashing may fall behind the writing
+
+
+@dataclass
+class PlannedTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[torch.Tensor], torch.Tensor]  # loads (and casts) the tensor into a uint8 buffer
+    # (file, byte offset) already holding exactly the output bytes: copied in the kernel, and `produce` gives them
+    # without the buffer (mapped) for checking and hashing
+    copy_from: tuple[Path, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class WrittenFile:
+    size: int
+    sha256: str
+
+
+def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Group tensors in order into shards of at most `max_shard_bytes` (a larger tensor gets its own)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    used = 0
+    for tensor in tensors:
+        if shards[-1] and used + tensor.nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(tensor)
+        used += tensor.nbytes
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    return (
+        ["model.safetensors"]
+        if count == 1
+        else [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+    )
+
+
+def _header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> bytes:
+    entries, offset = {"__metadata__": {"format": "pt", **metadata}}, 0
+    for t in tensors:
+        entries[t.name] = {
+            "dtype": SAFETENSORS_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # data starts 8-byte aligned
+    return len(header).to_bytes(8, "little") + header
+
+
+def write_safetensors(
+    file: Path,
+    tensors: list[PlannedTensor],
+    metadata: dict[str, str] | None = None,
+    on_written: Callable[[PlannedTensor], None] | None = None,
+) -> WrittenFile:
+    """Stream `tensors` into one safetensors file. Three stages overlap (all release the GIL): the next
+    tensor is produced (read, checked, cast) while the current one is written, and hashing runs behind the
+    writing. sha256 is sequential and the slowest stage, so it must never wait: it may fall behind by up to
+    HASH_LAG bytes of mapped tensors (tensors copied as they are need no buffer: they are mapped from their
+    file). Produced tensors go into two buffers used in turn; a buffer is reused once its tensor is hashed.
+    Leaving the `with` waits for the last hashes."""
+    header = _header(tensors, metadata or {})
+    digest, size = hashlib.sha256(header), len(header)
+    largest = max((t.nbytes for t in tensors if t.copy_from is None), default=0)
+    ring = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
+    with ExitStack() as stack:
+        f = stack.enter_context(open(file, "wb", buffering=0))
+        producer, hasher = stack.enter_context(ThreadPoolExecutor(1)), stack.enter_context(ThreadPoolExecutor(1))
+        sources: dict[Path, int] = {}
+        f.write(header)
+        hashing: deque[tuple[Future, int]] = deque()  # (hash of a written mapped tensor, its bytes), oldest first
+        behind = 0  # their bytes
+        # produced tensors take the two buffers in turn (the k-th produced one buffer k % 2)
+        buffer_of = [k % 2 for k in accumulate((t.copy_from is None for t in tensors), initial=0)]
+        ring_hashed: list[Future | None] = [None, None]  # the hash of the tensor each buffer last held
+        no_buffer = torch.empty(0, dtype=torch.uint8)
+
+        def produce(k: int) -> Future:
+            planned, previous = tensors[k], ring_hashed[buffer_of[k]]
+            if planned.copy_from is not None:
+                return producer.submit(planned.produce, no_buffer)
+
+            def into_free_buffer():
+                if previous is not None:
+                    previous.result()  # the buffer's previous tensor is written and hashed
+                return planned.produce(ring[buffer_of[k]])
+
+            return producer.submit(into_free_buffer)
+
+        upcoming = produce(0) if tensors else None
+        for i, planned in enumerate(tensors):
+            tensor = upcoming.result()
+            if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
+                raise ValueError(
+                    f"{planned.name}: produced {tensor.dtype} {list(tensor.shape)}, planned "
+                    f"{planned.dtype} {list(planned.shape)}"
+                )
+            data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+            del tensor  # the hash holds the bytes (and their mapping) while it needs them
+            hashed = hasher.submit(digest.update, data)
+            if i + 1 < len(tensors):  # a produced tensor i + 1 takes the other buffer than tensor i's
+                upcoming = produce(i + 1)
+            if planned.copy_from is None:
+                ring_hashed[buffer_of[i]] = hashed
+                f.write(data)
+            else:  # the same bytes, copied inside the kernel: several times faster than write() here
+                hashing.append((hashed, len(data)))
+                behind += len(data)
+                source, offset = planned.copy_from
+                if source not in sources:
+                    sources[source] = stack.enter_context(open(source, "rb", buffering=0)).fileno()
+                _copy_range(sources[source], f.fileno(), offset, len(data))
+            size += len(data)
+            data = None
+            while behind > HASH_LAG:
+                oldest, nbytes = hashing.popleft()
+                oldest.result()
+                behind -= nbytes
+            if on_written:
+                on_written(planned)
+    return WrittenFile(size, digest.hexdigest())
+
+
+def _copy_range(source: int, destination: int, offset: int, count: int) -> None:
+    while count:
+        done = os.copy_file_range(source, destination, count, offset)
+        if done == 0:
+            raise OSError(f"source ended {count} bytes early")
+        offset, count = offset + done, count - done
+
+
+def write_shards(
+    shards: list[list[PlannedTensor]], out_dir: Path, on_written: Callable[[PlannedTensor], None] | None = None
+) -> dict[str, WrittenFile]:
+    """Write every shard and, when there are several, the index; returns each file written."""
+    out_dir = Path(out_dir)
+    files = {}
+    weight_map = {}
+    for name, tensors in zip(shard_names(len(shards)), shards):
+        files[name] = write_safetensors(out_dir / name, tensors, on_written=on_written)
+        weight_map.update(dict.fromkeys((t.name for t in tensors), name))
+    if len(shards) > 1:
+        total = sum(t.nbytes for tensors in shards for t in tensors)
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        (out_dir / INDEX_NAME).write_text(index)
+        files[INDEX_NAME] = WrittenFile(len(index.encode()), hashlib.sha256(index.encode()).hexdigest())
+    return files

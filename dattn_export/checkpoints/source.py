@@ -1,0 +1,141 @@
+"""A checkpoint as the rest of the toolkit sees it: its D-Attn config and its tensors under canonical names,
+checked against the shapes the config implies, and the reference model built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+
+from ..errors import InputError
+from ..modeling.configuration_dattn import CONFIG_CLASSES
+from ..modeling.modeling_dattn import MODEL_CLASSES, DAttnForCausalLM
+from . import CheckpointReader, open_checkpoint
+from .hf import read_json
+from .names import canonical_name
+from .plan import cast_scratch, checked_cast
+from .registry import Lazy
+from .towers import resolve_vision_config
+
+
+def config_from_dict(fields: dict, source: Path):
+    """A D-Attn config from config.json's fields; errors name the file and the key."""
+    model_type = fields.get("model_type")
+    if model_type not in CONFIG_CLASSES:
+        raise InputError(
+            source, f"model_type {model_type!r} is not a D-Attn model (expected one of {sorted(CONFIG_CLASSES)})"
+        )
+    fields = {k: v for k, v in fields.items() if k != "model_type"}
+    if "torch_dtype" in fields:  # transformers 4.x's name for `dtype`
+        fields.setdefault("dtype", fields.pop("torch_dtype"))
+    try:
+        config = CONFIG_CLASSES[model_type](**fields)
+        config.vision_tower_config  # noqa: B018  (raises when vision_config is missing)
+    except (StrictDataclassError, ValueError, TypeError) as e:
+        raise InputError(source, " ".join(str(e).split())) from None
+    return config
+
+
+def tied_names(config) -> set[str]:
+    """Names stored once because they share their tensor with another (lm_head tied to embed_tokens)."""
+    return set(DAttnForCausalLM._tied_weights_keys) if config.tie_word_embeddings else set()
+
+
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor the config's model has, with its shape (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.model_type](config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+@dataclass
+class Source:
+    """A checkpoint opened for reading: its config, its tensors by canonical name, and what is wrong."""
+
+    reader: CheckpointReader
+    config: object
+    config_path: Path
+    vision_origin: str
+    tensors: dict[str, Lazy] = field(default_factory=dict)  # in the model's (state_dict) order
+    stored_names: dict[str, str] = field(default_factory=dict)  # canonical -> as stored
+    problems: list[InputError] = field(default_factory=list)
+
+    def raise_first_problem(self) -> None:
+        if self.problems:
+            first = self.problems[0]
+            more = (
+                f" (and {len(self.problems) - 1} more problem(s): see dattn-export info)"
+                if len(self.problems) > 1
+                else ""
+            )
+            raise InputError(first.path, first.problem + more)
+
+
+def open_source(path: str | Path, base: str | Path | None = None, vision_heads: int | None = None) -> Source:
+    """Open a checkpoint in any known layout and audit its tensors against its config (no data is read)."""
+    return audit(open_checkpoint(path, base), vision_heads)
+
+
+def audit(reader: CheckpointReader, vision_heads: int | None = None) -> Source:
+    """The reader's config and its tensors checked against the shapes the config implies."""
+    config_path = reader.config_dir / "config.json"
+    if not config_path.is_file():
+        raise InputError(reader.config_dir, "has no config.json")
+    fields = read_json(config_path)
+    canonical = {canonical_name(n): (n, t) for n, t in reader.tensors.items()}
+    shapes = {name: tuple(t.shape) for name, (_, t) in canonical.items()}
+    if fields.get("model_type") in CONFIG_CLASSES:
+        fields["vision_config"], vision_origin = resolve_vision_config(fields, shapes, vision_heads, config_path)
+    else:
+        vision_origin = "-"
+    config = config_from_dict(fields, config_path)
+    source = Source(reader, config, config_path, vision_origin)
+    expected = expected_shapes(config)
+    for name, (stored, tensor) in canonical.items():
+        if name not in expected:
+            source.problems.append(
+                InputError(tensor.file, f"unexpected tensor {stored} (not part of a {config.model_type} model)")
+            )
+        elif tuple(tensor.shape) != expected[name]:
+            source.problems.append(
+                InputError(
+                    tensor.file,
+                    f"tensor {stored} has shape {list(tensor.shape)} but config.json implies {list(expected[name])}",
+                )
+            )
+        else:
+            source.tensors[name], source.stored_names[name] = tensor, stored
+    position = {name: k for k, name in enumerate(expected)}
+    source.tensors = dict(sorted(source.tensors.items(), key=lambda item: position[item[0]]))  # the model's order
+    missing = sorted(set(expected) - set(canonical) - tied_names(config))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        source.problems.append(InputError(reader.path, f"missing tensor {missing[0]}{more}"))
+    return source
+
+
+def build_model(source: Source, dtype: torch.dtype = torch.float32) -> DAttnForCausalLM:
+    """The reference model in `dtype`; refuses NaN/Inf weights and, for fp16, values fp16 cannot hold."""
+    source.raise_first_problem()
+    model = MODEL_CLASSES[source.config.model_type](source.config).to(dtype).eval()
+    state = model.state_dict()  # views of the model's own storage
+    scratch = cast_scratch(source.tensors.values(), dtype)
+    with torch.no_grad():
+        for name, tensor in source.tensors.items():  # read into the model's storage: no tensor is held twice
+            param = state[name]
+            loaded = checked_cast(source.stored_names[name], tensor, dtype, param.view(-1).view(torch.uint8), scratch)
+            if loaded.data_ptr() != param.data_ptr():  # a tensor that was in memory already (legacy torch files)
+                param.copy_(loaded)
+    return model
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, **open_args) -> DAttnForCausalLM:
+    """The reference model with a checkpoint's weights (any layout `convert` reads)."""
+    return build_model(open_source(path, **open_args), dtype)
+
+
+def saved_state_dict(model: DAttnForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors as a checkpoint stores them: canonical names, tied tensors once."""
+    return {name: t for name, t in model.state_dict().items() if name not in tied_names(model.config)}

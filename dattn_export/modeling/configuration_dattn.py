@@ -1,0 +1,131 @@
+"""D-Attn configs: a Mistral or Gemma 2 config plus the released `mm_*` keys and a full `vision_config`.
+
+Only torch and transformers are imported here so the file can ship inside a Hub repo as-is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from huggingface_hub.dataclasses import strict
+from transformers import CLIPVisionConfig, Gemma2Config, MistralConfig, SiglipVisionConfig
+
+ATTENTION_MODES = ("dattn", "dattn-sum", "sattn", "mmca")
+VISION_CONFIG_CLASSES = {"siglip_vision_model": SiglipVisionConfig, "clip_vision_model": CLIPVisionConfig}
+
+
+@dataclasses.dataclass(repr=False, eq=False)
+class DAttnFields:
+    """The keys released D-Attn configs add to the LLM's config, and this project's attention switches."""
+
+    vision_config: dict | None = None  # the tower's full config: checkpoints only name it in mm_vision_tower
+    mm_vision_tower: str | None = None
+    mm_vision_select_layer: int = -2
+    mm_projector_type: str = "mlp2x_gelu"
+    mm_image_aspect_ratio: str = "pad"
+    mm_image_grid_points: list | None = None
+    mm_input_type: str = "image"
+    mm_splits: int = 1
+    mm_std: float = 1.0
+    mm_pos_feature_dim: int = 64  # width of the sinusoidal row/column features fed to mm_rand_pos_h/_w
+    dattn_mode: str = "dattn"  # one of ATTENTION_MODES (mmca: DeepSpeed-VisualChat's multi-modal causal attention)
+    dattn_diagonal: bool = True  # V2V: each visual token attends only to itself
+    dattn_debias: bool = True  # T2V: no rotary embedding on text queries or visual keys
+    wings_rank: int = 0  # WINGS learners' low rank (0: none)
+    wings_layers: list | None = None  # the layers that have WINGS learners (None: all, when wings_rank > 0)
+
+    def validate_dattn(self) -> None:
+        if self.dattn_mode not in ATTENTION_MODES:
+            raise ValueError(f"dattn_mode must be one of {ATTENTION_MODES}, got {self.dattn_mode!r}")
+        if self.mm_projector_type != "mlp2x_gelu":
+            raise ValueError(f"mm_projector_type {self.mm_projector_type!r} is not supported (only 'mlp2x_gelu')")
+        if self.vision_config is not None and self.vision_config.get("model_type") not in VISION_CONFIG_CLASSES:
+            raise ValueError(
+                f"vision_config.model_type {self.vision_config.get('model_type')!r} is not one of "
+                f"{sorted(VISION_CONFIG_CLASSES)}"
+            )
+        if self.wings_rank < 0:
+            raise ValueError(f"wings_rank must be >= 0, got {self.wings_rank}")
+        if self.wings_rank and self.hidden_size % self.head_dim:
+            raise ValueError(
+                f"WINGS learners split hidden_size {self.hidden_size} into heads of head_dim {self.head_dim}: "
+                "it must divide it"
+            )
+        if self.wings_layers is not None and not set(self.wings_layers) <= set(range(self.num_hidden_layers)):
+            raise ValueError(
+                f"wings_layers {self.wings_layers} are not all layers of a {self.num_hidden_layers}-layer model"
+            )
+
+    @property
+    def vision_tower_config(self) -> SiglipVisionConfig | CLIPVisionConfig:
+        if self.vision_config is None:
+            raise ValueError("vision_config is missing: the vision tower's own config must be carried")
+        return VISION_CONFIG_CLASSES[self.vision_config["model_type"]](**self.vision_config)
+
+    @property
+    def use_diagonal(self) -> bool:
+        """sattn is conventional attention: full causal V2V; mmca: full attention within each image."""
+        return self.dattn_diagonal and self.dattn_mode not in ("sattn", "mmca")
+
+    @property
+    def v2v_per_image(self) -> bool:
+        """MMCA: visual tokens attend (both ways) only to the tokens of their own image."""
+        return self.dattn_mode == "mmca"
+
+    @property
+    def use_debias(self) -> bool:
+        """sattn is conventional attention: RoPE on T2V, visual tokens take the first positions."""
+        return self.dattn_debias and self.dattn_mode != "sattn"
+
+    @property
+    def merge(self) -> str:
+        """How the visual and text segments of the text attention are merged."""
+        return "sum" if self.dattn_mode in ("dattn-sum", "mmca") else "alpha"
+
+    @property
+    def patch_grid(self) -> int:
+        """Patches along each side of one image: the visual tokens of an image form a grid x grid square."""
+        return self.vision_config["image_size"] // self.vision_config["patch_size"]
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.patch_grid**2
+
+    @property
+    def wings_layer_indices(self) -> list[int]:
+        """The layers with WINGS learners."""
+        if not self.wings_rank:
+            return []
+        return sorted(self.wings_layers) if self.wings_layers is not None else list(range(self.num_hidden_layers))
+
+    def has_wings(self, layer_idx: int) -> bool:
+        return layer_idx in self.wings_layer_indices
+
+    @property
+    def wings_heads(self) -> int:
+        """A WINGS learner's heads: its q/k/v keep the hidden size (x + low-rank update), in heads of head_dim."""
+        return self.hidden_size // self.head_dim
+
+    def cache_parts(self, layer_idx: int) -> tuple[str, ...]:
+        """What one layer caches per token, text and visual alike: the attention's key and value, and the WINGS
+        learner's when the layer has one. Graph inputs/outputs are named `{prefix}.{layer}.{part}`."""
+        return ("key", "value", "wings_key", "wings_value") if self.has_wings(layer_idx) else ("key", "value")
+
+
+@strict
+class DAttnMistralConfig(MistralConfig, DAttnFields):
+    model_type = "dattn_mistral"
+
+    def sliding_window_of(self, layer_idx: int) -> int | None:
+        return self.sliding_window
+
+
+@strict
+class DAttnGemma2Config(Gemma2Config, DAttnFields):
+    model_type = "dattn_gemma2"
+
+    def sliding_window_of(self, layer_idx: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
+
+
+CONFIG_CLASSES = {cls.model_type: cls for cls in (DAttnMistralConfig, DAttnGemma2Config)}

@@ -1,0 +1,537 @@
+"""The D-Attn vision-language model (reference implementation in PyTorch).
+
+vision tower -> mlp2x_gelu adapter -> RMSNorm -> + row/column position embeddings -> LLM norm -> visual
+stream; the LLM's decoder layers (Mistral or Gemma 2 weights and names) run two streams:
+  * visual: V2V is diagonal (each token attends only to itself) so a layer's visual K/V depend on the
+    image alone: `encode_visual` computes them once per image and any prompt reuses them;
+  * text: one `decomposed_attention` call per layer over [visual K/V (unrotated) ; text K/V (causal)].
+`dattn_mode="sattn"` turns the decomposition off (full causal V2V, RoPE everywhere, positions shared):
+conventional self-attention over [visual ; text].
+
+WINGS (`wings_rank` > 0): in the chosen layers two low-rank residual attention learners run beside the text
+attention, a visual one over the visual stream's layer inputs (unrotated, so cacheable with the image) and a
+text one over the text's (rotated, causal); a router (linear + softmax over the main attention's per-head
+[visual, text] mass) weighs their outputs, which are added to the attention's output. The visual stream itself
+has no learners: it must stay a function of the image alone.
+
+Only torch and transformers are imported (plus the sibling attention/config files) so this file can
+ship in a Hub repo for `trust_remote_code=True`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import CLIPVisionModel, PreTrainedModel, SiglipVisionModel
+from transformers import initialization as init
+from transformers.modeling_outputs import ModelOutput
+from transformers.models.gemma2.modeling_gemma2 import (
+    Gemma2MLP,
+    Gemma2RMSNorm,
+    Gemma2RotaryEmbedding,
+    Gemma2TextScaledWordEmbedding,
+)
+from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSNorm, MistralRotaryEmbedding, rotate_half
+
+from .attention import causal_mask, dattn_op, decomposed_attention, segment_shares
+from .configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
+
+# one layer's cache: key, value (B, kv_heads, S, head_dim) [, WINGS key, value (B, hidden / head_dim, S, head_dim)]
+KV = tuple[Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    norm: type[nn.Module]
+    mlp: type[nn.Module]
+    rotary: type[nn.Module]
+    sandwich_norms: bool  # Gemma 2: norms after attention and around the MLP
+
+
+FAMILIES = {
+    "dattn_mistral": Family(MistralRMSNorm, MistralMLP, MistralRotaryEmbedding, sandwich_norms=False),
+    "dattn_gemma2": Family(Gemma2RMSNorm, Gemma2MLP, Gemma2RotaryEmbedding, sandwich_norms=True),
+}
+
+
+def rms_normalize(x: Tensor, eps: float = 1e-5) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def linear_fp32(layer: nn.Linear, x: Tensor) -> Tensor:
+    return F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (B, H, S, D) by per-position cos/sin (B, S, D)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+# --- the multimodal front -------------------------------------------------------------------------
+
+
+class MMRMSNorm(nn.Module):
+    """weight * x * rsqrt(mean(x^2) + 1e-5) in fp32 (mm_rand_norm, mm_rand_llm_norm)."""
+
+    def __init__(self, dim: int, init: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (rms_normalize(x.float()) * self.weight.float()).to(x.dtype)
+
+
+class GridPositionEmbedding(nn.Module):
+    """Learnable embedding of a (fractional) row or column index, RMS-normalised (mm_rand_pos_h/_w).
+
+    Sinusoidal features of the index (transformer frequencies over `feature_dim`) go through
+    Linear-GELU-Linear in fp32.
+    """
+
+    def __init__(self, feature_dim: int, hidden_size: int):
+        super().__init__()
+        self.feature_dim = feature_dim
+        self.mlp = nn.Sequential(nn.Linear(feature_dim, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, index: Tensor) -> Tensor:
+        half = self.feature_dim // 2
+        freqs = torch.exp(torch.arange(half, device=index.device, dtype=torch.float32) * (-math.log(10000.0) / half))
+        angles = index.float()[:, None] * freqs
+        features = torch.cat([angles.sin(), angles.cos()], dim=-1)
+        hidden = F.gelu(linear_fp32(self.mlp[0], features))
+        return rms_normalize(linear_fp32(self.mlp[2], hidden))
+
+
+class MLPProjector(nn.Module):
+    """mlp2x_gelu: Linear-GELU-Linear (tensor names model.0 / model.2)."""
+
+    def __init__(self, in_dim: int, hidden_size: int):
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(in_dim, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+
+class VisionTower(nn.Module):
+    """SigLIP or CLIP tower under the released name `vision_model`; features from a selectable layer."""
+
+    def __init__(self, config):
+        super().__init__()
+        tower_config = config.vision_tower_config
+        self.is_clip = tower_config.model_type == "clip_vision_model"
+        self.vision_model = (CLIPVisionModel if self.is_clip else SiglipVisionModel)(tower_config)
+        self.select_layer = config.mm_vision_select_layer
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        out = self.vision_model(pixel_values, output_hidden_states=True)
+        features = out.hidden_states[self.select_layer]
+        return features[:, 1:] if self.is_clip else features  # CLIP: drop the class token (LLaVA "patch")
+
+
+# --- the decoder ---------------------------------------------------------------------------------
+
+
+class DAttnAttention(nn.Module):
+    """The layer's own q/k/v/o projections; D-Attn adds no attention weights."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = getattr(config, "attention_bias", False)
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.scale = getattr(config, "query_pre_attn_scalar", self.head_dim) ** -0.5
+        self.softcap = getattr(config, "attn_logit_softcapping", None)
+        self.merge = config.merge
+        self.window = config.sliding_window_of(layer_idx)
+        self.causal_visual = not config.use_debias
+        # the one seam to the op: the ONNX exporter swaps in a fused-node emitter, analyze a recorder
+        self.op = dattn_op
+
+    def heads(self, proj: nn.Linear, x: Tensor) -> Tensor:
+        """(B, S, hidden) -> (B, heads, S, head_dim)."""
+        return proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+
+    def output(self, attn: Tensor) -> Tensor:
+        """(B, heads, S, head_dim) -> (B, S, hidden)."""
+        return self.o_proj(attn.transpose(1, 2).flatten(2))
+
+    def value_output(self, v: Tensor) -> Tensor:
+        """`output` of every query head's own KV head's value (B, kv heads, S, head_dim): the diagonal V2V. The
+        query heads sharing a KV head output the same value, so their columns of o_proj are summed first: 1/group
+        of o_proj's work, and no repeated values."""
+        group = self.num_heads // self.num_kv_heads
+        weight = self.o_proj.weight.unflatten(1, (self.num_kv_heads, group, self.head_dim)).sum(2).flatten(1)
+        return F.linear(v.transpose(1, 2).flatten(2), weight, self.o_proj.bias)
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_mask: Tensor,
+        q_vis: Tensor,
+        visual: KV,
+        visual_mask: Tensor,
+        causal: bool = True,
+    ) -> Tensor:
+        return self.op(
+            q,
+            k,
+            v,
+            key_mask,
+            q_vis,
+            *visual,
+            visual_mask,
+            scale=self.scale,
+            softcap=self.softcap,
+            window=self.window if causal else None,
+            merge=self.merge,
+            causal_visual=self.causal_visual,
+            causal=causal,
+        )
+
+    def no_visual(self, like: Tensor) -> tuple[KV, Tensor]:
+        """An empty visual segment for a batch like `like`: (K, V) with zero keys and its (B, 0) mask."""
+        empty = like.new_zeros(like.shape[0], self.num_kv_heads, 0, self.head_dim)
+        return (empty, empty), torch.ones(like.shape[0], 0, dtype=torch.bool, device=like.device)
+
+
+def low_rank(hidden: int, rank: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, hidden, bias=False))
+
+
+class WingsLearner(nn.Module):
+    """A WINGS low-rank residual attention learner: q/k/v = x(1 + AB) (the input plus a rank-r update); the output
+    projection is rank r alone. Every second matrix starts at zero, so a new learner adds nothing."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        hidden, rank = config.hidden_size, config.wings_rank
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (low_rank(hidden, rank) for _ in range(4))
+
+    def heads(self, proj: nn.Sequential, x: Tensor) -> Tensor:
+        """x(1 + AB) as (B, heads, S, head_dim)."""
+        return (x + proj(x)).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+
+    def keys(self, x: Tensor) -> KV:
+        return self.heads(self.k_proj, x), self.heads(self.v_proj, x)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """(B, heads, T, head_dim) queries over masked keys -> (B, T, hidden); no visible key gives 0."""
+        out = decomposed_attention(q, k, v, mask, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class DAttnDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        family = FAMILIES[config.model_type]
+        self.self_attn = DAttnAttention(config, layer_idx)
+        self.mlp = family.mlp(config)
+        self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.sandwich_norms = family.sandwich_norms
+        if family.sandwich_norms:
+            self.pre_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.diagonal = config.use_diagonal
+        self.debias = config.use_debias
+        self.tokens_per_image = config.tokens_per_image if config.v2v_per_image else None
+        self.wings = config.has_wings(layer_idx)
+        if self.wings:
+            self.wings_visual, self.wings_text = WingsLearner(config), WingsLearner(config)
+            self.wings_router = nn.Linear(2 * config.num_attention_heads, 2)
+            self.wings_heads = config.wings_heads
+
+    def no_visual(self, like: Tensor) -> tuple[KV, Tensor]:
+        """An empty visual cache (every part of it) for a batch like `like`, and its (B, 0) mask."""
+        (empty, _), mask = self.self_attn.no_visual(like)
+        if not self.wings:
+            return (empty, empty), mask
+        learner_empty = like.new_zeros(like.shape[0], self.wings_heads, 0, self.self_attn.head_dim)
+        return (empty, empty, learner_empty, learner_empty), mask
+
+    def residual_mlp(self, residual: Tensor, attn_out: Tensor) -> Tensor:
+        """Everything after the attention: residual add, the MLP and the family's norms."""
+        if self.sandwich_norms:
+            h = residual + self.post_attention_layernorm(attn_out)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = residual + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def visual_forward(
+        self, h: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor, need_output: bool = True
+    ) -> tuple[Tensor | None, KV]:
+        """One layer of the visual stream: its output (unless not needed: the last layer's is never read)
+        and the visual K/V that text queries will read."""
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        k, v = attn.heads(attn.k_proj, x), attn.heads(attn.v_proj, x)
+        k_rot = apply_rope(k, *rope)
+        visual_kv = (k if self.debias else k_rot, v)
+        if self.wings:  # the visual learner's keys: position-free like debiased T2V, so cacheable with the image
+            visual_kv += self.wings_visual.keys(x)
+        if not need_output:
+            return None, visual_kv
+        if self.diagonal:  # softmax over the token's own key alone is 1: the output is its value
+            return self.residual_mlp(h, attn.value_output(v)), visual_kv
+        if self.tokens_per_image:  # MMCA: full attention within each image, images never mix
+            q = apply_rope(attn.heads(attn.q_proj, x), *rope)
+            per_image = lambda t: t.unflatten(2, (-1, self.tokens_per_image)).transpose(1, 2).flatten(0, 1)  # noqa: E731
+            q_i, k_i, v_i, valid_i = (
+                per_image(q),
+                per_image(k_rot),
+                per_image(v),
+                valid.unflatten(1, (-1, self.tokens_per_image)).flatten(0, 1),
+            )
+            out = attn.attend(q_i, k_i, v_i, valid_i, q_i, *attn.no_visual(q_i), causal=False)
+            out = out.unflatten(0, (h.shape[0], -1)).transpose(1, 2).flatten(2, 3)
+        else:  # causal self-attention among visual tokens, as the base LLM does
+            q = apply_rope(attn.heads(attn.q_proj, x), *rope)
+            out = attn.attend(q, k_rot, v, valid, q, *attn.no_visual(q))
+        return self.residual_mlp(h, attn.output(out)), visual_kv
+
+    def text_forward(
+        self, h: Tensor, rope, past: KV | None, visual: KV, key_mask: Tensor, visual_mask: Tensor
+    ) -> tuple[Tensor, KV]:
+        """One layer of the text stream; returns its output and the text K/V cache (past + new)."""
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        q = attn.heads(attn.q_proj, x)
+        q_rot, k = apply_rope(q, *rope), apply_rope(attn.heads(attn.k_proj, x), *rope)
+        v = attn.heads(attn.v_proj, x)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        q_vis = q if self.debias else q_rot
+        attn_out = attn.output(attn.attend(q_rot, k, v, key_mask, q_vis, visual[:2], visual_mask))
+        if not self.wings:
+            return self.residual_mlp(h, attn_out), (k, v)
+        shares = segment_shares(
+            q_rot,
+            k,
+            key_mask,
+            q_vis,
+            visual[0],
+            visual_mask,
+            scale=attn.scale,
+            softcap=attn.softcap,
+            window=attn.window,
+            causal_visual=attn.causal_visual,
+        )
+        learners_out, learner_kv = self.learners(x, rope, past, visual, key_mask, visual_mask, shares)
+        return self.residual_mlp(h, attn_out + learners_out), (k, v, *learner_kv)
+
+    def learners(
+        self, x: Tensor, rope, past: KV | None, visual: KV, key_mask: Tensor, visual_mask: Tensor, shares: Tensor
+    ) -> tuple[Tensor, KV]:
+        """WINGS: the visual and text learners' outputs weighed by the router, and the text learner's cache.
+        `shares` (B, heads, T, 2): the main attention's mass on [visual, text] per head, the router's input."""
+        num_new = x.shape[1]
+        weights = torch.softmax(self.wings_router(shares.transpose(1, 2).flatten(2)), dim=-1)  # (B, T, 2)
+        visual_mask = visual_mask.bool()[:, None, :].expand(-1, num_new, -1)
+        visual_learner, text_learner = self.wings_visual, self.wings_text
+        visual_out = visual_learner.attend(visual_learner.heads(visual_learner.q_proj, x), *visual[2:], visual_mask)
+        q, k = (apply_rope(text_learner.heads(proj, x), *rope) for proj in (text_learner.q_proj, text_learner.k_proj))
+        v = text_learner.heads(text_learner.v_proj, x)
+        if past is not None:
+            k, v = torch.cat([past[2], k], dim=2), torch.cat([past[3], v], dim=2)
+        text_out = text_learner.attend(q, k, v, causal_mask(key_mask.bool(), num_new))
+        return weights[..., :1] * visual_out + weights[..., 1:] * text_out, (k, v)
+
+
+class DAttnPreTrainedModel(PreTrainedModel):
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["DAttnDecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """Also runs inside from_pretrained, where non-persistent buffers must be rebuilt (transformers'
+        `init` helpers leave weights that were loaded alone)."""
+        super()._init_weights(module)
+        if isinstance(module, MMRMSNorm):
+            init.constant_(module.weight, self.config.mm_std)
+        elif isinstance(module, Gemma2RMSNorm):
+            init.zeros_(module.weight)  # Gemma 2 scales by (1 + weight)
+        elif isinstance(module, Gemma2TextScaledWordEmbedding):
+            init.constant_(module.embed_scale, module.scalar_embed_scale)
+        elif isinstance(module, WingsLearner):  # x(1 + AB) starts at x, and the learner's output at 0
+            for proj in (module.q_proj, module.k_proj, module.v_proj, module.o_proj):
+                init.zeros_(proj[1].weight)
+
+
+class DAttnModel(DAttnPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        family = FAMILIES[config.model_type]
+        hidden = config.hidden_size
+        if family.sandwich_norms:
+            self.embed_tokens = Gemma2TextScaledWordEmbedding(
+                config.vocab_size, hidden, config.pad_token_id, embed_scale=hidden**0.5
+            )
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        self.layers = nn.ModuleList(DAttnDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = family.norm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = family.rotary(config)
+        self.mm_vis = VisionTower(config)
+        self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
+        self.mm_rand_norm = MMRMSNorm(hidden, config.mm_std)
+        self.mm_rand_pos_h = GridPositionEmbedding(config.mm_pos_feature_dim, hidden)
+        self.mm_rand_pos_w = GridPositionEmbedding(config.mm_pos_feature_dim, hidden)
+        self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
+        self.post_init()
+
+    def embed_images(self, pixel_values: Tensor) -> Tensor:
+        """(B, images, 3, H, W) pixels -> (B, images * tokens_per_image, hidden) visual embeddings."""
+        batch, images = pixel_values.shape[:2]
+        features = self.mm_vis(pixel_values.flatten(0, 1).to(self.dtype))
+        x = self.mm_rand_norm(self.mm_rand_projector(features))
+        grid = torch.arange(self.config.patch_grid, device=x.device)
+        pos = self.mm_rand_pos_h(grid)[:, None, :] + self.mm_rand_pos_w(grid)[None, :, :]  # (rows, cols, hidden)
+        x = self.mm_rand_llm_norm(x + pos.flatten(0, 1).to(x.dtype))
+        return x.unflatten(0, (batch, images)).flatten(1, 2)
+
+    def encode_visual(self, visual_embeds: Tensor, visual_mask: Tensor | None = None) -> list[KV]:
+        """Every layer's visual K/V: a function of the image alone, reusable for any prompt."""
+        batch, num_visual = visual_embeds.shape[:2]
+        valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask.bool()
+        positions = torch.arange(num_visual, device=visual_embeds.device).expand(batch, -1)
+        if self.config.v2v_per_image:  # each image is its own sequence
+            positions = positions % self.config.tokens_per_image
+        rope = self.rotary_emb(visual_embeds, positions)
+        h, visual_kv = visual_embeds, []
+        for i, layer in enumerate(self.layers):
+            h, kv = layer.visual_forward(h, rope, valid, need_output=i + 1 < len(self.layers))
+            visual_kv.append(kv)
+        return visual_kv
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values: list[KV] | None = None,
+        visual_key_values: list[KV] | None = None,
+        visual_mask: Tensor | None = None,
+    ) -> tuple[Tensor, list[KV]]:
+        """The text stream. attention_mask (B, past + T) marks real text tokens (left padding allowed);
+        visual_mask (B, V) marks real visual tokens. Returns the final hidden states and the text cache."""
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, num_new = h.shape[:2]
+        num_past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        num_visual = 0 if visual_key_values is None else visual_key_values[0][0].shape[2]
+        text_valid = (
+            torch.ones(batch, num_past + num_new, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        )
+        visual_valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask.bool()
+        # Debiased: text positions count text tokens only. Otherwise the visual tokens come first.
+        offset = 0 if self.config.use_debias else num_visual
+        if position_ids is None:
+            position_ids = offset + (text_valid.long().cumsum(-1) - 1).clamp_min(0)[:, -num_new:]
+        rope = self.rotary_emb(h, position_ids)
+
+        present = []
+        for i, layer in enumerate(self.layers):
+            past = None if past_key_values is None else past_key_values[i]
+            if visual_key_values is None:
+                visual, layer_visual_valid = layer.no_visual(h)
+            else:
+                visual, layer_visual_valid = visual_key_values[i], visual_valid
+            h, kv = layer.text_forward(h, rope, past, visual, text_valid, layer_visual_valid)
+            present.append(kv)
+        return self.norm(h), present
+
+
+@dataclass
+class DAttnOutput(ModelOutput):
+    logits: Tensor | None = None
+    past_key_values: list[KV] | None = None
+    visual_key_values: list[KV] | None = None
+
+
+class DAttnForCausalLM(DAttnPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = DAttnModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        pixel_values: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values: list[KV] | None = None,
+        visual_key_values: list[KV] | None = None,
+        visual_mask: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+    ) -> DAttnOutput:
+        """Logits for the text tokens. Images come as `pixel_values` (B, images, 3, H, W), or as the
+        `visual_key_values` an earlier call returned."""
+        if pixel_values is not None and visual_key_values is None:
+            visual_key_values = self.model.encode_visual(self.model.embed_images(pixel_values), visual_mask)
+        hidden, present = self.model(
+            input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, visual_key_values, visual_mask
+        )
+        logits = self.lm_head(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return DAttnOutput(logits=logits, past_key_values=present, visual_key_values=visual_key_values)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        pixel_values: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        max_new_tokens: int = 20,
+        visual_key_values: list[KV] | None = None,
+        eos_token_id: int | None = None,
+    ) -> Tensor:
+        """Greedy decoding with the text KV cache; the image's visual K/V are computed once (or reused)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        out = self(input_ids, pixel_values, attention_mask, visual_key_values=visual_key_values)
+        tokens = []
+        for step in range(max_new_tokens):
+            next_token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(next_token)
+            if step == max_new_tokens - 1 or (eos_token_id is not None and (next_token == eos_token_id).all()):
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones_like(next_token)], dim=1)
+            out = self(
+                next_token,
+                attention_mask=attention_mask,
+                past_key_values=out.past_key_values,
+                visual_key_values=out.visual_key_values,
+            )
+        return torch.cat(tokens, dim=1)
+
+
+class DAttnMistralForCausalLM(DAttnForCausalLM):
+    config_class = DAttnMistralConfig
+
+
+class DAttnGemma2ForCausalLM(DAttnForCausalLM):
+    config_class = DAttnGemma2Config
+
+
+MODEL_CLASSES = {"dattn_mistral": DAttnMistralForCausalLM, "dattn_gemma2": DAttnGemma2ForCausalLM}

@@ -1,0 +1,339 @@
+"""The DecomposedAttention op (`contract.py`) as one Triton kernel.
+
+Flash-attention style: a program owns BLOCK_M queries of one query head and streams two key segments in
+BLOCK_N tiles, never materialising the logits:
+  * visual keys with the unrotated queries `q_vis` (all visible, or causal by slot when `CAUSAL_VISUAL`);
+  * text keys with the rotated queries `q`, causal by slot, optionally windowed.
+Each segment keeps a running max, sum and accumulator; at the end
+merge alpha: both are rescaled to their common max and normalised by the common sum: exactly one softmax over
+             [visual ; text] (the shared running max/sum, merged once instead of per tile);
+merge sum:   each is normalised by its own sum and the two outputs are added.
+Grouped-query attention reads kv head h // G; logits and accumulation are fp32 whatever the input dtype.
+Optionally writes the per-query log-sum-exp of each segment (S_V, S_T): sigmoid(S_V - S_T) is the
+attention mass on the image.
+
+The same kernel runs under TRITON_INTERPRET=1 on CPU tensors (the tests), compiles to PTX for sm_80/sm_90
+without a GPU (the TensorRT plugin's ahead-of-time implementation), and backs a torch.library op on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from . import contract
+from .contract import Attributes
+
+BLOCK_M = 16  # queries per program
+INT_ARGS = (
+    "num_heads",
+    "group",
+    "num_queries",
+    "num_keys",
+    "num_visual",
+    "stride_qb",
+    "stride_qh",
+    "stride_qt",
+    "stride_kb",
+    "stride_kh",
+    "stride_kn",
+    "stride_vb",
+    "stride_vh",
+    "stride_vn",
+)
+TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+LOG2E_: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _tile_update(m, l, acc, s, value):
+    """One online-softmax step: fold logits `s` (BLOCK_M, BLOCK_N; -inf where masked) and their values."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
+    p = tl.exp2((s - m_safe[:, None]) * LOG2E_)
+    correction = tl.exp2((m - m_safe) * LOG2E_)
+    l = l * correction + tl.sum(p, 1)
+    acc = acc * correction[:, None] + tl.dot(p.to(value.dtype), value, out_dtype=tl.float32)
+    return m_new, l, acc
+
+
+@triton.jit
+def _segment(
+    m,
+    l,
+    acc,
+    q,
+    K,
+    V,
+    MASK,
+    num_keys,
+    stride_kn,
+    mask_b,
+    query_slot,
+    key_slot0,
+    scale: tl.constexpr,
+    softcap: tl.constexpr,
+    window: tl.constexpr,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Stream one key segment (K, V at the kv head, MASK at the batch row) through the running state."""
+    for start in range(0, num_keys, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        in_range = offs_n < num_keys
+        k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(V + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
+        if SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+        valid = in_range & (tl.load(MASK + mask_b + offs_n, mask=in_range, other=0) != 0)
+        visible = valid[None, :]
+        if CAUSAL:
+            distance = query_slot[:, None] - (key_slot0 + offs_n)[None, :]
+            visible = visible & (distance >= 0) & ((window == 0) | (distance < window))
+        s = tl.where(visible, s, float("-inf"))
+        m, l, acc = _tile_update(m, l, acc, s, v)
+    return m, l, acc
+
+
+@triton.jit
+def dattn_kernel(
+    Q,
+    K,
+    V,
+    KEY_MASK,
+    QV,
+    KV,
+    VV,
+    VIS_MASK,  # inputs, then int scalars, then outputs: TensorRT's AOT order
+    num_heads,
+    group,
+    num_queries,
+    num_keys,
+    num_visual,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    OUT,
+    LSE,
+    scale: tl.constexpr,
+    softcap: tl.constexpr,
+    window: tl.constexpr,  # per node: constants (AOT takes ints only)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MERGE_SUM: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL_VISUAL: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // num_heads, pid_bh % num_heads
+    kv_head = h // group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_offsets = b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
+    rows = offs_m < num_queries
+    q = tl.load(Q + q_offsets, mask=rows[:, None], other=0.0)
+    q_vis = tl.load(QV + q_offsets, mask=rows[:, None], other=0.0)
+    if UPCAST:
+        q, q_vis = q.to(tl.float32), q_vis.to(tl.float32)
+    text_slot = num_keys - num_queries + offs_m  # the queries are the last text slots
+
+    m_v = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_v = tl.zeros([BLOCK_M], tl.float32)
+    acc_v = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_t, l_t, acc_t = m_v, l_v, acc_v
+    # visual keys: slots [0, V) before the text when causal, so the queries sit at V + their text slot
+    m_v, l_v, acc_v = _segment(
+        m_v,
+        l_v,
+        acc_v,
+        q_vis,
+        KV + b * stride_vb + kv_head * stride_vh,
+        VV + b * stride_vb + kv_head * stride_vh,
+        VIS_MASK,
+        num_visual,
+        stride_vn,
+        b * num_visual,
+        num_visual + text_slot,
+        0,
+        scale,
+        softcap,
+        window,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_N,
+        SOFTCAP,
+        CAUSAL_VISUAL,
+        UPCAST,
+    )
+    m_t, l_t, acc_t = _segment(
+        m_t,
+        l_t,
+        acc_t,
+        q,
+        K + b * stride_kb + kv_head * stride_kh,
+        V + b * stride_kb + kv_head * stride_kh,
+        KEY_MASK,
+        num_keys,
+        stride_kn,
+        b * num_keys,
+        text_slot,
+        0,
+        scale,
+        softcap,
+        window,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_N,
+        SOFTCAP,
+        CAUSAL,
+        UPCAST,
+    )
+    if MERGE_SUM:  # two softmaxes, added
+        out = acc_v / tl.where(l_v == 0.0, 1.0, l_v)[:, None] + acc_t / tl.where(l_t == 0.0, 1.0, l_t)[:, None]
+    else:  # one softmax over [visual ; text]: rescale both running states to their common max
+        m = tl.maximum(m_v, m_t)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w_v, w_t = tl.exp2((m_v - m) * LOG2E_), tl.exp2((m_t - m) * LOG2E_)
+        total = l_v * w_v + l_t * w_t
+        out = (acc_v * w_v[:, None] + acc_t * w_t[:, None]) / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(OUT + q_offsets, out.to(OUT.dtype.element_ty), mask=rows[:, None])
+    if WRITE_LSE:  # LSE: (2, B, Hq, T) fp32, S_V then S_T; -inf for a segment with nothing visible
+        lse_offsets = pid_bh * num_queries + offs_m
+        tl.store(LSE + lse_offsets, m_v + tl.log(l_v), mask=rows)
+        tl.store(LSE + tl.num_programs(1) * num_queries + lse_offsets, m_t + tl.log(l_t), mask=rows)
+
+
+def launch_grid(q_shape, cdiv=lambda a, b: -(-a // b), block_m: int = BLOCK_M):
+    """(grid_x, grid_y): query blocks x (batch * heads). `cdiv` works on ints or TensorRT shape expressions."""
+    batch, heads, queries, _ = q_shape
+    return cdiv(queries, block_m), batch * heads
+
+
+def int_arguments(q_shape, k_shape, k_vis_shape) -> list:
+    """The kernel's scalar arguments (INT_ARGS order) for contiguous inputs, from shapes (ints or expressions)."""
+    batch, heads, queries, head_dim = q_shape
+    _, kv_heads, keys, _ = k_shape
+    num_visual = k_vis_shape[2]
+    return [heads, heads // kv_heads, queries, keys, num_visual,
+            heads * queries * head_dim, queries * head_dim, head_dim,
+            kv_heads * keys * head_dim, keys * head_dim, head_dim,
+            kv_heads * num_visual * head_dim, num_visual * head_dim, head_dim]  # fmt: skip
+
+
+def constants(attributes: Attributes, head_dim: int, block_m: int, block_n: int, **flags) -> dict:
+    """The kernel's compile-time parameters for one node's attributes (AOT plugins take only ints at run time)."""
+    return dict(
+        scale=float(attributes.scale),
+        softcap=float(attributes.softcap),
+        window=int(attributes.window),
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        MERGE_SUM=attributes.merge == "sum",
+        SOFTCAP=attributes.softcap > 0,
+        CAUSAL_VISUAL=bool(attributes.causal_visual),
+        CAUSAL=bool(attributes.causal),
+        **flags,
+    )
+
+
+def launch(
+    q,
+    k,
+    v,
+    key_mask,
+    q_vis,
+    k_vis,
+    v_vis,
+    visual_mask,
+    attributes: Attributes,
+    *,
+    return_lse: bool = False,
+    block_m: int = BLOCK_M,
+    block_n: int = 16,
+):
+    """Run the kernel (on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1). Same result as the contract's
+    reference; with `return_lse`, also (S_V, S_T), each (B, Hq, T) fp32."""
+    import torch
+
+    batch, heads, queries, head_dim = q.shape
+    contract.check_shapes(heads, k.shape[1], head_dim)
+    q, k, v, q_vis, k_vis, v_vis = (t.contiguous() for t in (q, k, v, q_vis, k_vis, v_vis))
+    key_mask, visual_mask = key_mask.to(torch.int8).contiguous(), visual_mask.to(torch.int8).contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty((2, batch, heads, queries), dtype=torch.float32, device=q.device)
+    # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot (loads are exact): there, and only there,
+    # bf16 tiles are upcast to fp32 first (exact; accumulation is fp32 either way)
+    upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    dattn_kernel[launch_grid(q.shape, block_m=block_m)](
+        q,
+        k,
+        v,
+        key_mask,
+        q_vis,
+        k_vis,
+        v_vis,
+        visual_mask,
+        *int_arguments(q.shape, k.shape, k_vis.shape),
+        out,
+        lse,
+        **constants(attributes, head_dim, block_m, block_n, WRITE_LSE=return_lse, UPCAST=upcast),
+    )
+    return (out, lse[0], lse[1]) if return_lse else out
+
+
+def compile_ptx(
+    dtype: str,
+    head_dim: int,
+    attributes: Attributes,
+    *,
+    arch: int = 90,
+    ptx_version: int | None = None,
+    block_m: int = BLOCK_M,
+    block_n: int = 16,
+):
+    """The kernel for one node's attributes compiled for sm_`arch`, without a GPU: (name, PTX, metadata).
+    Parameters, as TensorRT's ahead-of-time plugins pass them: the 8 input pointers, the INT_ARGS, the output
+    pointer (the LSE pointer is compiled away)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    element = TRITON_TYPES[dtype]
+    pointers = {
+        "Q": element,
+        "K": element,
+        "V": element,
+        "KEY_MASK": "i8",
+        "QV": element,
+        "KV": element,
+        "VV": element,
+        "VIS_MASK": "i8",
+    }
+    fixed = dict(LSE=None, **constants(attributes, head_dim, block_m, block_n, WRITE_LSE=False, UPCAST=False))
+    signature = {name: f"*{kind}" for name, kind in pointers.items()}
+    signature.update(dict.fromkeys(INT_ARGS, "i32"))
+    signature["OUT"] = f"*{element}"
+    signature.update(dict.fromkeys(fixed, "constexpr"))
+    options = {"ptx_version": ptx_version} if ptx_version else {}
+    source = ASTSource(fn=dattn_kernel, signature=signature, constexprs=fixed)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    return compiled.metadata.name, compiled.asm["ptx"], compiled.metadata

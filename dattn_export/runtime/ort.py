@@ -1,0 +1,42 @@
+"""ONNX Runtime's CPU provider behind `GraphRuntime`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..artifacts import OnnxManifest
+from ..errors import InputError
+from .graph import GraphRuntime
+
+
+class OrtModel(GraphRuntime):
+    """ONNX Runtime's CPU provider."""
+
+    manifest_class = OnnxManifest
+
+    def __init__(self, folder: Path, threads: int | None = None):
+        import onnxruntime as ort
+
+        super().__init__(folder)
+        if self.dtype is None:
+            raise InputError(
+                self.folder,
+                "holds bfloat16 graphs, which ONNX Runtime's CPU provider cannot run (no "
+                "bf16 kernels): validate them with --backend trt on a GPU, or export fp32/fp16",
+            )
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.log_severity_level = 3
+        self.sessions = {}
+        for name, graph in self.manifest.graphs.items():
+            path = self.folder / graph.file
+            try:
+                self.sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            except Exception as e:  # onnxruntime raises its own exception types for unreadable graphs
+                raise InputError(path, f"ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
+
+    def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.sessions[graph].run(None, feeds)

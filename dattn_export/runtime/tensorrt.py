@@ -1,0 +1,89 @@
+"""Run TensorRT engines built by `dattn-export trt` (GPU only), behind the same runtime as ONNX Runtime."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import numpy as np
+
+from ..artifacts import TrtManifest
+from ..errors import InputError
+from .graph import GraphRuntime
+
+
+def import_tensorrt(module: str = "tensorrt"):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise InputError(
+            module, f"is not importable ({e}): install TensorRT (NVIDIA's wheels) on the GPU machine"
+        ) from None
+
+
+def require_tensorrt_gpu():
+    """TensorRT and a CUDA GPU, or a one-line error saying which is missing."""
+    trt = import_tensorrt("tensorrt")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InputError("GPU", "no CUDA GPU is visible: TensorRT builds and runs these engines on a GPU")
+    return trt
+
+
+class TrtModel(GraphRuntime):
+    manifest_class = TrtManifest
+
+    def __init__(self, folder: Path):
+        super().__init__(folder)
+        import torch
+
+        from ..plugins.tensorrt_plugin import register
+
+        trt = require_tensorrt_gpu()
+        register()  # engines that use the plugin need it registered to deserialize
+        self.torch, self.trt = torch, trt
+        self.runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
+        self.engines, self.contexts = {}, {}
+        for name, file in self.manifest.engines.items():
+            engine = self.runtime.deserialize_cuda_engine((self.folder / file).read_bytes())
+            self.engines[name], self.contexts[name] = engine, engine.create_execution_context()
+        self.dtype = self.dtype or np.float32  # bf16 engines take fp32 host arrays, cast on the device
+
+    def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        torch, trt = self.torch, self.trt
+        engine, context = self.engines[graph], self.contexts[graph]
+        as_torch = {
+            trt.float32: torch.float32,
+            trt.float16: torch.float16,
+            trt.bfloat16: torch.bfloat16,
+            trt.int64: torch.int64,
+            trt.int32: torch.int32,
+            trt.int8: torch.int8,
+            trt.bool: torch.bool,
+        }
+        buffers = []  # device memory lives until the stream is done; empty tensors still get a valid address
+
+        def bind(name: str, tensor) -> None:
+            buffers.append(tensor if tensor.numel() else torch.empty(1, device="cuda"))
+            context.set_tensor_address(name, buffers[-1].data_ptr())
+
+        for name, array in feeds.items():
+            context.set_input_shape(name, tuple(array.shape))
+            bind(
+                name, torch.from_numpy(np.ascontiguousarray(array)).to("cuda", as_torch[engine.get_tensor_dtype(name)])
+            )
+        outputs = []
+        for spec in self.manifest.graphs[graph].outputs:
+            name = spec.name
+            outputs.append(
+                torch.empty(
+                    tuple(context.get_tensor_shape(name)), dtype=as_torch[engine.get_tensor_dtype(name)], device="cuda"
+                )
+            )
+            bind(name, outputs[-1])
+        stream = torch.cuda.current_stream()
+        if not context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError(f"TensorRT failed to run {graph}")
+        stream.synchronize()
+        return [o.float().cpu().numpy() if o.dtype == torch.bfloat16 else o.cpu().numpy() for o in outputs]

@@ -1,0 +1,189 @@
+"""`convert`: any training output -> a clean Hugging Face model folder with a manifest.
+
+Tensors stream one at a time from the source (read with pread) into sharded safetensors written in a
+temporary folder beside OUT, which is renamed into place only when everything, manifest included, is done.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from .. import __version__
+from ..artifacts import (
+    DTYPES,
+    ConvertManifest,
+    ConvertModel,
+    ConvertSource,
+    FileEntry,
+    TensorEntry,
+    Tool,
+    atomic_dir,
+    carry_files,
+    copy_remote_code,
+    dtype_name,
+    sha256_file,
+)
+from ..checkpoints.names import parameter_counts
+from ..checkpoints.plan import plan_tensors
+from ..checkpoints.safetensors_writer import PlannedTensor, WrittenFile, plan_shards, shard_names, write_shards
+from ..checkpoints.source import Source, open_source, tied_names
+from ..errors import InputError
+from ..modeling.modeling_dattn import MODEL_CLASSES
+
+SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in SIZE_UNITS:
+        raise InputError("--max-shard-size", f"{text!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+
+
+def output_dtype(requested: str, source: Source) -> torch.dtype:
+    """auto: the dtype config.json declares (the training dtype); if none, the dtype most weights have."""
+    if requested != "auto":
+        return DTYPES[requested].torch
+    declared = source.config.dtype  # config.json's torch_dtype (4.x) or dtype (5.x)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    if isinstance(declared, torch.dtype) and declared.is_floating_point:
+        return declared
+    sizes: dict[torch.dtype, int] = {}
+    for t in source.tensors.values():
+        if t.dtype.is_floating_point:
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.nbytes
+    return max(sizes, key=sizes.get)
+
+
+def untie(source: Source) -> list[str]:
+    """Tied tensors are stored once: drop the copies, after checking they really are equal."""
+    dropped = []
+    for name, target in MODEL_CLASSES[source.config.model_type]._tied_weights_keys.items():
+        if name in tied_names(source.config) and name in source.tensors:
+            copy, original = source.tensors[name], source.tensors[target]
+            if copy != original and not torch.equal(copy.load(), original.load()):
+                raise InputError(
+                    copy.file,
+                    f"tensor {source.stored_names[name]} differs from {target}, but config.json "
+                    "ties them (tie_word_embeddings=true)",
+                )
+            dropped.append(name)
+    return dropped
+
+
+def output_config(source: Source, dtype: torch.dtype) -> dict:
+    """config.json normalised: model_type, dtype, the full vision_config, architectures and auto_map."""
+    config = source.config
+    model_class = MODEL_CLASSES[config.model_type]
+    fields = config.to_dict()
+    fields.update(
+        architectures=[model_class.__name__],
+        auto_map={
+            "AutoConfig": f"configuration_dattn.{config.__class__.__name__}",
+            "AutoModelForCausalLM": f"modeling_dattn.{model_class.__name__}",
+        },
+        dtype=dtype_name(dtype),
+        torch_dtype=dtype_name(dtype),  # the key transformers 4.x reads
+    )
+    return fields
+
+
+@dataclass
+class ConvertResult:
+    source: Source
+    out: Path
+    dtype: torch.dtype
+    files: dict[str, WrittenFile]
+    manifest: ConvertManifest
+    tensor_count: int
+    weight_bytes: int
+    dropped: list[str]
+    seconds: float
+
+
+def convert(
+    checkpoint: Path,
+    out: Path,
+    dtype: str = "auto",
+    max_shard_size: str = "5GB",
+    force: bool = False,
+    base: Path | None = None,
+    vision_heads: int | None = None,
+    progress=None,
+) -> ConvertResult:
+    start = time.perf_counter()
+    max_bytes = parse_size(max_shard_size)
+    source = open_source(checkpoint, base, vision_heads)
+    source.raise_first_problem()
+    target = output_dtype(dtype, source)
+    dropped = untie(source)
+    kept = {name: lazy for name, lazy in source.tensors.items() if name not in dropped}
+    planned = plan_tensors(kept, source.stored_names, target)
+    weight_bytes = sum(t.nbytes for t in planned)
+    shards = plan_shards(planned, max_bytes)
+    with atomic_dir(out, overwrite=force) as tmp:
+        with progress or Progress(disable=True) as bar:
+            task = bar.add_task("writing tensors", total=weight_bytes)
+            files = write_shards(
+                shards, tmp, on_written=lambda t: bar.update(task, advance=t.nbytes, description=t.name)
+            )
+        (tmp / "config.json").write_text(json.dumps(output_config(source, target), indent=2, sort_keys=True) + "\n")
+        carry_files(source.reader.config_dir, tmp)
+        copy_remote_code(tmp)
+        for path in sorted(tmp.iterdir()):
+            if path.name not in files:
+                files[path.name] = WrittenFile(path.stat().st_size, sha256_file(path))
+        manifest = build_manifest(source, target, files, shards)
+        manifest.write(tmp)
+    return ConvertResult(
+        source, Path(out), target, files, manifest, len(planned), weight_bytes, dropped, time.perf_counter() - start
+    )
+
+
+def build_manifest(
+    source: Source, dtype: torch.dtype, files: dict[str, WrittenFile], shards: list[list[PlannedTensor]]
+) -> ConvertManifest:
+    planned = [t for shard in shards for t in shard]
+    shard_of = {t.name: file for file, shard in zip(shard_names(len(shards)), shards) for t in shard}
+    return ConvertManifest(
+        format="dattn-export-manifest/1",
+        tool=Tool("dattn-export", __version__),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        source=ConvertSource(
+            str(Path(source.reader.path).absolute()), source.reader.layout, source.reader.notes, source.vision_origin
+        ),
+        model=ConvertModel(
+            source.config.model_type, source.config.dattn_mode, parameter_counts({t.name: t.shape for t in planned})
+        ),
+        dtype=dtype_name(dtype),
+        files={name: FileEntry(f.size, f.sha256) for name, f in sorted(files.items())},
+        tensors={
+            t.name: TensorEntry(
+                dtype_name(t.dtype),
+                list(t.shape),
+                shard_of[t.name],
+                source.stored_names[t.name],
+                dtype_name(source.tensors[t.name].dtype),
+            )
+            for t in planned
+        },
+    )

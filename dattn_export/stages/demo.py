@@ -1,0 +1,78 @@
+"""The built-in tiny demo: a random-weight D-Attn checkpoint in the layout of a real training output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from ..checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
+from ..checkpoints.source import saved_state_dict
+from ..modeling.modeling_dattn import MODEL_CLASSES
+from ..presets import randomize_weights, tiny_config
+from ..processing import IMAGE_PROCESSORS
+
+DEMO_PROMPT = "USER: Describe the image in one sentence.\nASSISTANT:"
+SHARD_BYTES = 256 * 1024  # small, so the demo checkpoint has several shards like a real one
+
+CORPUS = [
+    "USER: Describe the image in one sentence.\nASSISTANT: A red circle on a blue and green gradient.",
+    "USER: What is in the picture?\nASSISTANT: There is a round shape in the middle of the picture.",
+    "USER: How many objects are there?\nASSISTANT: One object, a circle, near the center.",
+    "The quick brown fox jumps over the lazy dog. Vision and text tokens attend differently.",
+    "Decomposed attention: visual tokens see themselves, text tokens see the image and earlier text.",
+]
+
+
+def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained here on a few sentences: encodes any text, needs no download."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],  # ids 0, 1, 2 as in the config
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left"
+    )
+
+
+def demo_image(size: int = 64) -> Image.Image:
+    y, x = np.mgrid[0:size, 0:size] / (size - 1)
+    pixels = np.stack([x * 0.2, y * 0.8, 1 - y * 0.6], axis=-1)
+    image = Image.fromarray((pixels * 255).astype(np.uint8))
+    ImageDraw.Draw(image).ellipse([size // 4, size // 4, 3 * size // 4, 3 * size // 4], fill=(220, 30, 30))
+    return image
+
+
+def write_demo_checkpoint(out: Path, family: str = "mistral", seed: int = 0, **config_overrides) -> Path:
+    """config.json with the released keys, sharded safetensors with the released names, tokenizer,
+    preprocessor config, generation config and a sample image (demo.png)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(family, **config_overrides)
+    model_class = MODEL_CLASSES[config.model_type]
+    config.architectures = [model_class.__name__]
+    model = randomize_weights(model_class(config), seed).eval()
+    planned = [
+        PlannedTensor(name, t.dtype, tuple(t.shape), produce=lambda _buffer, t=t: t)
+        for name, t in saved_state_dict(model).items()
+    ]
+    write_shards(plan_shards(planned, SHARD_BYTES), out)
+    config.save_pretrained(out)
+    build_tokenizer(config.vocab_size).save_pretrained(out)
+    size = config.vision_config["image_size"]
+    IMAGE_PROCESSORS[config.vision_config["model_type"]](size={"height": size, "width": size}).save_pretrained(out)
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 16, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    demo_image().save(out / "demo.png")
+    return out

@@ -1,0 +1,284 @@
+"""`onnx`: the three graphs a deployment needs, with one fused attention node per decoder layer.
+
+  vision.onnx     pixel_values (B, images, 3, H, W) -> visual_embeds (B, V, hidden)
+  visual_kv.onnx  visual_embeds, visual_attention_mask -> visual_key_values.{i}.key/.value (B, Hkv, V, D):
+                  the visual stream, once per image, position-free, cacheable
+  decoder.onnx    input_ids, position_ids, attention_mask (B, past + T), visual_attention_mask,
+                  past_key_values.{i}.key/.value, visual_key_values.{i}.key/.value
+                  -> logits, present.{i}.key/.value; one graph for prefill and decode
+A layer with WINGS learners also caches `.wings_key/.wings_value` (B, hidden / D, S, D) in each of these.
+
+With `--attention fused` every attention is one `dattn::DecomposedAttention` node (attributes: heads, KV
+heads, head dim, scale, soft-cap, window, merge, TensorRT plugin namespace/version) with a model-local
+function of standard ops attached; with `standard` the reference math is exported as plain ONNX ops.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+from torch.export import Dim
+
+from .. import __version__
+from ..artifacts import (
+    DTYPES,
+    AttentionExport,
+    ExportedModel,
+    ExportSource,
+    Graph,
+    GraphValue,
+    OnnxManifest,
+    Tool,
+    Wings,
+    atomic_dir,
+    carry_files,
+    dtype_name,
+)
+from ..checkpoints.source import build_model, open_source
+from ..errors import InputError
+from ..plugins import contract
+from ..plugins.onnx_node import attach_function, fused_nodes
+
+DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
+SUPPORTED_OPSETS = range(18, 24)
+MAX_IR_VERSION = 10  # ONNX Runtime 1.31 reads up to 13; 10 is what opset 18-23 models need
+EXTERNAL_DATA_BYTES = 64 << 20  # models with more weights keep them in .data files: never re-serialized in memory
+
+
+def kv_names(prefix: str, config) -> list[str]:
+    return [f"{prefix}.{i}.{part}" for i in range(config.num_hidden_layers) for part in config.cache_parts(i)]
+
+
+def layer_caches(flat: list, config) -> list[tuple]:
+    """A graph's flat cache tensors, in `kv_names` order, as the model's per-layer tuples."""
+    caches, start = [], 0
+    for i in range(config.num_hidden_layers):
+        end = start + len(config.cache_parts(i))
+        caches.append(tuple(flat[start:end]))
+        start = end
+    return caches
+
+
+class VisionGraph(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        return self.model.model.embed_images(pixel_values)
+
+
+class VisualKVGraph(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, visual_embeds, visual_attention_mask):
+        return [t for layer in self.model.model.encode_visual(visual_embeds, visual_attention_mask) for t in layer]
+
+
+class DecoderGraph(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, attention_mask, visual_attention_mask, past, visual):
+        config = self.model.config
+        out = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=layer_caches(past, config),
+            visual_key_values=layer_caches(visual, config),
+            visual_mask=visual_attention_mask,
+        )
+        return out.logits, [t for layer in out.past_key_values for t in layer]
+
+
+def graph_specs(model, dtype: torch.dtype) -> dict:
+    """Per graph: module, example inputs (no axis of size 0 or 1: the exporter would specialise it),
+    dynamic axes, input and output names."""
+    config = model.config
+    heads = {"key": config.num_key_value_heads, "value": config.num_key_value_heads}
+    heads |= {"wings_key": config.wings_heads, "wings_value": config.wings_heads}
+    size, per_image = config.vision_config["image_size"], config.tokens_per_image
+    batch, images, seq, past, total, visual = (
+        Dim(n) for n in ("batch", "images", "sequence", "past_sequence", "total_sequence", "visual_sequence")
+    )
+    b, t, p, n_img = 2, 3, 4, 2
+    v = n_img * per_image
+    parts = [part for i in range(config.num_hidden_layers) for part in config.cache_parts(i)]
+    kv = lambda n: [torch.randn(b, heads[part], n, config.head_dim, dtype=dtype) for part in parts]  # noqa: E731
+    return {
+        "vision": dict(
+            module=VisionGraph(model),
+            args=(torch.randn(b, n_img, 3, size, size, dtype=dtype),),
+            dynamic=({0: batch, 1: images},),
+            inputs=["pixel_values"],
+            outputs=["visual_embeds"],
+        ),
+        "visual_kv": dict(
+            module=VisualKVGraph(model),
+            args=(torch.randn(b, v, config.hidden_size, dtype=dtype), torch.ones(b, v, dtype=torch.int64)),
+            dynamic=({0: batch, 1: visual}, {0: batch, 1: visual}),
+            inputs=["visual_embeds", "visual_attention_mask"],
+            outputs=kv_names("visual_key_values", config),
+        ),
+        "decoder": dict(
+            module=DecoderGraph(model),
+            args=(
+                torch.randint(3, config.vocab_size, (b, t)),
+                torch.arange(p, p + t).expand(b, -1),
+                torch.ones(b, p + t, dtype=torch.int64),
+                torch.ones(b, v, dtype=torch.int64),
+                kv(p),
+                kv(v),
+            ),
+            dynamic=(
+                {0: batch, 1: seq},
+                {0: batch, 1: seq},
+                {0: batch, 1: total},
+                {0: batch, 1: visual},
+                [{0: batch, 2: past}] * len(parts),
+                [{0: batch, 2: visual}] * len(parts),
+            ),
+            inputs=[
+                "input_ids",
+                "position_ids",
+                "attention_mask",
+                "visual_attention_mask",
+                *kv_names("past_key_values", config),
+                *kv_names("visual_key_values", config),
+            ],
+            outputs=["logits", *kv_names("present", config)],
+        ),
+    }
+
+
+def export_graph(spec: dict, path: Path, opset: int, fused: bool, low_precision: bool, external: bool) -> None:
+    """Export one graph. Weights always stream to a .data file first, so only the small graph proto is ever edited
+    and checked in memory (the weights are never held twice); small graphs are then made single-file."""
+    with torch.no_grad(), warnings.catch_warnings(), fused_nodes(spec["module"]) if fused else nullcontext():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            spec["module"],
+            spec["args"],
+            dynamic_shapes=spec["dynamic"],
+            input_names=spec["inputs"],
+            output_names=spec["outputs"],
+            dynamo=True,
+            opset_version=opset,
+            verbose=False,
+        )
+        program.save(path, external_data=True)
+        del program
+    graph = onnx.load(path, load_external_data=False)
+    attach_function(graph, low_precision)
+    graph.ir_version = min(graph.ir_version, MAX_IR_VERSION)
+    onnx.save(graph, path)
+    onnx.checker.check_model(str(path), full_check=True)
+    data = path.with_name(path.name + ".data")
+    if not external and data.is_file():  # small: weights back inline, one file per graph
+        onnx.save(onnx.load(path), path)
+        data.unlink()
+
+
+def describe_values(values) -> list[GraphValue]:
+    kinds = {v: k for k, v in onnx.TensorProto.DataType.items()}
+    return [
+        GraphValue(
+            value.name,
+            kinds[value.type.tensor_type.elem_type].lower(),
+            [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim],
+        )
+        for value in values
+    ]
+
+
+def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int, out: Path) -> OnnxManifest:
+    config = model.config
+    graphs = {}
+    for name in ("vision", "visual_kv", "decoder"):
+        graph = onnx.load(out / f"{name}.onnx", load_external_data=False).graph
+        fused = sum(1 for n in graph.node if n.domain == contract.DOMAIN)
+        graphs[name] = Graph(f"{name}.onnx", fused, describe_values(graph.input), describe_values(graph.output))
+    generation = out / "generation_config.json"
+    op = {"domain": contract.DOMAIN, "type": contract.TYPE, "version": contract.VERSION, **contract.PLUGIN_ATTRIBUTES}
+    return OnnxManifest(
+        format="dattn-export-onnx/1",
+        tool=Tool("dattn-export", __version__),
+        source=ExportSource(str(Path(source.reader.path).absolute()), source.reader.layout),
+        model=ExportedModel(
+            model_type=config.model_type,
+            dattn_mode=config.dattn_mode,
+            merge=config.merge,
+            diagonal=config.use_diagonal,
+            debias=config.use_debias,
+            layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            vocab_size=config.vocab_size,
+            image_size=config.vision_config["image_size"],
+            visual_tokens_per_image=config.tokens_per_image,
+            text_positions="text tokens only" if config.use_debias else "after the visual tokens",
+            wings=Wings(config.wings_rank, config.wings_layer_indices, config.wings_heads)
+            if config.wings_rank
+            else None,
+        ),
+        attention=AttentionExport(attention, op if attention == "fused" else None),
+        dtype=dtype_name(dtype),
+        opset=opset,
+        graphs=graphs,
+        generation=json.loads(generation.read_text()) if generation.is_file() else {},
+        files=sorted(p.name for p in out.iterdir()),
+    )
+
+
+def export_onnx(
+    checkpoint: Path,
+    out: Path,
+    attention: str = "fused",
+    dtype: str = "fp32",
+    opset: int = DEFAULT_OPSET,
+    force: bool = False,
+    base: Path | None = None,
+    vision_heads: int | None = None,
+    on_graph=None,
+) -> OnnxManifest:
+    if opset not in SUPPORTED_OPSETS:
+        raise InputError(
+            "--opset", f"{opset} is not supported (choose {SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1})"
+        )
+    if dtype == "bf16" and opset < 22:
+        raise InputError(
+            "--dtype bf16", f"needs --opset 22 or later: ONNX's Conv accepts bfloat16 from opset 22 (asked {opset})"
+        )
+    source = open_source(checkpoint, base, vision_heads)
+    torch_dtype = DTYPES[dtype].torch
+    model = build_model(source, torch_dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    specs = graph_specs(model, torch_dtype)
+    with atomic_dir(out, overwrite=force) as tmp:
+        for name, spec in specs.items():
+            export_graph(
+                spec,
+                tmp / f"{name}.onnx",
+                opset,
+                attention == "fused",
+                torch_dtype != torch.float32,
+                external=weight_bytes > EXTERNAL_DATA_BYTES,
+            )
+            if on_graph:
+                on_graph(name)
+        carry_files(source.reader.config_dir, tmp)
+        (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")
+        manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
+        manifest.write(tmp)
+    return manifest

@@ -1,0 +1,305 @@
+"""`push`: a converted folder becomes a Hugging Face Hub model repo that transformers loads with
+`trust_remote_code=True`, in one commit, with a model card.
+
+The folder is verified first (manifest hashes, every tensor, the model loads). Everything goes up in a single
+commit, so a failure publishes nothing half-way; large files go through LFS. Transient failures (5xx, 429,
+dropped connections) are retried with backoff; the token is never printed, logged or uploaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import __version__
+from ..artifacts import ConvertManifest, sha256_file
+from ..checkpoints.hf import read_json
+from ..checkpoints.source import config_from_dict
+from ..errors import InputError
+from .validate import ValidationReport
+from .verify import Check, verify
+
+ATTEMPTS = 4
+BACKOFF_SECONDS = 0.5  # doubles each attempt; a 429's Retry-After is honoured up to RETRY_AFTER_CAP
+RETRY_AFTER_CAP = 30.0
+TEXT_RULES = {
+    "dattn": "alpha merge: one softmax over [visual ; text]",
+    "dattn-sum": "sum of two softmaxes (visual, causal text)",
+    "sattn": "conventional causal attention over [visual ; text]",
+    "mmca": "multi-modal causal attention: sum of two softmaxes (visual, causal text)",
+}
+
+
+@dataclass
+class UploadFile:
+    path_in_repo: str
+    size: int
+    sha256: str
+    local: Path | None = None
+    content: bytes | None = None
+
+
+def usage_snippet(repo_id: str, prompt: str) -> str:
+    return f'''```python
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoTokenizer
+
+repo = "{repo_id}"
+model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True, dtype=torch.float32)
+tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
+processor = AutoImageProcessor.from_pretrained(repo)
+
+image = Image.open("image.png").convert("RGB")
+pixel_values = processor(image, return_tensors="pt")["pixel_values"][None]  # (batch, images, 3, H, W)
+inputs = tokenizer({prompt!r}, return_tensors="pt")
+tokens = model.generate(inputs["input_ids"], pixel_values, inputs["attention_mask"], max_new_tokens=32)
+print(tokenizer.decode(tokens[0], skip_special_tokens=True))
+```'''
+
+
+def model_card(
+    folder: Path,
+    repo_id: str,
+    checks: list[Check] | None,
+    license: str,
+    base_model: str | None,
+    validation: ValidationReport | None = None,
+) -> str:
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from .demo import DEMO_PROMPT
+
+    config = config_from_dict(read_json(folder / "config.json"), folder / "config.json")
+    manifest = ConvertManifest.read(folder)
+    vision = config.vision_config
+    family = config.model_type.removeprefix("dattn_")
+    data = ModelCardData(
+        license=license,
+        library_name="transformers",
+        pipeline_tag="image-text-to-text",
+        base_model=base_model,
+        tags=["dattn", "custom_code", "vision-language", config.model_type, family],
+    )
+    params = manifest.model.parameters
+    facts = [
+        ("architecture", f"{family} decoder with D-Attn (decomposed attention), `dattn_mode={config.dattn_mode}`"),
+        (
+            "visual stream",
+            "diagonal V2V (visual K/V depend on the image alone)"
+            if config.use_diagonal
+            else "full attention within each image"
+            if config.v2v_per_image
+            else "causal V2V",
+        ),
+        (
+            "text attention",
+            TEXT_RULES[config.dattn_mode]
+            + (
+                f"; WINGS visual and text learners (rank {config.wings_rank}) with a router in layers "
+                f"{config.wings_layer_indices}"
+                if config.wings_rank
+                else ""
+            ),
+        ),
+        (
+            "layers / hidden / heads / KV heads",
+            f"{config.num_hidden_layers} / {config.hidden_size} / {config.num_attention_heads} / "
+            f"{config.num_key_value_heads}",
+        ),
+        (
+            "vision tower",
+            f"{config.mm_vision_tower} ({vision['model_type']}, {vision['image_size']}px, "
+            f"patch {vision['patch_size']}, "
+            f"{config.tokens_per_image} visual tokens per image)",
+        ),
+        ("parameters", ", ".join(f"{k} {v:,}" for k, v in params.items()) + f" (total {sum(params.values()):,})"),
+        (
+            "weights",
+            f"{manifest.dtype}, {sum(1 for f in manifest.files if f.endswith('.safetensors'))} safetensors shard(s)",
+        ),
+    ]
+    lines = [
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        "A vision-language model with D-Attn (decomposed attention: Kuo et al., ICCV 2025), converted and "
+        f"verified by dattn-export {__version__} from a `{manifest.source.layout}` checkpoint.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        *(f"| {k} | {v} |" for k, v in facts),
+        "",
+    ]
+    if checks:
+        lines += [
+            "## Verification",
+            "",
+            "| check | result | detail |",
+            "| --- | --- | --- |",
+            *(f"| {c.name} | {'ok' if c.ok else 'FAILED'} | {c.detail} |" for c in checks),
+            "",
+        ]
+    if validation is not None:
+        v = validation
+        lines += [
+            "## ONNX validation",
+            "",
+            f"backend {v.backend}, {v.dtype}, greedy tokens {v.agreement}/{len(v.reference_tokens)} agree",
+            "",
+            "| graph | output | max abs error |",
+            "| --- | --- | --- |",
+            *(f"| {c.graph} | {c.output} | {c.max_abs:.2e} |" for c in v.comparisons),
+            "",
+        ]
+    lines += [
+        "## Usage",
+        "",
+        "The model code ships in this repository (`modeling_dattn.py`); nothing else is downloaded.",
+        "",
+        usage_snippet(repo_id, DEMO_PROMPT),
+        "",
+    ]
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
+
+
+def plan_upload(folder: Path, card: str) -> list[UploadFile]:
+    """Every file of the folder (hashes from the manifest where it has them) plus the model card."""
+    manifest = ConvertManifest.read(folder)
+    files = []
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
+        if path.name == "README.md":
+            continue
+        known = manifest.files.get(path.name)
+        files.append(
+            UploadFile(path.name, path.stat().st_size, known.sha256 if known else sha256_file(path), local=path)
+        )
+    data = card.encode()
+    files.append(UploadFile("README.md", len(data), hashlib.sha256(data).hexdigest(), content=data))
+    return files
+
+
+def network_errors() -> tuple[type[BaseException], ...]:
+    """Connection refused, reset, timed out: OSError and the Hub client's transport errors."""
+    errors: list[type[BaseException]] = [OSError]
+    for module in ("httpx2", "httpx"):  # huggingface_hub 2.x uses httpx2, 1.x httpx
+        try:
+            errors.append(importlib.import_module(module).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def retrying(what: str, call, location: str):
+    """Run `call`, retrying transient failures (5xx, 429, network) with backoff; other errors at once."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    transient = network_errors()
+    for attempt in range(1, ATTEMPTS + 1):
+        wait = BACKOFF_SECONDS * 2 ** (attempt - 1)
+        try:
+            return call()
+        except HfHubHTTPError as e:
+            status = e.response.status_code if e.response is not None else None
+            if status is None or (status < 500 and status != 429) or attempt == ATTEMPTS:
+                raise InputError(location, describe_http_error(what, status, e, attempt)) from None
+            retry_after = e.response.headers.get("Retry-After", "") if status == 429 else ""
+            wait = min(float(retry_after), RETRY_AFTER_CAP) if retry_after.isdigit() else wait
+        except transient as e:
+            if attempt == ATTEMPTS:
+                raise InputError(
+                    location,
+                    f"{what}: network error after {attempt} attempts ({type(e).__name__}); "
+                    "is the Hub reachable? nothing was published",
+                ) from None
+        time.sleep(wait)
+
+
+def describe_http_error(what: str, status: int | None, error, attempts: int) -> str:
+    server = (getattr(error, "server_message", None) or "").strip().splitlines()
+    detail = f": {server[0][:200]}" if server else ""
+    explanations = {
+        401: "authentication failed: the token is missing, invalid or expired (pass --token or set HF_TOKEN)",
+        403: "forbidden: this token may not write here (is the namespace yours? is the token read-only?)",
+        404: "not found: the repo does not exist or this token cannot see it",
+        409: "conflict: the repo or branch exists in a state that refuses this",
+        429: f"rate limited by the Hub, still after {attempts} attempts: try again later",
+    }
+    if status is not None and status >= 500:
+        return (
+            f"{what}: the Hub answered {status} (server error) {attempts} times: nothing was published; "
+            f"try again later{detail}"
+        )
+    return f"{what}: {status} {explanations.get(status, 'the Hub refused the request')}{detail}"
+
+
+@dataclass
+class PushResult:
+    repo_url: str
+    commit_url: str | None
+    pr_url: str | None
+    files: list[UploadFile]
+    card: str
+    checks: list[Check] | None
+
+
+def push(
+    folder: Path,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    dry_run: bool = False,
+    skip_verify: bool = False,
+    license: str = "other",
+    base_model: str | None = None,
+    validation_report: Path | None = None,
+) -> PushResult:
+    """Verify `folder` and publish it in one commit; `validation_report` (an ONNX export's validation_report.json)
+    adds its table to the model card."""
+    folder = Path(folder)
+    ConvertManifest.read(folder, "a folder written by dattn-export convert: push one")
+    if "/" not in repo_id or repo_id.count("/") != 1:
+        raise InputError("--repo-id", f"{repo_id!r} is not of the form namespace/name")
+    checks = None
+    if not skip_verify:
+        checks = verify(folder)
+        failed = [c for c in checks if not c.ok]
+        if failed:
+            raise InputError(
+                folder,
+                f"does not verify ({failed[0].name}: {failed[0].detail}); refusing to publish "
+                "(--skip-verify to override)",
+            )
+    validation = None if validation_report is None else ValidationReport.read(validation_report)
+    card = model_card(folder, repo_id, checks, license, base_model, validation)
+    files = plan_upload(folder, card)
+    if dry_run:
+        return PushResult(f"<hub>/{repo_id}", None, None, files, card, checks)
+
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.utils import disable_progress_bars
+
+    if not sys.stderr.isatty():  # the client's per-file upload bars help in a terminal, clutter a log
+        disable_progress_bars()
+    api = HfApi(token=token)
+    location = f"{api.endpoint}/{repo_id}"
+    repo_url = retrying("create repo", lambda: api.create_repo(repo_id, private=private, exist_ok=True), location)
+    if revision not in (None, "main"):
+        retrying(
+            f"create branch {revision}", lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), location
+        )
+
+    def commit():  # operations are single-use: rebuilt for every attempt
+        operations = [CommitOperationAdd(f.path_in_repo, f.local if f.local is not None else f.content) for f in files]
+        message = commit_message or f"Upload D-Attn model ({len(files)} files) with dattn-export {__version__}"
+        return api.create_commit(repo_id, operations, commit_message=message, revision=revision, create_pr=create_pr)
+
+    info = retrying("commit", commit, location)
+    return PushResult(str(repo_url), info.commit_url, info.pr_url, files, card, checks)

@@ -1,0 +1,138 @@
+"""Building TensorRT engines from the exported graphs: optimization profiles from the user's limits.
+
+Works with TensorRT or TensorRT-RTX (same Python API). TensorRT-RTX builds on a machine without a GPU,
+which is how the exported graphs are checked against a real TensorRT-family ONNX parser in CI. Nothing here
+creates a runtime object: engines are only built and serialized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..artifacts import CARRIED_FILES, GraphValue, OnnxManifest, TrtManifest, atomic_dir, carry_files
+from ..errors import InputError
+from ..runtime.tensorrt import require_tensorrt_gpu
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Optimization-profile bounds: (min, opt, max) per dynamic axis of the exported graphs."""
+
+    max_batch: int = 1
+    max_text_tokens: int = 256
+    max_visual_tokens: int = 2304
+    max_images: int = 4
+
+    def axis(self, name: str) -> tuple[int, int, int]:
+        past = (0, self.max_text_tokens // 2, self.max_text_tokens)
+        text = (1, max(1, self.max_text_tokens // 4), self.max_text_tokens)
+        axes = {
+            "batch": (1, self.max_batch, self.max_batch),
+            "images": (1, 1, self.max_images),
+            "sequence": text,
+            "past_sequence": past,
+            "total_sequence": (1, text[1] + past[1], self.max_text_tokens),
+            "visual_sequence": (0, self.max_visual_tokens // 2, self.max_visual_tokens),
+        }
+        if name not in axes:
+            raise InputError(name, "is not an axis of the exported graphs (see onnx_manifest.json)")
+        return axes[name]
+
+
+def profile_shapes(graph_inputs: list[GraphValue], limits: Limits) -> dict[str, tuple[list[int], list[int], list[int]]]:
+    """min/opt/max shapes for every input of one graph, as recorded in onnx_manifest.json."""
+    shapes = {}
+    for spec in graph_inputs:
+        bounds = [(d, d, d) if isinstance(d, int) else limits.axis(d) for d in spec.shape]
+        shapes[spec.name] = tuple([b[k] for b in bounds] for k in range(3))
+    return shapes
+
+
+def build_serialized(
+    trt,
+    onnx_path: Path,
+    graph_inputs: list[GraphValue],
+    limits: Limits,
+    precision: str = "fp32",
+    plugin: bool = False,
+    timing_cache: Path | None = None,
+) -> bytes:
+    """Parse one exported graph and build a serialized engine with one optimization profile. With `plugin`, the
+    fused nodes become the registered DecomposedAttention plugin instead of their ONNX function."""
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if plugin:
+        if not hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
+            raise InputError(
+                onnx_path, f"TensorRT {trt.__version__} cannot prefer plugins over ONNX functions (needs >= 10.15)"
+            )
+        parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise InputError(onnx_path, f"the TensorRT ONNX parser refused it: {errors}")
+    config = builder.create_builder_config()
+    if precision in ("fp16", "bf16"):
+        config.set_flag(trt.BuilderFlag.FP16 if precision == "fp16" else trt.BuilderFlag.BF16)
+    cache = None
+    if timing_cache is not None:
+        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
+    profile = builder.create_optimization_profile()
+    for name, (low, opt, high) in profile_shapes(graph_inputs, limits).items():
+        profile.set_shape(name, low, opt, high)
+    config.add_optimization_profile(profile)
+    engine = builder.build_serialized_network(network, config)
+    if engine is None:
+        raise InputError(onnx_path, "TensorRT could not build an engine from it (see the log above)")
+    if cache is not None:
+        timing_cache.write_bytes(bytes(cache.serialize()))
+    return bytes(engine)
+
+
+def build_engines(
+    onnx_dir: Path,
+    out: Path,
+    precision: str,
+    limits: Limits,
+    timing_cache: Path | None,
+    force: bool,
+    use_plugin: bool = True,
+) -> dict:
+    """An engine per exported graph, plus trt_manifest.json. Fused attention nodes become the DecomposedAttention
+    plugin, or with `use_plugin=False` their ONNX function (standard TensorRT layers)."""
+    from ..plugins.tensorrt_plugin import register
+
+    trt = require_tensorrt_gpu()
+    manifest = OnnxManifest.read(onnx_dir, "a folder written by dattn-export onnx: build engines from one")
+    register()
+    fused = use_plugin and manifest.attention.implementation == "fused"
+    with atomic_dir(out, overwrite=force) as tmp:
+        engines = {}
+        for name, graph in manifest.graphs.items():
+            engine = build_serialized(
+                trt,
+                Path(onnx_dir) / graph.file,
+                graph.inputs,
+                limits,
+                precision,
+                plugin=fused and graph.fused_attention_nodes > 0,
+                timing_cache=timing_cache,
+            )
+            (tmp / f"{name}.engine").write_bytes(engine)
+            engines[name] = f"{name}.engine"
+        carry_files(onnx_dir, tmp, (*CARRIED_FILES, "config.json"))
+        fields = {f.name: getattr(manifest, f.name) for f in dataclasses.fields(OnnxManifest)}
+        trt_manifest = TrtManifest(
+            **fields,
+            engines=engines,
+            precision=precision,
+            limits=dataclasses.asdict(limits),
+            plugin=fused,
+            tensorrt=trt.__version__,
+        )
+        trt_manifest.write(tmp)
+    return trt_manifest

@@ -1,0 +1,94 @@
+"""`verify`: a converted folder is what its manifest says, reloads exactly, and the model runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..artifacts import ConvertManifest, dtype_name, sha256_file
+from ..checkpoints.plan import checked_cast
+from ..checkpoints.source import build_model, open_source
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def check_files(out: Path, manifest: ConvertManifest) -> Check:
+    bad = []
+    for name, expected in manifest.files.items():
+        path = out / name
+        if not path.is_file():
+            bad.append(f"{name} missing")
+        elif path.stat().st_size != expected.size:
+            bad.append(f"{name} has {path.stat().st_size} bytes, manifest says {expected.size}")
+        elif sha256_file(path) != expected.sha256:
+            bad.append(f"{name} sha256 differs from the manifest")
+    unlisted = [p.name for p in out.glob("*.safetensors") if p.name not in manifest.files]
+    bad += [f"{name} is not in the manifest" for name in unlisted]
+    return Check("files: size and sha256", not bad, "; ".join(bad) or f"{len(manifest.files)} files match")
+
+
+def check_tensors(out: Path, manifest: ConvertManifest, against) -> Check:
+    """Every tensor reloads (safetensors' own reader) with the manifest's dtype and shape; with a source,
+    it equals the source tensor after the requested cast, bit for bit."""
+    bad, seen = [], set()
+    for shard in sorted({t.file for t in manifest.tensors.values()}):
+        try:
+            handle = safe_open(out / shard, framework="pt")
+        except (SafetensorError, OSError) as e:
+            return Check("tensors reload", False, f"{shard}: {e}")
+        for name in handle.keys():
+            seen.add(name)
+            tensor, expected = handle.get_tensor(name), manifest.tensors.get(name)
+            if expected is None:
+                bad.append(f"{name} not in the manifest")
+            elif dtype_name(tensor.dtype) != expected.dtype or list(tensor.shape) != expected.shape:
+                bad.append(
+                    f"{name} is {tensor.dtype} {list(tensor.shape)}, manifest says {expected.dtype} {expected.shape}"
+                )
+            elif against is not None:
+                source = checked_cast(name, against.tensors[name], tensor.dtype)
+                if not torch.equal(source.view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)):
+                    bad.append(f"{name} differs from the source after the cast")
+    bad += [f"{name} missing from the shards" for name in sorted(set(manifest.tensors) - seen)]
+    what = "bit-exact against the source after the cast" if against is not None else "dtype and shape as recorded"
+    return Check("tensors reload", not bad, "; ".join(bad[:3]) or f"{len(seen)} tensors, {what}")
+
+
+def check_model(out: Path, against) -> Check:
+    """The folder loads as the reference model and gives finite logits (the source's, when it has the same dtype)."""
+    source = open_source(out)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, source.config.vocab_size, (1, 8), generator=generator)
+    size = source.config.vision_config["image_size"]
+    pixels = torch.randn(1, 1, 3, size, size, generator=generator)
+    with torch.no_grad():
+        logits = build_model(source).forward(ids, pixels).logits
+        if not torch.isfinite(logits).all():
+            return Check("model loads and runs", False, "non-finite logits")
+        same_dtype = against is not None and all(
+            t.dtype == source.tensors[n].dtype for n, t in against.tensors.items() if n in source.tensors
+        )
+        if same_dtype:
+            error = (build_model(against).forward(ids, pixels).logits - logits).abs().max().item()
+            return Check("model loads and runs", error == 0, f"logits equal the source's (max abs error {error:.3g})")
+    return Check("model loads and runs", True, f"logits {list(logits.shape)} finite")
+
+
+def verify(
+    out: Path, against: Path | None = None, base: Path | None = None, vision_heads: int | None = None
+) -> list[Check]:
+    out = Path(out)
+    manifest = ConvertManifest.read(out, "a folder written by dattn-export convert")
+    source = None
+    if against is not None:
+        source = open_source(against, base, vision_heads)
+        source.raise_first_problem()
+    return [check_files(out, manifest), check_tensors(out, manifest, source), check_model(out, source)]

@@ -1,0 +1,1 @@
+"""Builders, runners and format writers that the tests share; no test module imports another."""

@@ -1,0 +1,90 @@
+"""Tiny models, inputs and checkpoint folders for the tests."""
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from dattn_export.checkpoints.source import saved_state_dict
+from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
+from dattn_export.presets import randomize_weights, tiny_config
+from dattn_export.stages.demo import build_tokenizer, write_demo_checkpoint
+
+
+def build_model(family: str, seed: int = 0, **overrides):
+    config = tiny_config(family, **overrides)
+    return randomize_weights(MODEL_CLASSES[config.model_type](config), seed).eval()
+
+
+def left_padded_batch(lengths: list[int], vocab: int = 512, seed: int = 0):
+    """(input_ids, attention_mask) for prompts of the given lengths, left-padded with token 0."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, vocab, (n,), generator=generator)
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+def images(batch: int, count: int = 1, seed: int = 1, size: int = 32):
+    return torch.randn(batch, count, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+class Payload:
+    """A pickle that runs `touch` when unpickled by anything that executes pickled code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def model_and_tensors(family="gemma2", seed=0):
+    model = build_model(family, seed=seed)
+    return model, saved_state_dict(model)
+
+
+def write_hf(folder, model, tensors, fmt="safetensors", shards=2):
+    """fmt: safetensors, bin (torch.save zip), or legacy-bin (the pre-1.6 non-zip torch format)."""
+    folder.mkdir(parents=True)
+    model.config.save_pretrained(folder)
+    build_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    names = list(tensors)
+    parts = [names[i::shards] for i in range(shards)]
+    stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+    files = (
+        [f"{stem}.{ext}"] if shards == 1 else [f"{stem}-{k:05d}-of-{shards:05d}.{ext}" for k in range(1, shards + 1)]
+    )
+    for file, part in zip(files, parts):
+        shard = {n: tensors[n].contiguous() for n in part}
+        if fmt == "safetensors":
+            save_file(shard, folder / file, metadata={"format": "pt"})
+        else:
+            torch.save(shard, folder / file, _use_new_zipfile_serialization=fmt == "bin")
+    if shards > 1:
+        weight_map = {n: f for f, part in zip(files, parts) for n in part}
+        (folder / f"{stem}.{ext}.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def zero_split(model, tensors):
+    """Trainable LLM + adapter (fp32 masters), frozen bf16 vision tower, tied lm_head as a shared param."""
+    trainable = {n: t for n, t in tensors.items() if not n.startswith("model.mm_vis.")}
+    frozen = {n: t.to(torch.bfloat16) for n, t in tensors.items() if n.startswith("model.mm_vis.")}
+    shared = {"lm_head.weight": "model.embed_tokens.weight"} if model.config.tie_word_embeddings else {}
+    expected = {**trainable, **{n: t.float() for n, t in frozen.items()}}
+    return trainable, frozen, shared, expected
+
+
+def checkpoint_of(model, folder):
+    """A checkpoint folder (tokenizer and all) holding `model`'s weights."""
+    write_demo_checkpoint(folder, model.config.model_type.removeprefix("dattn_"))
+    for shard in folder.glob("model*.safetensors*"):
+        shard.unlink()
+    save_file(saved_state_dict(model), folder / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+    return folder

@@ -1,0 +1,39 @@
+"""Comparisons the tests share."""
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from .builders import images, left_padded_batch
+
+ATOL = 1e-4  # ONNX Runtime against the reference, fp32 logits
+
+
+def assert_converted_equals(out, expected):
+    tensors = {}
+    for shard in out.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    assert set(tensors) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(tensors[name], tensor), name
+
+
+# (batch, new text tokens, past text tokens, images)
+SHAPES = [(1, 1, 0, 1), (3, 52, 0, 2), (3, 1, 41, 1), (1, 55, 44, 2)]
+
+
+def run_case(model, runtime, batch, new, past, num_images, seed):
+    lengths = [past + new - 5 * row for row in range(batch)]  # left padding grows down the batch
+    ids, mask = left_padded_batch(lengths, seed=seed)
+    pixels = images(batch, num_images, seed=seed)
+    with torch.no_grad():
+        expected = model(ids, pixels, mask).logits[:, past:]
+        past_kv = model(ids[:, :past], pixels, mask[:, :past]).past_key_values if past else None
+    visual = runtime.encode_visual(runtime.embed_images(pixels.numpy()))
+    past_np = [t.numpy() for kv in past_kv for t in kv] if past else runtime.empty_kv(batch)
+    logits, present = runtime.decode(ids[:, past:].numpy(), mask.numpy(), past_np, visual)
+    keep = mask[:, past:].bool().numpy()
+    error = np.abs(logits[keep] - expected.numpy()[keep]).max()
+    assert error <= ATOL, f"batch {batch}, {new} new, {past} past, {num_images} images: max abs error {error:.2e}"
+    assert present[0].shape[2] == past + new
+    return error
