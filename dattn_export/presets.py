@@ -22,40 +22,18 @@ TINY_VISION = {
 
 TINY_TEXT = {
     "mistral": dict(
-        model_type="dattn_mistral",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=None,
-        max_position_embeddings=2048,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+        model_type="dattn_mistral", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=None,
+        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     ),
     "gemma2": dict(
-        model_type="dattn_gemma2",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        query_pre_attn_scalar=24,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0,
-        max_position_embeddings=2048,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+        model_type="dattn_gemma2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     ),
-}
+}  # fmt: skip
 
 
 def tiny_config(family: str = "mistral", *, vision: str = "siglip", **overrides):

@@ -162,51 +162,15 @@ def dattn_kernel(
     m_t, l_t, acc_t = m_v, l_v, acc_v
     # visual keys: slots [0, V) before the text when causal, so the queries sit at V + their text slot
     m_v, l_v, acc_v = _segment(
-        m_v,
-        l_v,
-        acc_v,
-        q_vis,
-        KV + b * stride_vb + kv_head * stride_vh,
-        VV + b * stride_vb + kv_head * stride_vh,
-        VIS_MASK,
-        num_visual,
-        stride_vn,
-        b * num_visual,
-        num_visual + text_slot,
-        0,
-        scale,
-        softcap,
-        window,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_N,
-        SOFTCAP,
-        CAUSAL_VISUAL,
-        UPCAST,
-    )
+        m_v, l_v, acc_v, q_vis, KV + b * stride_vb + kv_head * stride_vh, VV + b * stride_vb + kv_head * stride_vh,
+        VIS_MASK, num_visual, stride_vn, b * num_visual, num_visual + text_slot, 0, scale, softcap, window, offs_d,
+        HEAD_DIM, BLOCK_N, SOFTCAP, CAUSAL_VISUAL, UPCAST,
+    )  # fmt: skip
     m_t, l_t, acc_t = _segment(
-        m_t,
-        l_t,
-        acc_t,
-        q,
-        K + b * stride_kb + kv_head * stride_kh,
-        V + b * stride_kb + kv_head * stride_kh,
-        KEY_MASK,
-        num_keys,
-        stride_kn,
-        b * num_keys,
-        text_slot,
-        0,
-        scale,
-        softcap,
-        window,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_N,
-        SOFTCAP,
-        CAUSAL,
-        UPCAST,
-    )
+        m_t, l_t, acc_t, q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_kb + kv_head * stride_kh,
+        KEY_MASK, num_keys, stride_kn, b * num_keys, text_slot, 0, scale, softcap, window, offs_d,
+        HEAD_DIM, BLOCK_N, SOFTCAP, CAUSAL, UPCAST,
+    )  # fmt: skip
     if MERGE_SUM:  # two softmaxes, added
         out = acc_v / tl.where(l_v == 0.0, 1.0, l_v)[:, None] + acc_t / tl.where(l_t == 0.0, 1.0, l_t)[:, None]
     else:  # one softmax over [visual ; text]: rescale both running states to their common max
