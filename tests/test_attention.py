@@ -44,7 +44,9 @@ def test_alpha_merge_is_sigmoid_of_lse_difference(softcap, kv_heads, window):
     xa, s_v = literal_segment(q_vis, k_vis, v_vis, vis_mask, scale, softcap)
     sa, s_t = literal_segment(q_txt, k_txt, v_txt, txt_mask, scale, softcap)
     expected = torch.sigmoid(s_v - s_t) * xa + torch.sigmoid(s_t - s_v) * sa
-    got = decomposed_attention(q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, scale=scale, softcap=softcap)
+    got = decomposed_attention(
+        q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, scale=scale, softcap=softcap, merge="alpha"
+    )
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
     # the two segments really are weighted: neither alone gives the answer
     assert (got.double() - sa).abs().max() > 0.05 and (got.double() - xa).abs().max() > 0.05
@@ -65,8 +67,8 @@ def test_sum_merge_adds_two_softmaxes(softcap):
 def test_without_visual_segment_is_sdpa():
     """No visual keys: plain causal GQA attention, as torch's own scaled_dot_product_attention computes it."""
     q_txt, k_txt, v_txt, _, *_ = random_problem(queries=6, past=0)
-    mask = causal_mask(torch.ones(2, 6, dtype=torch.bool), 6)
-    got = decomposed_attention(q_txt, k_txt, v_txt, mask, scale=16**-0.5)
+    mask = causal_mask(torch.ones(2, 6, dtype=torch.bool), 6, window=None)
+    got = decomposed_attention(q_txt, k_txt, v_txt, mask, scale=16**-0.5, softcap=None, merge="alpha")
     expected = F.scaled_dot_product_attention(q_txt, k_txt, v_txt, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
@@ -78,7 +80,7 @@ def test_query_that_sees_nothing_outputs_zero():
     vis_mask[1, 2] = False
     for merge in ("alpha", "sum"):
         out = decomposed_attention(
-            q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, vis_mask, scale=0.25, merge=merge
+            q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, vis_mask, scale=0.25, softcap=None, merge=merge
         )
         assert torch.isfinite(out).all()
         assert out[1, :, 2].abs().max() == 0

@@ -59,8 +59,8 @@ def decomposed_attention(
     vis_mask: Tensor | None = None,
     *,
     scale: float,
-    softcap: float | None = None,
-    merge: str = "alpha",
+    softcap: float | None,
+    merge: str,
 ) -> Tensor:
     """Text-query attention over a visual and a text key segment.
 
@@ -84,9 +84,7 @@ def decomposed_attention(
     return out.flatten(1, 2).to(q_txt.dtype)
 
 
-def causal_mask(
-    key_valid: Tensor, num_queries: int, window: int | None = None, query_offset: int | None = None
-) -> Tensor:
+def causal_mask(key_valid: Tensor, num_queries: int, window: int | None, query_offset: int | None = None) -> Tensor:
     """Bool (B, T, S) mask for T queries that sit at the last T of S key slots (or at `query_offset`).
 
     `key_valid` (B, S) marks real (non-padding) keys. With `window`, a query at slot i sees slot j only
@@ -140,7 +138,7 @@ def segment_masks(
     num_queries: int,
     window: int | None,
     causal_visual: bool,
-    causal: bool = True,
+    causal: bool,
 ) -> tuple[Tensor, Tensor]:
     """The op contract's (text, visual) bool masks, (B, T, S) and (B, T, V), from key validity."""
     if not causal:
@@ -162,16 +160,16 @@ def segment_shares(
     visual_mask: Tensor,
     *,
     scale: float,
-    softcap: float | None = None,
-    window: int | None = None,
-    causal_visual: bool = False,
+    softcap: float | None,
+    window: int | None,
+    causal_visual: bool,
     text_split: Tensor | None = None,
 ) -> Tensor:
     """Per head and query, the share of one softmax over [visual ; text] keys (the op contract's masks) that
     falls on each segment: (B, Hq, T, 2) as [visual, text], or with `text_split` (S,) bool over the text keys
     (B, Hq, T, 3) as [visual, text where split, text elsewhere]. For the alpha merge and conventional attention
     this is the attention mass on each segment (visual: sigmoid(S_V - S_T)); a query that sees no key gets 0."""
-    txt_mask, vis_mask = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual)
+    txt_mask, vis_mask = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual, causal=True)
     s = torch.cat([_logits(q_vis, k_vis, vis_mask, scale, softcap), _logits(q, k, txt_mask, scale, softcap)], dim=-1)
     p = _softmax(s)
     p_text = p[..., k_vis.shape[2] :]

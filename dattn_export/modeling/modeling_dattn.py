@@ -230,7 +230,7 @@ class WingsLearner(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """(B, heads, T, head_dim) queries over masked keys -> (B, T, hidden); no visible key gives 0."""
-        out = decomposed_attention(q, k, v, mask, scale=self.head_dim**-0.5)
+        out = decomposed_attention(q, k, v, mask, scale=self.head_dim**-0.5, softcap=None, merge="alpha")
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -347,7 +347,7 @@ class DAttnDecoderLayer(nn.Module):
         v = text_learner.heads(text_learner.v_proj, x)
         if past is not None:
             k, v = torch.cat([past[2], k], dim=2), torch.cat([past[3], v], dim=2)
-        text_out = text_learner.attend(q, k, v, causal_mask(key_mask.bool(), num_new))
+        text_out = text_learner.attend(q, k, v, causal_mask(key_mask.bool(), num_new, window=None))
         return weights[..., :1] * visual_out + weights[..., 1:] * text_out, (k, v)
 
 
