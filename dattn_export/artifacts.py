@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .errors import InputError
@@ -44,9 +45,10 @@ REMOTE_CODE = ("configuration_dattn.py", "modeling_dattn.py", "attention.py")  #
 class DType:
     """One floating-point dtype under each of its names."""
 
-    short: str  # what the CLI takes
+    short: str  # what the CLI takes, and Triton's name
     torch: torch.dtype
     onnx: str  # onnx.TensorProto's name, lower case, as manifests record graph values
+    numpy: type | None  # None: numpy has no bfloat16
 
     @property
     def name(self) -> str:
@@ -57,9 +59,9 @@ class DType:
 DTYPES = {
     d.short: d
     for d in (
-        DType("fp32", torch.float32, "float"),
-        DType("fp16", torch.float16, "float16"),
-        DType("bf16", torch.bfloat16, "bfloat16"),
+        DType("fp32", torch.float32, "float", np.float32),
+        DType("fp16", torch.float16, "float16", np.float16),
+        DType("bf16", torch.bfloat16, "bfloat16", None),
     )
 }
 

@@ -23,6 +23,7 @@ import os
 import triton
 import triton.language as tl
 
+from ..artifacts import DTYPES
 from . import contract
 from .contract import Attributes
 
@@ -43,7 +44,7 @@ INT_ARGS = (
     "stride_vh",
     "stride_vn",
 )
-TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+TRITON_TYPES = {d.name: d.short for d in DTYPES.values()}  # torch's names -> Triton's
 LOG2E_: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifacts import OnnxManifest
+from ..artifacts import DTYPES, OnnxManifest
 
-NUMPY_DTYPES = {"float": np.float32, "float16": np.float16, "bfloat16": None}  # ONNX value types; numpy has no bf16
+NUMPY_DTYPES = {d.onnx: d.numpy for d in DTYPES.values()}  # graph values' ONNX types
 VISUAL_CHUNK = 2048  # visual tokens per visual_kv run (diagonal models)
 
 
