@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,9 +56,10 @@ class Attributes:
         return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
     @classmethod
-    def from_reference(cls, *, scale, softcap=None, window=None, merge="alpha", causal_visual=False, causal=True):
-        """From the reference's keywords, where None means off."""
-        return cls(float(scale), float(softcap or 0.0), int(window or 0), merge, int(causal_visual), int(causal))
+    def from_reference(cls, **keywords) -> Attributes:
+        """From the reference's keywords (None or False means off); the ones not given take the defaults."""
+        types = typing.get_type_hints(cls)
+        return cls(**{name: types[name](value or 0) for name, value in keywords.items()})
 
     def reference_keywords(self) -> dict:
         """The keywords of `modeling.attention.dattn_op`, where off is None."""
