@@ -53,7 +53,7 @@ class DType:
     @property
     def name(self) -> str:
         """torch's name without the prefix: what manifests and configs record."""
-        return str(self.torch).removeprefix("torch.")
+        return dtype_name(self.torch)
 
 
 DTYPES = {
