@@ -206,6 +206,7 @@ class ExportedModel:
     visual_tokens_per_image: int
     text_positions: str
     wings: Wings | None
+    audio_tower: str | None = None  # a checkpoint's audio tower, and why it has no graph
 
 
 @dataclass

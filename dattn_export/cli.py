@@ -60,6 +60,7 @@ def run() -> None:
 def print_prompt_result(
     title: str, result, rows: list[tuple[str, str]], seconds: dict[str, float] | None = None
 ) -> None:
+    from .checkpoints.names import AUDIO_TOWER_NOT_RUN
     from .ui import out, summary_table
 
     out.print(f"prompt ids ({len(result.prompt_ids)}): {result.prompt_ids}")
@@ -67,8 +68,10 @@ def print_prompt_result(
     out.print(f"generated text: {result.text!r}")
     params = ", ".join(f"{k} {v:,}" for k, v in result.parameters.items())
     timings = "\n".join(f"{k.split(':')[0]}: {v:.2f} s" for k, v in (seconds or result.seconds).items())
-    rows = [*rows, ("parameters", params), ("visual tokens", str(result.visual_tokens)), ("time", timings)]
-    out.print(summary_table(title, rows))
+    rows = [*rows, ("parameters", params), ("visual tokens", str(result.visual_tokens))]
+    if "audio tower" in result.parameters:
+        rows.append(("audio tower", AUDIO_TOWER_NOT_RUN))
+    out.print(summary_table(title, [*rows, ("time", timings)]))
 
 
 @main.command()
@@ -156,9 +159,12 @@ def info(checkpoint: Path, base: Path | None, vision_heads: int | None, as_json:
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(report), indent=2))
         return
+    architecture = dict(report.architecture or {})
+    inferred = architecture.pop("inferred", {})
     rows = [
         ("layout", f"{report.layout} ({'; '.join(report.notes)})"),
-        *((key.replace("_", " "), str(value)) for key, value in (report.architecture or {}).items()),
+        *((key.replace("_", " "), str(value)) for key, value in architecture.items()),
+        *((f"inferred: {key}", origin) for key, origin in inferred.items()),
         ("parameters", ", ".join(f"{k} {v:,}" for k, v in report.parameters.items())),
         ("tensors", f"{report.tensors:,} ({', '.join(f'{k} {v}' for k, v in report.dtypes.items())})"),
         ("bytes", f"{report.bytes:,}"),
@@ -209,6 +215,12 @@ def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force:
     rows = [
         ("source", f"{checkpoint} ({result.source.reader.layout}; {'; '.join(result.source.reader.notes)})"),
         ("vision config", result.source.vision_origin),
+        *(
+            (("audio tower", f"carried, not run by image prompts ({result.source.audio_origin})"),)
+            if result.source.audio_origin
+            else ()
+        ),
+        *((f"inferred: {key}", origin) for key, origin in (result.source.config.dattn_inferred or {}).items()),
         ("output", f"{out} ({len(shards)} shard(s), {len(result.files) + 1} files incl. manifest)"),
         (
             "tensors",
@@ -284,6 +296,7 @@ def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset:
         )
         for name, graph in manifest.graphs.items()
     ]
+    rows += [("audio tower", f"no graph: {manifest.model.audio_tower}")] if manifest.model.audio_tower else []
     rows += [
         (
             "attention",

@@ -20,6 +20,11 @@ TINY_VISION = {
     ),
 }  # fmt: skip
 
+TINY_AUDIO = dict(
+    model_type="whisper", d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+    num_mel_bins=16, max_source_positions=30, activation_function="gelu", scale_embedding=False,
+)  # fmt: skip
+
 TINY_TEXT = {
     "mistral": dict(
         model_type="dattn_mistral", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -36,10 +41,13 @@ TINY_TEXT = {
 }  # fmt: skip
 
 
-def tiny_config(family: str = "mistral", *, vision: str = "siglip", **overrides):
-    """A tiny D-Attn config of `family` (mistral | gemma2) with a tiny `vision` tower (siglip | clip)."""
+def tiny_config(family: str = "mistral", *, vision: str = "siglip", audio: bool = False, **overrides):
+    """A tiny D-Attn config of `family` (mistral | gemma2) with a tiny `vision` tower (siglip | clip) and, with
+    `audio`, the tiny Whisper encoder the released models carry."""
     fields = {**TINY_TEXT[family], "mm_vision_tower": f"dattn-export/tiny-{vision}", **overrides}
     fields.setdefault("vision_config", dict(TINY_VISION[vision]))
+    if audio:
+        fields |= {"mm_audio_tower": "dattn-export/tiny-whisper", "audio_config": dict(TINY_AUDIO)}
     return CONFIG_CLASSES[fields.pop("model_type")](**fields)
 
 
@@ -57,6 +65,6 @@ def randomize_weights(model: nn.Module, seed: int = 0) -> nn.Module:
         if not (is_norm and name.endswith("weight")) or isinstance(owner, Gemma2RMSNorm):
             param.copy_(0.1 * noise)  # biases, class embeddings, Gemma 2 norms (which scale by 1 + weight)
         else:
-            neutral = model.config.mm_std if isinstance(owner, MMRMSNorm) else 1.0
+            neutral = owner.initial if isinstance(owner, MMRMSNorm) else 1.0
             param.copy_(neutral * (1 + 0.1 * noise))
     return model

@@ -8,7 +8,10 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProcessorPil
 
+from .checkpoints.towers import tower_folder
 from .errors import InputError
+
+PROCESSOR_FILE = "preprocessor_config.json"
 
 IMAGE_PROCESSORS = {"siglip_vision_model": SiglipImageProcessorPil, "clip_vision_model": CLIPImageProcessorPil}
 
@@ -19,11 +22,20 @@ def load_tokenizer(folder: Path, config):
     return AutoTokenizer.from_pretrained(str(folder), config=config, local_files_only=True)
 
 
+def processor_folder(folder: Path, config) -> Path | None:
+    """Where the image preprocessor is: the checkpoint's preprocessor_config.json, else the vision tower folder's
+    (released checkpoints name the tower and load its processor from there)."""
+    for candidate in (Path(folder), tower_folder(config.mm_vision_tower, folder)):
+        if candidate is not None and (candidate / PROCESSOR_FILE).is_file():
+            return candidate
+    return None
+
+
 def load_image_processor(folder: Path, config):
-    """The folder's preprocessor_config.json, else the tower's defaults at its image size."""
+    """The checkpoint's or its vision tower's preprocessor, else the tower's defaults at its image size."""
     processor_class = IMAGE_PROCESSORS[config.vision_config["model_type"]]
-    if (Path(folder) / "preprocessor_config.json").is_file():
-        return processor_class.from_pretrained(str(folder), local_files_only=True)
+    if found := processor_folder(folder, config):
+        return processor_class.from_pretrained(str(found), local_files_only=True)
     size = config.vision_config["image_size"]
     return processor_class(size={"height": size, "width": size}, do_center_crop=False)
 

@@ -107,7 +107,7 @@ BAD_INPUTS = {
     "unknown model_type": (lambda d: edit_config(d, model_type="llava_next"), "model_type 'llava_next'"),
     "shape contradicts config": (lambda d: edit_config(d, intermediate_size=96), "mlp.gate_proj.weight has shape"),
     "bad attention mode": (lambda d: edit_config(d, dattn_mode="flash"), "dattn_mode"),
-    "no vision_config": (lambda d: edit_config(d, vision_config=None), "vision_config"),
+    "unknown vision tower": (lambda d: edit_config(d, mm_vision_tower="nowhere/tower"), "is neither a folder"),
     "missing config.json": (lambda d: (d / "config.json").unlink(), "has no config.json"),
     "config not JSON": (lambda d: (d / "config.json").write_text("{oops"), "config.json: not readable JSON"),
     "index names a missing shard": (

@@ -28,9 +28,10 @@ def test_onnx_runtime_matches_reference(tmp_path, family, mode):
     # greedy generation through the graphs with the KV cache: the reference's tokens
     ids, mask = left_padded_batch([9])
     pixels = images(1, 1)
-    visual = runtime.encode_visual(runtime.embed_images(pixels.numpy()))
+    visual, visual_mask = runtime.encode_images(pixels.numpy())
     expected = model.generate(ids, pixels, mask, max_new_tokens=20)
-    assert runtime.generate(ids.numpy(), mask.numpy(), visual, 20).tolist() == expected.tolist()
+    got = runtime.generate(ids.numpy(), mask.numpy(), visual, 20, visual_mask=visual_mask)
+    assert got.tolist() == expected.tolist()
 
     # one image's visual K/V, reused for two prompts, gives each prompt's from-scratch logits
     for seed in (1, 2):
@@ -46,7 +47,7 @@ def test_chunked_visual_encoding_equals_one_run(tmp_path):
     model = build_model("gemma2")
     export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
     runtime = OrtModel(tmp_path / "onnx")
-    embeds = runtime.embed_images(images(2, 3).numpy())  # 48 visual tokens
+    embeds, _ = runtime.embed_images(images(2, 3).numpy())  # 48 visual tokens
     whole, chunked = runtime.encode_visual(embeds), runtime.encode_visual(embeds, chunk=10)
     for a, b in zip(whole, chunked):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

@@ -145,7 +145,6 @@ def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp
     with torch.no_grad():
         expected = load_model(converted)(ids, pixels).logits.numpy()
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), expected, atol=1e-5, rtol=0)
-    assert run.stdout.strip(), "the usage snippet printed nothing"
 
     card = ModelCard(files["README.md"][0].decode())
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "image-text-to-text"

@@ -25,7 +25,8 @@ def canonical_name(name: str) -> str:
     return name
 
 
-COMPONENTS = ("vision tower", "adapter", "LLM")  # every model has these; WINGS models also "WINGS learners"
+COMPONENTS = ("vision tower", "adapter", "LLM")  # every model has these; some also "audio tower", "WINGS learners"
+AUDIO_TOWER_NOT_RUN = "carried in the checkpoint, not run: image prompts do not use it"
 WINGS_MODULE = re.compile(r"^model\.layers\.\d+\.wings_")
 
 
@@ -33,6 +34,8 @@ def component_of(name: str) -> str:
     """Which part of the model a canonical tensor name belongs to."""
     if name.startswith("model.mm_vis."):
         return "vision tower"
+    if name.startswith("model.mm_aud."):
+        return "audio tower"  # carried; image prompts do not run it
     if name.startswith("model.mm_rand_"):
         return "adapter"  # projector, norms, position embeddings
     if WINGS_MODULE.match(name):

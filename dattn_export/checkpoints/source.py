@@ -9,15 +9,18 @@ from pathlib import Path
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
+from ..artifacts import carry_files
 from ..errors import InputError
 from ..modeling.configuration_dattn import CONFIG_CLASSES
 from ..modeling.modeling_dattn import MODEL_CLASSES, DAttnForCausalLM
+from ..processing import PROCESSOR_FILE, processor_folder
 from . import CheckpointReader, open_checkpoint
 from .hf import read_json
 from .names import canonical_name
 from .plan import cast_scratch, checked_cast
 from .registry import Lazy
-from .towers import resolve_vision_config
+from .released import is_released, released_fields
+from .towers import resolve_audio_config, resolve_vision_config
 
 
 def config_from_dict(fields: dict, source: Path):
@@ -58,9 +61,17 @@ class Source:
     config: object
     config_path: Path
     vision_origin: str
+    audio_origin: str | None  # None: no audio tower
     tensors: dict[str, Lazy] = field(default_factory=dict)  # in the model's (state_dict) order
     stored_names: dict[str, str] = field(default_factory=dict)  # canonical -> as stored
     problems: list[InputError] = field(default_factory=list)
+
+    def carry_files(self, destination: Path) -> None:
+        """The tokenizer, processor and generation files into `destination`; a released checkpoint's image
+        processor lives in its vision tower's folder."""
+        carry_files(self.reader.config_dir, destination)
+        if found := processor_folder(self.reader.config_dir, self.config):
+            carry_files(found, destination, (PROCESSOR_FILE,))
 
     def raise_first_problem(self) -> None:
         if self.problems:
@@ -86,12 +97,18 @@ def audit(reader: CheckpointReader, vision_heads: int | None = None) -> Source:
     fields = read_json(config_path)
     canonical = {canonical_name(n): (n, t) for n, t in reader.tensors.items()}
     shapes = {name: tuple(t.shape) for name, (_, t) in canonical.items()}
+    vision_origin = audio_origin = None
+    if is_released(fields):
+        fields = released_fields(fields, config_path)
     if fields.get("model_type") in CONFIG_CLASSES:
         fields["vision_config"], vision_origin = resolve_vision_config(fields, shapes, vision_heads, config_path)
-    else:
-        vision_origin = "-"
+        fields["audio_config"], audio_origin = resolve_audio_config(fields, shapes, config_path.parent)
+        resolved = {"vision_config": vision_origin, "audio_config": audio_origin}
+        inferred = {k: origin for k, origin in resolved.items() if origin and not origin.startswith("config.json")}
+        if inferred:
+            fields["dattn_inferred"] = {**(fields.get("dattn_inferred") or {}), **inferred}
     config = config_from_dict(fields, config_path)
-    source = Source(reader, config, config_path, vision_origin)
+    source = Source(reader, config, config_path, vision_origin or "-", audio_origin)
     expected = expected_shapes(config)
     for name, (stored, tensor) in canonical.items():
         if name not in expected:

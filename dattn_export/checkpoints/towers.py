@@ -1,7 +1,10 @@
-"""The vision tower's config: checkpoints name the tower (`mm_vision_tower`) but do not carry its config.
+"""The towers' configs: checkpoints name the vision and audio towers (`mm_vision_tower`, `mm_audio_tower`: a folder
+or a Hub id, as the released training code loads them) but do not carry their configs.
 
-Resolution order: config.json's `vision_config`; else this table of known towers; else inference from the
-tensor shapes, with the attention head count given by the user (shapes cannot tell it).
+Resolution order, per tower: config.json's `vision_config` / `audio_config`; else the named folder's config.json
+(as given, or relative to the checkpoint); else the Hub id's config.json in the local Hugging Face cache; else a
+table of known towers; else inference from the tensor shapes (the vision tower's attention head count must then be
+given: shapes cannot tell it; Whisper's heads are always 64 wide).
 """
 
 from __future__ import annotations
@@ -10,9 +13,20 @@ import math
 import re
 from pathlib import Path
 
+from huggingface_hub import try_to_load_from_cache
+from transformers import CLIPVisionConfig, SiglipVisionConfig, WhisperConfig
+
 from ..errors import InputError
+from .hf import read_json
 
 TOWER_PREFIX = "model.mm_vis.vision_model."
+AUDIO_PREFIX = "model.mm_aud.encoder."
+VISION_CONFIGS = {"siglip": SiglipVisionConfig, "clip": CLIPVisionConfig}  # a tower folder's model_type family
+AUDIO_FIELDS = (  # what the Whisper encoder's shapes and forward depend on
+    "d_model", "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim", "num_mel_bins",
+    "max_source_positions", "activation_function", "scale_embedding",
+)  # fmt: skip
+WHISPER_HEAD_DIM = 64  # every Whisper size: tiny 384/6 ... large 1280/20
 
 KNOWN_TOWERS = {
     "google/siglip-so400m-patch14-384": dict(
@@ -34,6 +48,56 @@ KNOWN_TOWERS = {
         model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
         num_attention_heads=16, image_size=224, patch_size=14, projection_dim=768),
 }  # fmt: skip
+
+KNOWN_AUDIO_TOWERS = {
+    "openai/whisper-large-v3": dict(d_model=1280, encoder_layers=32, encoder_ffn_dim=5120, num_mel_bins=128),
+    "openai/whisper-large-v2": dict(d_model=1280, encoder_layers=32, encoder_ffn_dim=5120, num_mel_bins=80),
+    "openai/whisper-medium": dict(d_model=1024, encoder_layers=24, encoder_ffn_dim=4096, num_mel_bins=80),
+    "openai/whisper-small": dict(d_model=768, encoder_layers=12, encoder_ffn_dim=3072, num_mel_bins=80),
+    "openai/whisper-base": dict(d_model=512, encoder_layers=6, encoder_ffn_dim=2048, num_mel_bins=80),
+    "openai/whisper-tiny": dict(d_model=384, encoder_layers=4, encoder_ffn_dim=1536, num_mel_bins=80),
+}
+
+
+def tower_folder(name: str | None, checkpoint_dir: Path) -> Path | None:
+    """The folder a tower name refers to, as the training code would load it (a path as given, else relative to
+    the checkpoint), or the Hub id's snapshot in the local Hugging Face cache; None when there is none."""
+    if not name:
+        return None
+    for candidate in (Path(name).expanduser(), Path(checkpoint_dir) / name):
+        if (candidate / "config.json").is_file():
+            return candidate
+    if name.count("/") == 1 and isinstance(cached := try_to_load_from_cache(name, "config.json"), str):
+        return Path(cached).parent
+    return None
+
+
+def folder_vision_config(folder: Path) -> dict:
+    """A tower folder's vision config (a full SigLIP/CLIP config's vision part, or a vision config)."""
+    model_type = str(read_config(folder).get("model_type", ""))
+    family = next((f for f in VISION_CONFIGS if model_type.startswith(f)), None)
+    if family is None:
+        raise InputError(folder / "config.json", f"model_type {model_type!r} is not a SigLIP or CLIP vision tower")
+    config = VISION_CONFIGS[family].from_pretrained(str(folder)).to_diff_dict()
+    config.pop("transformers_version", None)
+    return config
+
+
+def folder_audio_config(folder: Path) -> dict:
+    config = read_config(folder)
+    if config.get("model_type") != "whisper":
+        raise InputError(folder / "config.json", f"model_type {config.get('model_type')!r} is not a Whisper model")
+    return whisper_config(WhisperConfig.from_pretrained(str(folder)).to_dict())
+
+
+def read_config(folder: Path) -> dict:
+    return read_json(folder / "config.json")
+
+
+def whisper_config(fields: dict) -> dict:
+    """The encoder's fields of a Whisper config (heads 64 wide when not given)."""
+    full = WhisperConfig(**{"encoder_attention_heads": fields["d_model"] // WHISPER_HEAD_DIM, **fields}).to_dict()
+    return {"model_type": "whisper", **{k: full[k] for k in AUDIO_FIELDS}}
 
 
 def infer_from_shapes(shapes: dict[str, tuple[int, ...]], heads: int, source: Path) -> dict:
@@ -68,12 +132,47 @@ def infer_from_shapes(shapes: dict[str, tuple[int, ...]], heads: int, source: Pa
     return config
 
 
+def infer_audio_from_shapes(shapes: dict[str, tuple[int, ...]]) -> dict:
+    d_model, mel_bins, _ = shapes[AUDIO_PREFIX + "conv1.weight"]
+    layers = 1 + max(
+        int(m.group(1)) for n in shapes if (m := re.match(re.escape(AUDIO_PREFIX) + r"layers\.(\d+)\.", n))
+    )
+    return whisper_config(
+        dict(
+            d_model=d_model,
+            num_mel_bins=mel_bins,
+            encoder_layers=layers,
+            encoder_ffn_dim=shapes[AUDIO_PREFIX + "layers.0.fc1.weight"][0],
+            max_source_positions=shapes[AUDIO_PREFIX + "embed_positions.weight"][0],
+        )
+    )
+
+
+def resolve_audio_config(
+    fields: dict, shapes: dict[str, tuple[int, ...]], checkpoint_dir: Path
+) -> tuple[dict | None, str | None]:
+    """(audio_config, where it came from), or (None, None) for a checkpoint without an audio tower."""
+    if isinstance(fields.get("audio_config"), dict):
+        return dict(fields["audio_config"]), "config.json audio_config"
+    if AUDIO_PREFIX + "conv1.weight" not in shapes:
+        return None, None
+    name = fields.get("mm_audio_tower")
+    if folder := tower_folder(name, checkpoint_dir):
+        return folder_audio_config(folder), f"tower folder {folder}"
+    if name in KNOWN_AUDIO_TOWERS:
+        return whisper_config(KNOWN_AUDIO_TOWERS[name]), f"known tower {name}"
+    return infer_audio_from_shapes(shapes), f"inferred from tensor shapes ({WHISPER_HEAD_DIM}-wide heads)"
+
+
 def resolve_vision_config(
     fields: dict, shapes: dict[str, tuple[int, ...]], heads: int | None, source: Path
 ) -> tuple[dict, str]:
-    """(vision_config, where it came from). `shapes` maps canonical tensor names to shapes."""
+    """(vision_config, where it came from). `shapes` maps canonical tensor names to shapes; `source` is the
+    checkpoint's config.json."""
     if isinstance(fields.get("vision_config"), dict):
         config, origin = dict(fields["vision_config"]), "config.json vision_config"
+    elif folder := tower_folder(fields.get("mm_vision_tower"), source.parent):
+        config, origin = folder_vision_config(folder), f"tower folder {folder}"
     elif fields.get("mm_vision_tower") in KNOWN_TOWERS:
         config, origin = dict(KNOWN_TOWERS[fields["mm_vision_tower"]]), f"known tower {fields['mm_vision_tower']}"
     elif heads is not None:
@@ -81,8 +180,9 @@ def resolve_vision_config(
     else:
         raise InputError(
             source,
-            f"has no vision_config and mm_vision_tower {fields.get('mm_vision_tower')!r} is not a known tower "
-            f"({', '.join(KNOWN_TOWERS)}); pass --vision-heads N to infer the tower from its tensor shapes",
+            f"has no vision_config and mm_vision_tower {fields.get('mm_vision_tower')!r} is neither a folder, a "
+            f"cached Hub model nor a known tower ({', '.join(KNOWN_TOWERS)}); pass --vision-heads N to infer the "
+            "tower from its tensor shapes",
         )
     if config.get("model_type") == "siglip_vision_model" and "vision_use_head" not in config:
         # LLaVA-style towers are often saved without SigLIP's pooling head, which D-Attn never uses

@@ -1,4 +1,5 @@
-"""D-Attn configs: a Mistral or Gemma 2 config plus the released `mm_*` keys and a full `vision_config`.
+"""D-Attn configs: a Mistral or Gemma 2 config plus the released `mm_*` keys (those ByteDance's Vidi code writes) and
+the full configs of the towers they name (`vision_config`, `audio_config`).
 
 Only torch and transformers are imported here so the file can ship inside a Hub repo as-is.
 """
@@ -8,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 from huggingface_hub.dataclasses import strict
-from transformers import CLIPVisionConfig, Gemma2Config, MistralConfig, SiglipVisionConfig
+from transformers import CLIPVisionConfig, Gemma2Config, MistralConfig, SiglipVisionConfig, WhisperConfig
 
 ATTENTION_MODES = ("dattn", "dattn-sum", "sattn", "mmca")
+# how many text keys a sliding window of w shows a query: transformers' masks show w (itself and w - 1 before);
+# flash-attn's window_size=(w, w), which the released models were trained with, shows w + 1
+WINDOW_RULES = {"transformers": 0, "flash_attn": 1}
 VISION_CONFIG_CLASSES = {"siglip_vision_model": SiglipVisionConfig, "clip_vision_model": CLIPVisionConfig}
 
 
@@ -19,16 +23,24 @@ class DAttnFields:
     """The keys released D-Attn configs add to the LLM's config, and this project's attention switches."""
 
     vision_config: dict | None = None  # the tower's full config: checkpoints only name it in mm_vision_tower
+    audio_config: dict | None = None  # the Whisper encoder's config (mm_audio_tower); None: no audio tower
     mm_vision_tower: str | None = None
+    mm_audio_tower: str | None = None
     mm_vision_select_layer: int = -2
     mm_projector_type: str = "mlp2x_gelu"
-    mm_image_aspect_ratio: str = "pad"
-    mm_image_grid_points: list | None = None
+    mm_image_aspect_ratio: str = "resize"
+    mm_image_grid_points: list | None = None  # anyres tilings [rows, columns]
     mm_input_type: str = "image"
     mm_splits: int = 1
-    mm_std: float = 1.0
-    mm_pos_feature_dim: int = 64  # width of the sinusoidal row/column features fed to mm_rand_pos_h/_w
+    mm_image_pool_size: int | None = None
+    mm_audio_pool_size: int | None = None
+    mm_time_interval: int | None = None
+    mm_std: float = 1.0  # the initial weight of mm_rand_llm_norm
     dattn_mode: str = "dattn"  # one of ATTENTION_MODES (mmca: DeepSpeed-VisualChat's multi-modal causal attention)
+    window_rule: str = "transformers"  # one of WINDOW_RULES
+    mm_scale_streams: bool = False  # Gemma 2 (released): the visual stream is scaled by sqrt(hidden) like the text
+    mm_mask_empty_images: bool = False  # released: an all-zero image is "no image", masked out of T2V
+    dattn_inferred: dict | None = None  # the fields a released config lacked: {field: where its value came from}
     dattn_diagonal: bool = True  # V2V: each visual token attends only to itself
     dattn_debias: bool = True  # T2V: no rotary embedding on text queries or visual keys
     wings_rank: int = 0  # WINGS learners' low rank (0: none)
@@ -37,6 +49,12 @@ class DAttnFields:
     def validate_dattn(self) -> None:
         if self.dattn_mode not in ATTENTION_MODES:
             raise ValueError(f"dattn_mode must be one of {ATTENTION_MODES}, got {self.dattn_mode!r}")
+        if self.window_rule not in WINDOW_RULES:
+            raise ValueError(f"window_rule must be one of {sorted(WINDOW_RULES)}, got {self.window_rule!r}")
+        if self.mm_input_type != "image":
+            raise ValueError(f"mm_input_type {self.mm_input_type!r} is not supported yet (image checkpoints only)")
+        if self.mm_image_aspect_ratio == "anyres":
+            raise ValueError("mm_image_aspect_ratio 'anyres' is not supported yet (one tile per image only)")
         if self.mm_projector_type != "mlp2x_gelu":
             raise ValueError(f"mm_projector_type {self.mm_projector_type!r} is not supported (only 'mlp2x_gelu')")
         if self.vision_config is not None and self.vision_config.get("model_type") not in VISION_CONFIG_CLASSES:
@@ -61,6 +79,14 @@ class DAttnFields:
         if self.vision_config is None:
             raise ValueError("vision_config is missing: the vision tower's own config must be carried")
         return VISION_CONFIG_CLASSES[self.vision_config["model_type"]](**self.vision_config)
+
+    @property
+    def audio_tower_config(self) -> WhisperConfig | None:
+        return None if self.audio_config is None else WhisperConfig(**self.audio_config)
+
+    def window_keys(self, window: int | None) -> int | None:
+        """The text keys a query sees under a sliding window of `window` (None: no window), by `window_rule`."""
+        return None if window is None else window + WINDOW_RULES[self.window_rule]
 
     @property
     def use_diagonal(self) -> bool:
@@ -117,7 +143,8 @@ class DAttnMistralConfig(MistralConfig, DAttnFields):
     model_type = "dattn_mistral"
 
     def sliding_window_of(self, layer_idx: int) -> int | None:
-        return self.sliding_window
+        """How many text keys (itself included) a query of this layer sees; None: all earlier ones."""
+        return self.window_keys(self.sliding_window)
 
 
 @strict
@@ -125,7 +152,8 @@ class DAttnGemma2Config(Gemma2Config, DAttnFields):
     model_type = "dattn_gemma2"
 
     def sliding_window_of(self, layer_idx: int) -> int | None:
-        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
+        """How many text keys (itself included) a query of this layer sees; None: all earlier ones."""
+        return self.window_keys(self.sliding_window) if self.layer_types[layer_idx] == "sliding_attention" else None
 
 
 CONFIG_CLASSES = {cls.model_type: cls for cls in (DAttnMistralConfig, DAttnGemma2Config)}

@@ -36,6 +36,7 @@ from transformers.models.gemma2.modeling_gemma2 import (
     Gemma2TextScaledWordEmbedding,
 )
 from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSNorm, MistralRotaryEmbedding, rotate_half
+from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from .attention import causal_mask, dattn_op, decomposed_attention, segment_shares
 from .configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
@@ -58,8 +59,10 @@ FAMILIES = {
 }
 
 
-def rms_normalize(x: Tensor, eps: float = 1e-5) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+def rms_norm(x: Tensor, eps: float = 1e-5) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps), computed in fp32 and returned in x's dtype (the released models' rms_norm)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def linear_fp32(layer: nn.Linear, x: Tensor) -> Tensor:
@@ -75,35 +78,37 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class MMRMSNorm(nn.Module):
-    """weight * x * rsqrt(mean(x^2) + 1e-5) in fp32 (mm_rand_norm, mm_rand_llm_norm)."""
+    """weight * rms_norm(x): the adapter's norms (mm_rand_norm, mm_rand_llm_norm)."""
 
-    def __init__(self, dim: int, init: float):
+    def __init__(self, dim: int, initial: float = 1.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.full((dim,), float(init)))
+        self.initial = initial
+        self.weight = nn.Parameter(torch.full((dim,), float(initial)))
 
     def forward(self, x: Tensor) -> Tensor:
-        return (rms_normalize(x.float()) * self.weight.float()).to(x.dtype)
+        return self.weight * rms_norm(x)
 
 
-class GridPositionEmbedding(nn.Module):
-    """Learnable embedding of a (fractional) row or column index, RMS-normalised (mm_rand_pos_h/_w).
+class LearnablePositionEmbedding(nn.Module):
+    """A learnable embedding of fractional positions along one axis (mm_rand_pos_h / _w): `length` positions are
+    spread evenly over [0, num_positions - 1], their sinusoids (hidden-wide, sin on even channels and cos on odd,
+    transformer frequencies) go through Linear-GELU-Linear in fp32, and the result is RMS-normalised."""
 
-    Sinusoidal features of the index (transformer frequencies over `feature_dim`) go through
-    Linear-GELU-Linear in fp32.
-    """
-
-    def __init__(self, feature_dim: int, hidden_size: int):
+    def __init__(self, hidden_size: int, num_positions: int):
         super().__init__()
-        self.feature_dim = feature_dim
-        self.mlp = nn.Sequential(nn.Linear(feature_dim, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
+        self.num_positions = num_positions
+        self.mlp = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
 
-    def forward(self, index: Tensor) -> Tensor:
-        half = self.feature_dim // 2
-        freqs = torch.exp(torch.arange(half, device=index.device, dtype=torch.float32) * (-math.log(10000.0) / half))
-        angles = index.float()[:, None] * freqs
-        features = torch.cat([angles.sin(), angles.cos()], dim=-1)
-        hidden = F.gelu(linear_fp32(self.mlp[0], features))
-        return rms_normalize(linear_fp32(self.mlp[2], hidden))
+    def forward(self, length: int, dtype: torch.dtype) -> Tensor:
+        """(length, hidden) in `dtype`."""
+        device, hidden = self.mlp[0].weight.device, self.mlp[0].in_features
+        position = torch.arange(length, dtype=torch.float32, device=device) / max(length - 1, 1)
+        position = position * (self.num_positions - 1)
+        channel = torch.arange(0, hidden, 2, dtype=torch.float32, device=device)
+        frequency = torch.exp(channel * (-math.log(1e4) / hidden))
+        angle = position[:, None] * frequency
+        features = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)  # interleaved: sin, cos, sin, ...
+        return rms_norm(linear_fp32(self.mlp[2], F.gelu(linear_fp32(self.mlp[0], features))).to(dtype))
 
 
 class MLPProjector(nn.Module):
@@ -131,6 +136,14 @@ class VisionTower(nn.Module):
         out = self.vision_model(pixel_values, output_hidden_states=True)
         features = out.hidden_states[self.select_layer]
         return features[:, 1:] if self.is_clip else features  # CLIP: drop the class token (LLaVA "patch")
+
+
+class AudioTower(nn.Module):
+    """The Whisper encoder the released models carry (`model.mm_aud.encoder.*`); image prompts do not run it."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.encoder = WhisperEncoder(config.audio_tower_config)
 
 
 # --- the decoder ---------------------------------------------------------------------------------
@@ -362,7 +375,7 @@ class DAttnPreTrainedModel(PreTrainedModel):
         `init` helpers leave weights that were loaded alone)."""
         super()._init_weights(module)
         if isinstance(module, MMRMSNorm):
-            init.constant_(module.weight, self.config.mm_std)
+            init.constant_(module.weight, module.initial)
         elif isinstance(module, Gemma2RMSNorm):
             init.zeros_(module.weight)  # Gemma 2 scales by (1 + weight)
         elif isinstance(module, Gemma2TextScaledWordEmbedding):
@@ -387,22 +400,41 @@ class DAttnModel(DAttnPreTrainedModel):
         self.norm = family.norm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = family.rotary(config)
         self.mm_vis = VisionTower(config)
-        self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
-        self.mm_rand_norm = MMRMSNorm(hidden, config.mm_std)
-        self.mm_rand_pos_h = GridPositionEmbedding(config.mm_pos_feature_dim, hidden)
-        self.mm_rand_pos_w = GridPositionEmbedding(config.mm_pos_feature_dim, hidden)
+        if config.audio_config is not None:
+            self.mm_aud = AudioTower(config)
         self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
+        self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
+        self.mm_rand_norm = MMRMSNorm(hidden)
+        self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.patch_grid)
+        self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.patch_grid)
         self.post_init()
 
     def embed_images(self, pixel_values: Tensor) -> Tensor:
-        """(B, images, 3, H, W) pixels -> (B, images * tokens_per_image, hidden) visual embeddings."""
+        """(B, images, 3, H, W) pixels -> (B, images * tokens_per_image, hidden) visual embeddings: tower features
+        -> projector -> norm -> + row, + column embeddings -> LLM norm (-> x sqrt(hidden) with mm_scale_streams)."""
         batch, images = pixel_values.shape[:2]
-        features = self.mm_vis(pixel_values.flatten(0, 1).to(self.dtype))
+        grid = self.config.patch_grid
+        features = self.mm_vis(pixel_values.flatten(0, 1).to(self.dtype)).unflatten(1, (grid, grid))
         x = self.mm_rand_norm(self.mm_rand_projector(features))
-        grid = torch.arange(self.config.patch_grid, device=x.device)
-        pos = self.mm_rand_pos_h(grid)[:, None, :] + self.mm_rand_pos_w(grid)[None, :, :]  # (rows, cols, hidden)
-        x = self.mm_rand_llm_norm(x + pos.flatten(0, 1).to(x.dtype))
+        x = x + self.mm_rand_pos_h(grid, x.dtype)[:, None, :]
+        x = x + self.mm_rand_pos_w(grid, x.dtype)[None, :, :]
+        x = self.mm_rand_llm_norm(x.flatten(1, 2))
+        if self.config.mm_scale_streams:  # where Gemma 2 scales the text embeddings
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         return x.unflatten(0, (batch, images)).flatten(1, 2)
+
+    def image_mask(self, pixel_values: Tensor) -> Tensor:
+        """(B, images * tokens_per_image) bool: with mm_mask_empty_images an all-zero image stands for "no image"
+        (how the released models batch samples without one) and text does not attend to it."""
+        present = pixel_values.flatten(2).abs().sum(-1) != 0
+        if not self.config.mm_mask_empty_images:
+            present = torch.ones_like(present)
+        return present.repeat_interleave(self.config.tokens_per_image, dim=1)
+
+    def encode_images(self, pixel_values: Tensor) -> tuple[list[KV], Tensor]:
+        """Every layer's visual K/V for the images, and the visual mask that goes with them."""
+        visual_mask = self.image_mask(pixel_values)
+        return self.encode_visual(self.embed_images(pixel_values), visual_mask), visual_mask
 
     def encode_visual(self, visual_embeds: Tensor, visual_mask: Tensor | None = None) -> list[KV]:
         """Every layer's visual K/V: a function of the image alone, reusable for any prompt."""
@@ -461,6 +493,7 @@ class DAttnOutput(ModelOutput):
     logits: Tensor | None = None
     past_key_values: list[KV] | None = None
     visual_key_values: list[KV] | None = None
+    visual_mask: Tensor | None = None
 
 
 class DAttnForCausalLM(DAttnPreTrainedModel):
@@ -486,7 +519,8 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         """Logits for the text tokens. Images come as `pixel_values` (B, images, 3, H, W), or as the
         `visual_key_values` an earlier call returned."""
         if pixel_values is not None and visual_key_values is None:
-            visual_key_values = self.model.encode_visual(self.model.embed_images(pixel_values), visual_mask)
+            visual_key_values, image_mask = self.model.encode_images(pixel_values)
+            visual_mask = image_mask if visual_mask is None else visual_mask.bool() & image_mask
         hidden, present = self.model(
             input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, visual_key_values, visual_mask
         )
@@ -494,7 +528,9 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return DAttnOutput(logits=logits, past_key_values=present, visual_key_values=visual_key_values)
+        return DAttnOutput(
+            logits=logits, past_key_values=present, visual_key_values=visual_key_values, visual_mask=visual_mask
+        )
 
     @torch.no_grad()
     def generate(
@@ -505,11 +541,14 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         max_new_tokens: int = 20,
         visual_key_values: list[KV] | None = None,
         eos_token_id: int | None = None,
+        visual_mask: Tensor | None = None,
     ) -> Tensor:
         """Greedy decoding with the text KV cache; the image's visual K/V are computed once (or reused)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        out = self(input_ids, pixel_values, attention_mask, visual_key_values=visual_key_values)
+        out = self(
+            input_ids, pixel_values, attention_mask, visual_key_values=visual_key_values, visual_mask=visual_mask
+        )
         tokens = []
         for step in range(max_new_tokens):
             next_token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -522,6 +561,7 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
                 attention_mask=attention_mask,
                 past_key_values=out.past_key_values,
                 visual_key_values=out.visual_key_values,
+                visual_mask=out.visual_mask,
             )
         return torch.cat(tokens, dim=1)
 

@@ -35,8 +35,15 @@ class GraphRuntime:
         """An empty text cache: (batch, heads, 0, head_dim) per input."""
         return [np.zeros((batch, spec.shape[1], 0, spec.shape[3]), self.dtype) for spec in self.past_inputs]
 
-    def embed_images(self, pixel_values: np.ndarray) -> np.ndarray:
-        return self._run("vision", {"pixel_values": pixel_values.astype(self.dtype)})[0]
+    def embed_images(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(visual embeddings (B, V, hidden), visual mask (B, V): 0 for the tokens of an image that means "none")."""
+        embeds, mask = self._run("vision", {"pixel_values": pixel_values.astype(self.dtype)})
+        return embeds, mask
+
+    def encode_images(self, pixel_values: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """The images' visual K/V for every layer (flat, in the graphs' order) and their visual mask."""
+        embeds, mask = self.embed_images(pixel_values)
+        return self.encode_visual(embeds, mask), mask
 
     def encode_visual(
         self, visual_embeds: np.ndarray, visual_mask: np.ndarray | None = None, chunk: int = VISUAL_CHUNK
@@ -96,9 +103,10 @@ class GraphRuntime:
         visual: list[np.ndarray],
         max_new_tokens: int,
         eos_token_id: int | None = None,
+        visual_mask: np.ndarray | None = None,
     ) -> np.ndarray:
         """Greedy decoding, as the reference model's `generate`."""
-        logits, past = self.decode(input_ids, attention_mask, self.empty_kv(input_ids.shape[0]), visual)
+        logits, past = self.decode(input_ids, attention_mask, self.empty_kv(input_ids.shape[0]), visual, visual_mask)
         tokens = []
         for step in range(max_new_tokens):
             next_token = logits[:, -1].argmax(-1)[:, None]
@@ -106,5 +114,5 @@ class GraphRuntime:
             if step == max_new_tokens - 1 or (eos_token_id is not None and (next_token == eos_token_id).all()):
                 break
             attention_mask = np.concatenate([attention_mask, np.ones_like(next_token)], axis=1)
-            logits, past = self.decode(next_token, attention_mask, past, visual)
+            logits, past = self.decode(next_token, attention_mask, past, visual, visual_mask)
         return np.concatenate(tokens, axis=1)

@@ -75,7 +75,7 @@ def analyze(checkpoint: Path, image: Path, prompt: str, out: Path, force: bool =
     if len(ids) == image_after:
         raise InputError("--prompt", "has no text after the image: nothing attends to it")
     pixels = load_images([image], load_image_processor(checkpoint, model.config))
-    visual_kv = model.model.encode_visual(model.model.embed_images(pixels))
+    visual_kv, visual_mask = model.model.encode_images(pixels)
     calls = []  # every attention call's inputs, layer by layer
 
     def recording_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords):
@@ -83,7 +83,7 @@ def analyze(checkpoint: Path, image: Path, prompt: str, out: Path, force: bool =
         return dattn_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords)
 
     with using_op(model, recording_op):
-        model(torch.tensor([ids]), visual_key_values=visual_kv)
+        model(torch.tensor([ids]), visual_key_values=visual_kv, visual_mask=visual_mask)
     attentions = [layer.self_attn for layer in model.model.layers]
     masses = torch.stack(
         [layer_masses(call, a, image_after) for call, a in zip(calls, attentions, strict=True)]

@@ -26,7 +26,6 @@ from ..artifacts import (
     TensorEntry,
     Tool,
     atomic_dir,
-    carry_files,
     copy_remote_code,
     dtype_name,
     sha256_file,
@@ -147,7 +146,7 @@ def convert(
                 shards, tmp, on_written=lambda t: bar.update(task, advance=t.nbytes, description=t.name)
             )
         (tmp / "config.json").write_text(json.dumps(output_config(source, target), indent=2, sort_keys=True) + "\n")
-        carry_files(source.reader.config_dir, tmp)
+        source.carry_files(tmp)
         copy_remote_code(tmp)
         for path in sorted(tmp.iterdir()):
             if path.name not in files:

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, SiglipVisionConfig, WhisperConfig, WhisperFeatureExtractor
 
+from ..checkpoints.released import OWN_KEYS, released_config
 from ..checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
 from ..checkpoints.source import saved_state_dict
 from ..modeling.modeling_dattn import MODEL_CLASSES
@@ -54,24 +55,39 @@ def demo_image(size: int = 64) -> Image.Image:
     return image
 
 
+def write_towers(folder: Path, config) -> tuple[Path, Path]:
+    """The tower folders a released checkpoint names (config and preprocessor; their weights are in the
+    checkpoint): (vision tower, audio tower)."""
+    vision, audio = folder / "tiny-siglip", folder / "tiny-whisper"
+    SiglipVisionConfig(**config.vision_config).save_pretrained(vision)
+    size = config.vision_config["image_size"]
+    IMAGE_PROCESSORS[config.vision_config["model_type"]](size={"height": size, "width": size}).save_pretrained(vision)
+    WhisperConfig(**config.audio_config).save_pretrained(audio)
+    WhisperFeatureExtractor(feature_size=config.audio_config["num_mel_bins"]).save_pretrained(audio)
+    return vision.absolute(), audio.absolute()
+
+
 def write_demo_checkpoint(out: Path, family: str = "mistral", seed: int = 0, **config_overrides) -> Path:
-    """config.json with the released keys, sharded safetensors with the released names, tokenizer,
-    preprocessor config, generation config and a sample image (demo.png)."""
+    """A checkpoint as the released training code (bytedance/vidi) saves it: its config.json keys (the towers named
+    by folders, written beside in `towers/`), sharded safetensors with its names and shapes (the Whisper audio tower
+    included), tokenizer and generation config; plus a sample image (demo.png). Overrides of this project's own
+    switches (attention modes, WINGS learners), which the released code cannot express, give our config format."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(family, **config_overrides)
-    model_class = MODEL_CLASSES[config.model_type]
-    config.architectures = [model_class.__name__]
-    model = randomize_weights(model_class(config), seed).eval()
+    config = tiny_config(family, audio=True, mm_std=0.5, **config_overrides)
+    model = randomize_weights(MODEL_CLASSES[config.model_type](config), seed).eval()
     planned = [
         PlannedTensor(name, t.dtype, tuple(t.shape), produce=lambda _buffer, t=t: t)
         for name, t in saved_state_dict(model).items()
     ]
     write_shards(plan_shards(planned, SHARD_BYTES), out)
-    config.save_pretrained(out)
+    vision, audio = write_towers(out.parent / "towers", config)
+    if set(config_overrides) & set(OWN_KEYS):
+        config.save_pretrained(out)
+    else:
+        fields = released_config(config, str(vision), str(audio))
+        (out / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
     build_tokenizer(config.vocab_size).save_pretrained(out)
-    size = config.vision_config["image_size"]
-    IMAGE_PROCESSORS[config.vision_config["model_type"]](size={"height": size, "width": size}).save_pretrained(out)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 16, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     demo_image().save(out / "demo.png")

@@ -38,17 +38,18 @@ def run_prompt(folder: Path, prompt: str, image_paths: list[Path], max_new_token
         tokenizer = load_tokenizer(folder, model.config)
         image_processor = load_image_processor(folder, model.config)
     inputs = tokenizer(prompt, return_tensors="pt")
-    visual_kv = None
+    visual_kv = visual_mask = None
     if image_paths:
         with stage(f"encode {len(image_paths)} image(s): visual K/V for every layer", seconds):
             pixels = load_images(image_paths, image_processor)
-            visual_kv = model.model.encode_visual(model.model.embed_images(pixels))
+            visual_kv, visual_mask = model.model.encode_images(pixels)
     with stage(f"generate up to {max_new_tokens} tokens (greedy, KV cache)", seconds):
         generated = model.generate(
             inputs["input_ids"],
             attention_mask=inputs["attention_mask"],
             max_new_tokens=max_new_tokens,
             visual_key_values=visual_kv,
+            visual_mask=visual_mask,
             eos_token_id=eos_token_id(folder, model.config),
         )[0].tolist()
     return PromptResult(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..artifacts import dtype_name
 from ..checkpoints import open_checkpoint
-from ..checkpoints.names import canonical_name, parameter_counts
+from ..checkpoints.names import AUDIO_TOWER_NOT_RUN, canonical_name, parameter_counts
 from ..checkpoints.source import audit
 from ..errors import InputError
 
@@ -60,7 +60,15 @@ def describe(path: Path, base: Path | None = None, vision_heads: int | None = No
         "vision_config": f"{c.vision_config['model_type']} "
         f"{c.vision_config['hidden_size']}x{c.vision_config['num_hidden_layers']} layers, "
         f"{c.vision_config['image_size']}px / patch {c.vision_config['patch_size']} ({source.vision_origin})",
+        "audio_tower": "none"
+        if c.audio_config is None
+        else f"{c.mm_audio_tower}: Whisper encoder {c.audio_config['d_model']}x{c.audio_config['encoder_layers']} "
+        f"layers, {AUDIO_TOWER_NOT_RUN} ({source.audio_origin})",
         "visual_tokens_per_image": c.tokens_per_image,
+        "sliding_window": "none" if c.sliding_window is None else f"{c.sliding_window} ({c.window_rule} rule)",
+        "stream_scaling": c.mm_scale_streams,
+        "mask_empty_images": c.mm_mask_empty_images,
+        "inferred": c.dattn_inferred or {},
         "wings": f"rank {c.wings_rank} learners in layers {c.wings_layer_indices}" if c.wings_rank else "none",
     }
     report.problems = [str(p) for p in source.problems]

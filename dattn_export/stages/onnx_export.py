@@ -1,6 +1,6 @@
 """`onnx`: the three graphs a deployment needs, with one fused attention node per decoder layer.
 
-  vision.onnx     pixel_values (B, images, 3, H, W) -> visual_embeds (B, V, hidden)
+  vision.onnx     pixel_values (B, images, 3, H, W) -> visual_embeds (B, V, hidden), visual_attention_mask (B, V)
   visual_kv.onnx  visual_embeds, visual_attention_mask -> visual_key_values.{i}.key/.value (B, Hkv, V, D):
                   the visual stream, once per image, position-free, cacheable
   decoder.onnx    input_ids, position_ids, attention_mask (B, past + T), visual_attention_mask,
@@ -37,9 +37,9 @@ from ..artifacts import (
     Tool,
     Wings,
     atomic_dir,
-    carry_files,
     dtype_name,
 )
+from ..checkpoints.names import AUDIO_TOWER_NOT_RUN
 from ..checkpoints.source import build_model, open_source
 from ..errors import InputError
 from ..plugins import contract
@@ -71,7 +71,7 @@ class VisionGraph(nn.Module):
         self.model = model
 
     def forward(self, pixel_values):
-        return self.model.model.embed_images(pixel_values)
+        return self.model.model.embed_images(pixel_values), self.model.model.image_mask(pixel_values).long()
 
 
 class VisualKVGraph(nn.Module):
@@ -121,7 +121,7 @@ def graph_specs(model, dtype: torch.dtype) -> dict:
             args=(torch.randn(b, n_img, 3, size, size, dtype=dtype),),
             dynamic=({0: batch, 1: images},),
             inputs=["pixel_values"],
-            outputs=["visual_embeds"],
+            outputs=["visual_embeds", "visual_attention_mask"],
         ),
         "visual_kv": dict(
             module=VisualKVGraph(model),
@@ -231,6 +231,7 @@ def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int
             wings=Wings(config.wings_rank, config.wings_layer_indices, config.wings_heads)
             if config.wings_rank
             else None,
+            audio_tower=None if config.audio_config is None else AUDIO_TOWER_NOT_RUN,
         ),
         attention=AttentionExport(attention, op if attention == "fused" else None),
         dtype=dtype_name(dtype),
@@ -277,7 +278,7 @@ def export_onnx(
             )
             if on_graph:
                 on_graph(name)
-        carry_files(source.reader.config_dir, tmp)
+        source.carry_files(tmp)
         (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")
         manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
         manifest.write(tmp)

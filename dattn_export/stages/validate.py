@@ -114,20 +114,20 @@ def validate(
     report = ValidationReport(str(folder), str(against), backend, dtype, TOLERANCES.get(dtype, 2e-2), ids.shape[1], 0)
 
     with torch.no_grad():
-        visual_embeds = reference.model.embed_images(pixels)
-        visual_kv = reference.model.encode_visual(visual_embeds)
-        expected = reference(ids, attention_mask=mask, visual_key_values=visual_kv)
-        expected_tokens = reference.generate(
-            ids, attention_mask=mask, visual_key_values=visual_kv, max_new_tokens=steps
-        )[0]
+        visual_embeds, visual_mask = reference.model.embed_images(pixels), reference.model.image_mask(pixels)
+        visual_kv = reference.model.encode_visual(visual_embeds, visual_mask)
+        visual = dict(visual_key_values=visual_kv, visual_mask=visual_mask)
+        expected = reference(ids, attention_mask=mask, **visual)
+        expected_tokens = reference.generate(ids, attention_mask=mask, max_new_tokens=steps, **visual)[0]
     report.visual_tokens = visual_embeds.shape[1]
-    got_embeds = runtime.embed_images(pixels.numpy())
+    got_embeds, got_mask = runtime.embed_images(pixels.numpy())
     report.comparisons.append(Comparison.of("vision", "visual_embeds", got_embeds, visual_embeds))
-    got_kv = runtime.encode_visual(got_embeds)
+    report.comparisons.append(Comparison.of("vision", "visual_attention_mask", got_mask, visual_mask.long()))
+    got_kv = runtime.encode_visual(got_embeds, got_mask)
     expected_kv = [t for layer in visual_kv for t in layer]
     for name, got, expected_part in zip(runtime.visual_names, got_kv, expected_kv, strict=True):
         report.comparisons.append(Comparison.of("visual_kv", name, got, expected_part))
-    logits, past = runtime.decode(ids.numpy(), mask.numpy(), runtime.empty_kv(1), got_kv)
+    logits, past = runtime.decode(ids.numpy(), mask.numpy(), runtime.empty_kv(1), got_kv, got_mask)
     report.comparisons.append(Comparison.of("decoder", "logits (prefill)", logits, expected.logits))
 
     # decode steps on the reference's tokens: the logits of every step, with the cache the graphs built
@@ -137,16 +137,14 @@ def validate(
         step_mask = torch.cat([step_mask, torch.ones(1, 1, dtype=step_mask.dtype)], dim=1)
         step_ids = torch.tensor([[token]])
         with torch.no_grad():
-            step = reference(
-                step_ids, attention_mask=step_mask, past_key_values=expected_past, visual_key_values=visual_kv
-            )
+            step = reference(step_ids, attention_mask=step_mask, past_key_values=expected_past, **visual)
         expected_past = step.past_key_values
-        logits, past = runtime.decode(step_ids.numpy(), step_mask.numpy(), past, got_kv)
+        logits, past = runtime.decode(step_ids.numpy(), step_mask.numpy(), past, got_kv, got_mask)
         comparison = Comparison.of("decoder", "logits (decode steps)", logits, step.logits)
         worst = comparison if worst is None or comparison.max_abs > worst.max_abs else worst
     if worst is not None:
         report.comparisons.append(worst)
     report.reference_tokens = expected_tokens.tolist()
-    report.backend_tokens = runtime.generate(ids.numpy(), mask.numpy(), got_kv, steps)[0].tolist()
+    report.backend_tokens = runtime.generate(ids.numpy(), mask.numpy(), got_kv, steps, visual_mask=got_mask)[0].tolist()
     (folder / VALIDATION_REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     return report

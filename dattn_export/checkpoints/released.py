@@ -1,0 +1,81 @@
+"""Configs saved by the released D-Attn training code (ByteDance's Vidi, GitHub bytedance/vidi: Vidi_7B on Mistral,
+Vidi1.5_9B on Gemma 2). They carry the `mm_*` keys and the tower names but none of this project's attention
+switches, because that code has one behaviour; this module states it as those switches, each with the place in
+the released code that decides it, and records them in the config as `dattn_inferred`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from ..errors import InputError
+from ..modeling.configuration_dattn import CONFIG_CLASSES
+from ..modeling.modeling_dattn import MODEL_CLASSES
+
+RELEASED_ARCHITECTURES = {"DattnMistralForCausalLM": "dattn_mistral", "DattnGemma2ForCausalLM": "dattn_gemma2"}
+CODE = "bytedance/vidi lmm/dattn"
+
+
+def is_released(fields: dict) -> bool:
+    """Released configs name D-Attn's model types but none of our switches (ours always write dattn_mode)."""
+    return fields.get("model_type") in CONFIG_CLASSES and "dattn_mode" not in fields
+
+
+def released_fields(fields: dict, source: Path) -> dict:
+    """config.json's fields with the released behaviour made explicit; `source` names the file in errors."""
+    model_type = fields["model_type"]
+    gemma = model_type == "dattn_gemma2"
+    inferred = {
+        "dattn_mode": ("dattn-sum", f"{CODE}: text, visual and audio attentions each softmaxed, outputs summed"),
+        "window_rule": ("flash_attn", f"{CODE}: flash-attn window_size=(w, w), a query sees w + 1 text keys"),
+        "mm_scale_streams": (
+            gemma,
+            f"{CODE}/gemma.py: visual and audio streams times sqrt(hidden)" if gemma else f"{CODE}: Mistral: none",
+        ),
+        "mm_mask_empty_images": (True, f"{CODE}/multimodal.py: image_masks, an all-zero image is masked"),
+    }
+    if fields.get("mm_std") is None:  # its norm is initialised from it; the checkpoint holds the trained weights
+        inferred["mm_std"] = (1.0, "config.json mm_std is null")
+    mapped = {**fields, **{key: value for key, (value, _) in inferred.items()}}
+    mapped["architectures"] = [MODEL_CLASSES[model_type].__name__]
+    points = mapped.get("mm_image_grid_points")
+    if isinstance(points, str):  # the training script takes it as a string; its model evaluates it
+        try:
+            mapped["mm_image_grid_points"] = ast.literal_eval(points)
+        except (ValueError, SyntaxError):
+            raise InputError(source, f"mm_image_grid_points {points!r} is not a list of [rows, columns]") from None
+    mapped["dattn_inferred"] = {key: origin for key, (_, origin) in inferred.items()}
+    return mapped
+
+
+# this project's keys, which released configs do not have
+OWN_KEYS = (
+    "vision_config", "audio_config", "dattn_mode", "dattn_diagonal", "dattn_debias", "window_rule",
+    "mm_scale_streams", "mm_mask_empty_images", "dattn_inferred", "wings_rank", "wings_layers", "layer_types",
+    "use_bidirectional_attention",
+)  # fmt: skip
+
+
+def released_config(config, vision_tower: str, audio_tower: str) -> dict:
+    """config.json as the released training code saves a model of `config` (transformers 4.44 / 4.50 key names,
+    the towers named by `vision_tower` / `audio_tower`): the inverse of `released_fields`."""
+    fields = {k: v for k, v in config.to_dict().items() if k not in OWN_KEYS}
+    fields["torch_dtype"] = fields.pop("dtype", None)
+    fields["rope_theta"] = fields.pop("rope_parameters")["rope_theta"]
+    architecture = next(a for a, t in RELEASED_ARCHITECTURES.items() if t == config.model_type)
+    patch_grid_res = [[rows * config.vision_config["image_size"], cols * config.vision_config["image_size"]]
+                      for rows, cols in config.mm_image_grid_points or []]  # fmt: skip
+    fields |= dict(
+        architectures=[architecture],
+        mm_vision_tower=vision_tower,
+        mm_audio_tower=audio_tower,
+        mm_image_grid_res=patch_grid_res,
+        loss_thres=None,
+        train_rand=True,
+        train_vis=False,
+        train_aud=False,
+        train_llm=True,
+    )
+    if config.model_type == "dattn_gemma2":
+        fields["cache_implementation"] = "hybrid"
+    return fields
