@@ -1,0 +1,52 @@
+"""Our side, in this project's venv: the untouched folder Vidi saved -> info, convert, verify, onnx, validate, push
+--dry-run; then our logits (PyTorch and ONNX Runtime) against Vidi's own.  usage: python compare.py OUT"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dattn_export.checkpoints.source import load_model
+from dattn_export.runtime.ort import OrtModel
+
+root = Path(sys.argv[1])
+ckpt, conv, onnx_dir = root / "checkpoint", root / "converted", root / "onnx"
+for args in (
+    ["info", ckpt],
+    ["convert", ckpt, "-o", conv, "--force"],
+    ["verify", conv, "--against", ckpt],
+    ["onnx", conv, "-o", onnx_dir, "--force"],
+    ["validate", onnx_dir],
+    ["push", conv, "--repo-id", "me/vidi-tiny", "--dry-run"],
+):
+    r = subprocess.run(["dattn-export", *map(str, args)], capture_output=True, text=True)
+    print(
+        f"dattn-export {args[0]}: rc {r.returncode}",
+        (r.stdout + r.stderr).strip().splitlines()[-1][:150] if r.returncode else "",
+    )
+oracle = torch.load(root / "oracle.pt", weights_only=False)
+model = load_model(conv)
+runtime = OrtModel(onnx_dir)
+for name, (ids, pixels, expected) in oracle["cases"].items():
+    with torch.no_grad():
+        got = model(ids, None if pixels is None else pixels[:, None], torch.ones_like(ids)).logits
+    line = f"{name:18s} torch max abs logits error {float((got - expected).abs().max()):.2e}"
+    if pixels is not None:
+        visual, vmask = runtime.encode_images(pixels[:, None].numpy())
+        logits, _ = runtime.decode(
+            ids.numpy(), np.ones_like(ids.numpy()), runtime.empty_kv(ids.shape[0]), visual, vmask
+        )
+        line += f"   ORT {float(np.abs(logits - expected.numpy()).max()):.2e}"
+    print(line)
+ids, pixels, _ = oracle["cases"]["image"]
+ours = model.generate(ids, pixels[:, None], torch.ones_like(ids), max_new_tokens=8)[0].tolist()
+print(
+    "greedy tokens equal:",
+    sum(a == b for a, b in zip(ours, oracle["greedy"])),
+    "of",
+    len(oracle["greedy"]),
+    ours,
+    oracle["greedy"],
+)

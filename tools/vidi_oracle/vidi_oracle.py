@@ -1,0 +1,219 @@
+"""Run ByteDance's Vidi code (outside the project) as an oracle on CPU: build a tiny random model with its own
+classes, save it as its trainer does (sharded bf16 safetensors), and record its logits for image, text-only and
+mixed-batch prompts.  usage: VIDI_SRC=... python vidi_oracle.py {gemma2|mistral} OUT  (see README.md)"""
+
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+family, out = sys.argv[1], Path(sys.argv[2])
+VIDI_SRC = os.environ["VIDI_SRC"]  # a checkout of github.com/bytedance/vidi
+sys.path.insert(0, str(Path(__file__).parent))
+import flash_standin
+
+flash_standin.install()
+import transformers.utils
+import transformers.utils.import_utils as iu
+
+for mod in (transformers.utils, iu):
+    mod.is_flash_attn_2_available = lambda: True
+    mod.is_flash_attn_greater_or_equal = lambda *a, **k: True
+    mod.is_flash_attn_greater_or_equal_2_10 = lambda: True
+from transformers import modeling_utils
+
+modeling_utils.PreTrainedModel._check_and_enable_flash_attn_2 = classmethod(lambda cls, config, *a, **k: config)
+import torch.distributed
+
+ds = types.ModuleType("deepspeed")
+ds.comm = torch.distributed
+sys.modules["deepspeed"], sys.modules["deepspeed.comm"] = ds, torch.distributed
+liger = types.ModuleType("liger_kernel")
+lt = types.ModuleType("liger_kernel.transformers")
+lm = types.ModuleType("liger_kernel.transformers.monkey_patch")
+lm.apply_liger_kernel_to_gemma2 = lambda **k: None
+
+
+class LigerRMSNorm(torch.nn.Module):
+    pass
+
+
+lm.LigerRMSNorm = LigerRMSNorm
+lm.__all__ = ["apply_liger_kernel_to_gemma2", "LigerRMSNorm"]
+sys.modules.update(
+    {"liger_kernel": liger, "liger_kernel.transformers": lt, "liger_kernel.transformers.monkey_patch": lm}
+)
+
+from transformers import (
+    PreTrainedTokenizerFast,
+    SiglipImageProcessor,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+    WhisperConfig,
+    WhisperFeatureExtractor,
+    WhisperModel,
+)
+
+if family == "gemma2":
+    root = f"{VIDI_SRC}/Vidi1.5_9B"
+    sys.path.insert(0, root)
+    shell = types.ModuleType("vidi.dataset")
+    shell.__path__ = [root + "/vidi/dataset"]
+    sys.modules["vidi.dataset"] = shell
+    from vidi.constants import IMAGE_TOKEN_INDEX
+    from vidi.model.lmm.dattn.gemma import DattnGemma2Config as Config
+    from vidi.model.lmm.dattn.gemma import DattnGemma2ForCausalLM as Model
+
+    text = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=2048,
+    )
+else:
+    root = f"{VIDI_SRC}/Vidi_7B"
+    sys.path.insert(0, root)
+    from model.constants import IMAGE_TOKEN_INDEX
+    from model.lmm.dattn.mistral import DattnMistralConfig as Config
+    from model.lmm.dattn.mistral import DattnMistralForCausalLM as Model
+
+    # Vidi_7B passes `past_audio_key_values=` (sic) to its layers; on a text-only prompt it reaches
+    # MistralFlashAttention2.forward, which does not take it (a TypeError in its pinned 4.44.2): drop that None
+    from transformers.models.mistral import modeling_mistral
+
+    _forward = modeling_mistral.MistralFlashAttention2.forward
+    modeling_mistral.MistralFlashAttention2.forward = lambda self, *a, past_audio_key_values=None, **k: _forward(
+        self, *a, **k
+    )
+    text = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        max_position_embeddings=2048,
+    )
+
+for stub in ("deepspeed", "deepspeed.comm"):  # Vidi's modules hold their reference; accelerate must not see it
+    sys.modules.pop(stub)
+torch.manual_seed(0)
+towers = out / "towers"
+vision_dir, audio_dir, base = towers / "siglip-tiny", towers / "whisper-tiny", out / "base"
+vc = SiglipVisionConfig(
+    hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8
+)
+SiglipVisionModel(vc).save_pretrained(vision_dir)
+SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(vision_dir)
+ac = WhisperConfig(
+    d_model=32,
+    encoder_layers=2,
+    encoder_attention_heads=2,
+    encoder_ffn_dim=64,
+    decoder_layers=1,
+    decoder_attention_heads=2,
+    decoder_ffn_dim=64,
+    num_mel_bins=16,
+    max_source_positions=30,
+    vocab_size=100,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    decoder_start_token_id=1,
+)
+WhisperModel(ac).save_pretrained(audio_dir)
+WhisperFeatureExtractor(feature_size=16).save_pretrained(audio_dir)
+base.mkdir(parents=True, exist_ok=True)
+from tokenizers import Tokenizer, models
+
+tokenizer = PreTrainedTokenizerFast(  # any tokenizer: the prompts are given as ids
+    tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}, unk_token="<unk>")),
+    bos_token="<s>",
+    eos_token="</s>",
+    pad_token="<pad>",
+    unk_token="<unk>",
+)
+tokenizer.save_pretrained(base)
+
+config = Config(
+    **text,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    mm_vision_tower=str(vision_dir),
+    mm_audio_tower=str(audio_dir),
+    mm_vision_select_layer=-2,
+    mm_image_aspect_ratio="resize",
+    mm_image_grid_points="[[1, 2], [2, 1], [2, 2]]",
+    mm_input_type="image",
+    mm_splits=1,
+    mm_std=0.5,
+    mm_time_interval=10000,
+    loss_thres=None,
+)
+config._name_or_path = str(base)
+config._attn_implementation_internal = "flash_attention_2"
+model = Model(config).eval()
+g = torch.Generator().manual_seed(0)
+with torch.no_grad():  # every weight matters: matrices ~ N(0, 1/fan_in), vectors around their neutral value
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        if p.ndim >= 2:
+            p.copy_(noise * p[0].numel() ** -0.5)
+        elif "norm" in name and name.endswith("weight") and not (family == "gemma2" and "mm_" not in name):
+            p.copy_(p * (1 + 0.1 * noise))
+        else:
+            p.copy_(0.1 * noise)
+ckpt = out / "checkpoint"
+import copy
+
+with torch.no_grad():  # the weights the trainer's bf16 files hold; buffers (RoPE frequencies) stay fp32
+    for p in model.parameters():
+        p.copy_(p.to(torch.bfloat16).float())
+copy.deepcopy(model).to(torch.bfloat16).save_pretrained(ckpt, max_shard_size="300KB", safe_serialization=True)
+tokenizer.save_pretrained(ckpt)
+
+cases = {}
+ids = torch.randint(3, 512, (2, 14), generator=g)
+pixels = torch.randn(2, 3, 32, 32, generator=g)
+image_ids = torch.cat([ids[:, :1], torch.full((2, 1), IMAGE_TOKEN_INDEX), ids[:, 1:]], dim=1)  # <bos> <image> text
+with torch.no_grad():
+    cases["image"] = (
+        ids[:1],
+        pixels[:1],
+        model(image_ids[:1], attention_mask=torch.ones_like(image_ids[:1]), images=pixels[:1], use_cache=False).logits,
+    )
+    cases["text"] = (ids[:1], None, model(ids[:1], attention_mask=torch.ones_like(ids[:1]), use_cache=False).logits)
+    mixed = pixels.clone()
+    mixed[1] = 0  # a batch where the second sample has no image
+    cases["batch_zero_image"] = (
+        ids,
+        mixed,
+        model(image_ids, attention_mask=torch.ones_like(image_ids), images=mixed, use_cache=False).logits,
+    )
+    # greedy continuation by full forwards (no cache) of the image prompt
+    seq = image_ids[:1]
+    for _ in range(8):
+        nxt = (
+            model(seq, attention_mask=torch.ones_like(seq), images=pixels[:1], use_cache=False)
+            .logits[:, -1]
+            .argmax(-1, keepdim=True)
+        )
+        seq = torch.cat([seq, nxt], dim=1)
+    greedy = seq[0, image_ids.shape[1] :].tolist()
+torch.save({"cases": cases, "greedy": greedy}, out / "oracle.pt")
+print(family, "saved", sorted(p.name for p in ckpt.iterdir()))
+print(json.load(open(ckpt / "config.json")).get("architectures"))
