@@ -12,7 +12,7 @@ from ..errors import InputError
 from ..modeling.configuration_dattn import CONFIG_CLASSES
 from ..modeling.modeling_dattn import MODEL_CLASSES
 
-RELEASED_ARCHITECTURES = {"DattnMistralForCausalLM": "dattn_mistral", "DattnGemma2ForCausalLM": "dattn_gemma2"}
+RELEASED_ARCHITECTURES = {"dattn_mistral": "DattnMistralForCausalLM", "dattn_gemma2": "DattnGemma2ForCausalLM"}
 CODE = "bytedance/vidi lmm/dattn"
 
 
@@ -62,14 +62,12 @@ def released_config(config, vision_tower: str, audio_tower: str) -> dict:
     fields = {k: v for k, v in config.to_dict().items() if k not in OWN_KEYS}
     fields["torch_dtype"] = fields.pop("dtype", None)
     fields["rope_theta"] = fields.pop("rope_parameters")["rope_theta"]
-    architecture = next(a for a, t in RELEASED_ARCHITECTURES.items() if t == config.model_type)
-    patch_grid_res = [[rows * config.vision_config["image_size"], cols * config.vision_config["image_size"]]
-                      for rows, cols in config.mm_image_grid_points or []]  # fmt: skip
+    size = config.vision_config["image_size"]
     fields |= dict(
-        architectures=[architecture],
+        architectures=[RELEASED_ARCHITECTURES[config.model_type]],
         mm_vision_tower=vision_tower,
         mm_audio_tower=audio_tower,
-        mm_image_grid_res=patch_grid_res,
+        mm_image_grid_res=[[rows * size, cols * size] for rows, cols in config.mm_image_grid_points or []],
         loss_thres=None,
         train_rand=True,
         train_vis=False,
