@@ -57,6 +57,10 @@ from transformers import (
     WhisperModel,
 )
 
+SHARED_TEXT = dict(  # as the project's tiny presets; the window is shorter than the prompts
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    sliding_window=8, max_position_embeddings=2048,
+)  # fmt: skip
 if family == "gemma2":
     root = f"{VIDI_SRC}/Vidi1.5_9B"
     sys.path.insert(0, root)
@@ -68,18 +72,12 @@ if family == "gemma2":
     from vidi.model.lmm.dattn.gemma import DattnGemma2ForCausalLM as Model
 
     text = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
+        **SHARED_TEXT,
         num_key_value_heads=1,
         head_dim=32,
         query_pre_attn_scalar=24,
-        sliding_window=8,
         attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0,
-        max_position_embeddings=2048,
     )
 else:
     root = f"{VIDI_SRC}/Vidi_7B"
@@ -96,17 +94,7 @@ else:
     modeling_mistral.MistralFlashAttention2.forward = lambda self, *a, past_audio_key_values=None, **k: _forward(
         self, *a, **k
     )
-    text = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        max_position_embeddings=2048,
-    )
+    text = dict(**SHARED_TEXT, num_key_value_heads=2, head_dim=16)
 
 for stub in ("deepspeed", "deepspeed.comm"):  # Vidi's modules hold their reference; accelerate must not see it
     sys.modules.pop(stub)
