@@ -197,6 +197,7 @@ def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force:
     """Convert training output (HF, Trainer, DeepSpeed ZeRO, adapter-only) to verified sharded safetensors."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+    from .checkpoints.names import AUDIO_TOWER_NOT_RUN
     from .stages.convert import convert as run_convert
     from .ui import err, summary_table
     from .ui import out as stdout
@@ -212,14 +213,13 @@ def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force:
     )
     result = run_convert(checkpoint, out, dtype, max_shard_size, force, base, vision_heads, progress)
     shards = sorted(n for n in result.files if n.endswith(".safetensors"))
+    audio = (
+        [("audio tower", f"{AUDIO_TOWER_NOT_RUN} ({result.source.audio_origin})")] if result.source.audio_origin else []
+    )
     rows = [
         ("source", f"{checkpoint} ({result.source.reader.layout}; {'; '.join(result.source.reader.notes)})"),
         ("vision config", result.source.vision_origin),
-        *(
-            (("audio tower", f"carried, not run by image prompts ({result.source.audio_origin})"),)
-            if result.source.audio_origin
-            else ()
-        ),
+        *audio,
         *((f"inferred: {key}", origin) for key, origin in (result.source.config.dattn_inferred or {}).items()),
         ("output", f"{out} ({len(shards)} shard(s), {len(result.files) + 1} files incl. manifest)"),
         (

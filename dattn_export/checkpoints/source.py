@@ -102,7 +102,7 @@ def audit(reader: CheckpointReader, vision_heads: int | None = None) -> Source:
         fields = released_fields(fields, config_path)
     if fields.get("model_type") in CONFIG_CLASSES:
         fields["vision_config"], vision_origin = resolve_vision_config(fields, shapes, vision_heads, config_path)
-        fields["audio_config"], audio_origin = resolve_audio_config(fields, shapes, config_path.parent)
+        fields["audio_config"], audio_origin = resolve_audio_config(fields, shapes, config_path)
         resolved = {"vision_config": vision_origin, "audio_config": audio_origin}
         inferred = {k: origin for k, origin in resolved.items() if origin and not origin.startswith("config.json")}
         if inferred:

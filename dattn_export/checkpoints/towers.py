@@ -74,20 +74,21 @@ def tower_folder(name: str | None, checkpoint_dir: Path) -> Path | None:
 
 def folder_vision_config(folder: Path) -> dict:
     """A tower folder's vision config (a full SigLIP/CLIP config's vision part, or a vision config)."""
-    model_type = str(read_config(folder).get("model_type", ""))
+    fields = read_config(folder)
+    model_type = str(fields.get("model_type", ""))
     family = next((f for f in VISION_CONFIGS if model_type.startswith(f)), None)
     if family is None:
         raise InputError(folder / "config.json", f"model_type {model_type!r} is not a SigLIP or CLIP vision tower")
-    config = VISION_CONFIGS[family].from_pretrained(str(folder)).to_diff_dict()
+    config = VISION_CONFIGS[family](**fields.get("vision_config", fields)).to_diff_dict()
     config.pop("transformers_version", None)
     return config
 
 
 def folder_audio_config(folder: Path) -> dict:
-    config = read_config(folder)
-    if config.get("model_type") != "whisper":
-        raise InputError(folder / "config.json", f"model_type {config.get('model_type')!r} is not a Whisper model")
-    return whisper_config(WhisperConfig.from_pretrained(str(folder)).to_dict())
+    fields = read_config(folder)
+    if fields.get("model_type") != "whisper":
+        raise InputError(folder / "config.json", f"model_type {fields.get('model_type')!r} is not a Whisper model")
+    return whisper_config(fields)
 
 
 def read_config(folder: Path) -> dict:
@@ -100,28 +101,32 @@ def whisper_config(fields: dict) -> dict:
     return {"model_type": "whisper", **{k: full[k] for k in AUDIO_FIELDS}}
 
 
+def tower_shape(shapes: dict[str, tuple[int, ...]], name: str, tower: str, source: Path) -> tuple[int, ...]:
+    if name not in shapes:
+        raise InputError(source, f"cannot infer the {tower}: tensor {name} is missing")
+    return shapes[name]
+
+
+def layer_count(shapes: dict[str, tuple[int, ...]], layers_prefix: str) -> int:
+    """1 + the highest N of the tensors named `{layers_prefix}N.*`."""
+    pattern = re.compile(re.escape(layers_prefix) + r"(\d+)\.")
+    return 1 + max(int(m.group(1)) for n in shapes if (m := pattern.match(n)))
+
+
 def infer_from_shapes(shapes: dict[str, tuple[int, ...]], heads: int, source: Path) -> dict:
     """A tower config from its tensor shapes (canonical names) and the head count."""
-
-    def shape(suffix: str) -> tuple[int, ...]:
-        if TOWER_PREFIX + suffix not in shapes:
-            raise InputError(source, f"cannot infer the vision tower: tensor {TOWER_PREFIX + suffix} is missing")
-        return shapes[TOWER_PREFIX + suffix]
-
+    shape = lambda suffix: tower_shape(shapes, TOWER_PREFIX + suffix, "vision tower", source)  # noqa: E731
     hidden, channels, patch, _ = shape("embeddings.patch_embedding.weight")
     positions = shape("embeddings.position_embedding.weight")[0]
     is_clip = TOWER_PREFIX + "embeddings.class_embedding" in shapes
     grid = math.isqrt(positions - is_clip)
-    layers = 1 + max(
-        int(m.group(1)) for n in shapes if (m := re.match(re.escape(TOWER_PREFIX) + r"encoder\.layers\.(\d+)\.", n))
-    )
     if hidden % heads:
         raise InputError(source, f"--vision-heads {heads} does not divide the tower's hidden size {hidden}")
     config = dict(
         model_type="clip_vision_model" if is_clip else "siglip_vision_model",
         hidden_size=hidden,
         intermediate_size=shape("encoder.layers.0.mlp.fc1.weight")[0],
-        num_hidden_layers=layers,
+        num_hidden_layers=layer_count(shapes, TOWER_PREFIX + "encoder.layers."),
         num_attention_heads=heads,
         image_size=grid * patch,
         patch_size=patch,
@@ -132,36 +137,35 @@ def infer_from_shapes(shapes: dict[str, tuple[int, ...]], heads: int, source: Pa
     return config
 
 
-def infer_audio_from_shapes(shapes: dict[str, tuple[int, ...]]) -> dict:
-    d_model, mel_bins, _ = shapes[AUDIO_PREFIX + "conv1.weight"]
-    layers = 1 + max(
-        int(m.group(1)) for n in shapes if (m := re.match(re.escape(AUDIO_PREFIX) + r"layers\.(\d+)\.", n))
-    )
+def infer_audio_from_shapes(shapes: dict[str, tuple[int, ...]], source: Path) -> dict:
+    shape = lambda suffix: tower_shape(shapes, AUDIO_PREFIX + suffix, "audio tower", source)  # noqa: E731
+    d_model, mel_bins, _ = shape("conv1.weight")
     return whisper_config(
         dict(
             d_model=d_model,
             num_mel_bins=mel_bins,
-            encoder_layers=layers,
-            encoder_ffn_dim=shapes[AUDIO_PREFIX + "layers.0.fc1.weight"][0],
-            max_source_positions=shapes[AUDIO_PREFIX + "embed_positions.weight"][0],
+            encoder_layers=layer_count(shapes, AUDIO_PREFIX + "layers."),
+            encoder_ffn_dim=shape("layers.0.fc1.weight")[0],
+            max_source_positions=shape("embed_positions.weight")[0],
         )
     )
 
 
 def resolve_audio_config(
-    fields: dict, shapes: dict[str, tuple[int, ...]], checkpoint_dir: Path
+    fields: dict, shapes: dict[str, tuple[int, ...]], source: Path
 ) -> tuple[dict | None, str | None]:
-    """(audio_config, where it came from), or (None, None) for a checkpoint without an audio tower."""
+    """(audio_config, where it came from), or (None, None) for a checkpoint without an audio tower. `source` is the
+    checkpoint's config.json."""
     if isinstance(fields.get("audio_config"), dict):
         return dict(fields["audio_config"]), "config.json audio_config"
     if AUDIO_PREFIX + "conv1.weight" not in shapes:
         return None, None
     name = fields.get("mm_audio_tower")
-    if folder := tower_folder(name, checkpoint_dir):
+    if folder := tower_folder(name, source.parent):
         return folder_audio_config(folder), f"tower folder {folder}"
     if name in KNOWN_AUDIO_TOWERS:
         return whisper_config(KNOWN_AUDIO_TOWERS[name]), f"known tower {name}"
-    return infer_audio_from_shapes(shapes), f"inferred from tensor shapes ({WHISPER_HEAD_DIM}-wide heads)"
+    return infer_audio_from_shapes(shapes, source), f"inferred from tensor shapes ({WHISPER_HEAD_DIM}-wide heads)"
 
 
 def resolve_vision_config(
