@@ -79,7 +79,8 @@ def write_bin(folder: Path, config, shapes, shard_bytes: int = 1 << 30) -> None:
 
 
 def write_zero3(folder: Path, config, shapes, world_size: int = 2) -> Path:
-    """DeepSpeed ZeRO-3 layout (see tests/zero_format.py), written one rank at a time."""
+    """DeepSpeed ZeRO-3 layout at sizes no test can train (tests/test_real_checkpoints.py reads real runs), one rank
+    at a time."""
     folder.mkdir(parents=True)
     config.save_pretrained(folder)
     step = folder / "global_step1"

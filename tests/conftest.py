@@ -14,3 +14,12 @@ torch.set_num_threads(2)
 @pytest.fixture(params=["mistral", "gemma2"])
 def family(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def real_checkpoints(tmp_path_factory, worker_id):
+    """What DeepSpeed and the Trainer write, trained once per run: the xdist workers share one folder."""
+    from helpers.real_checkpoints import real_checkpoints as trained
+
+    base = tmp_path_factory.getbasetemp()
+    return trained(base if worker_id == "master" else base.parent)

@@ -1,17 +1,13 @@
 """convert / verify / info: every training-output layout round-trips to exactly the original parameters."""
 
 import json
-import pickle
 
 import pytest
 import torch
-from helpers.builders import Payload, images, left_padded_batch, model_and_tensors, write_hf, zero_split
+from helpers.builders import images, left_padded_batch, model_and_tensors, write_hf
 from helpers.checks import assert_converted_equals
-from helpers.zero_format import HAVE_DEEPSPEED, write_zero_checkpoint
 from safetensors.torch import load_file
 
-from dattn_export.artifacts import CONVERT_MANIFEST
-from dattn_export.checkpoints import open_checkpoint
 from dattn_export.checkpoints.source import load_model
 from dattn_export.stages.convert import convert
 from dattn_export.stages.info import describe
@@ -36,88 +32,6 @@ def test_hf_layouts_round_trip(tmp_path, fmt, shards):
     torch.testing.assert_close(logits(load_model(tmp_path / "out")), logits(model), atol=0, rtol=0)
     assert all(check.ok for check in verify(tmp_path / "out", against=source))
     assert (tmp_path / "out" / "tokenizer.json").is_file() and result.dtype == torch.float32
-
-
-ZERO_CASES = [
-    (1, 1, True),
-    (1, 2, False),
-    (2, 1, False),
-    (2, 2, True),
-    (2, 3, True),
-    (3, 1, False),
-    (3, 2, True),
-    (3, 3, True),
-]
-
-
-@pytest.mark.parametrize("stage, world_size, bf16_prefix", ZERO_CASES)
-def test_zero_round_trip(tmp_path, stage, world_size, bf16_prefix):
-    model, tensors = model_and_tensors()
-    trainable, frozen, shared, expected = zero_split(model, tensors)
-    if world_size == 3:  # uneven partitions: tensors of 64-multiples do not divide by 3, so ranks carry padding
-        assert any(t.numel() % 3 for t in trainable.values())
-    checkpoint = tmp_path / "checkpoint-10"
-    write_hf(checkpoint, model, {"placeholder": torch.zeros(0)}, shards=1)  # ZeRO-3 without gathering: empty save
-    write_zero_checkpoint(
-        checkpoint / "global_step10",
-        trainable,
-        stage=stage,
-        world_size=world_size,
-        frozen=frozen,
-        shared=shared,
-        bf16_prefix=bf16_prefix,
-    )
-    (checkpoint / "latest").write_text("global_step10")
-    marker = tmp_path / "pwned"
-    (checkpoint / "training_args.bin").write_bytes(pickle.dumps(Payload(marker)))  # never read
-    convert(checkpoint, tmp_path / "out", dtype="fp32")
-    assert_converted_equals(tmp_path / "out", expected)
-    assert not marker.exists()
-    reference = load_model(tmp_path / "out")
-    torch.testing.assert_close(logits(load_model(checkpoint / "global_step10")), logits(reference), atol=0, rtol=0)
-
-
-def test_zero_bf16_output_and_manifest(tmp_path):
-    model, tensors = model_and_tensors("mistral")
-    trainable, frozen, shared, expected = zero_split(model, tensors)
-    step = write_zero_checkpoint(tmp_path / "ckpt" / "global_step3", trainable, stage=3, world_size=2, frozen=frozen)
-    model.config.save_pretrained(tmp_path / "ckpt")
-    convert(step, tmp_path / "out", dtype="bf16")
-    assert_converted_equals(tmp_path / "out", {n: t.to(torch.bfloat16) for n, t in expected.items()})
-    manifest = json.loads((tmp_path / "out" / CONVERT_MANIFEST).read_text())
-    assert manifest["source"]["layout"] == "deepspeed-zero" and manifest["dtype"] == "bfloat16"
-    q = manifest["tensors"]["model.layers.0.self_attn.q_proj.weight"]
-    assert q["dtype"] == "bfloat16" and q["shape"] == [64, 64] and q["source_dtype"] == "float32"
-    checks = verify(tmp_path / "out", against=step)
-    assert all(c.ok for c in checks), checks
-
-
-def test_trainer_checkpoint_prefers_gathered_weights(tmp_path):
-    model, tensors = model_and_tensors()
-    checkpoint = write_hf(tmp_path / "checkpoint-5", model, tensors)
-    trainable, frozen, shared, _ = zero_split(*model_and_tensors(seed=1))  # stale: must not be used
-    write_zero_checkpoint(checkpoint / "global_step5", trainable, stage=2, world_size=2, frozen=frozen, shared=shared)
-    (checkpoint / "latest").write_text("global_step5")
-    assert open_checkpoint(checkpoint).layout == "trainer-checkpoint"
-    convert(checkpoint, tmp_path / "out", dtype="fp32")
-    assert_converted_equals(tmp_path / "out", tensors)
-
-
-@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed: its zero_to_fp32 cannot be compared")
-@pytest.mark.parametrize("stage, world_size", [(2, 3), (3, 3)])
-def test_zero_matches_deepspeeds_zero_to_fp32(tmp_path, stage, world_size):
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    model, tensors = model_and_tensors()
-    trainable, frozen, shared, _ = zero_split(model, tensors)
-    write_zero_checkpoint(
-        tmp_path / "global_step7", trainable, stage=stage, world_size=world_size, frozen=frozen, shared=shared
-    )
-    theirs = get_fp32_state_dict_from_zero_checkpoint(tmp_path, tag="global_step7")
-    ours = open_checkpoint(tmp_path / "global_step7").tensors
-    assert set(ours) == set(theirs)
-    for name, tensor in theirs.items():
-        assert torch.equal(ours[name].load(), tensor), name
 
 
 def test_adapter_only_save_over_base(tmp_path):

@@ -1,25 +1,26 @@
 """Malformed inputs to `convert`: one line naming the path, exit code 2, no traceback, nothing left behind."""
 
+import collections
 import json
 import pickle
+import shutil
+import warnings
 import zipfile
 
 import pytest
 import torch
-from helpers.builders import Payload, model_and_tensors, write_hf, zero_split
+from helpers.builders import Payload, model_and_tensors, write_hf
 from helpers.cli import run_cli
-from helpers.zero_format import write_zero_checkpoint
 from safetensors.torch import save_file
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+def sources(tmp_path_factory, real_checkpoints):
+    """An HF folder, and a ZeRO-3 run DeepSpeed saved (world size 2): the damage is done to copies of these."""
     root = tmp_path_factory.mktemp("sources")
     model, tensors = model_and_tensors("mistral")
     write_hf(root / "hf", model, tensors, shards=3)
-    trainable, frozen, shared, _ = zero_split(model, tensors)
-    write_zero_checkpoint(root / "zero" / "global_step1", trainable, stage=3, world_size=2, frozen=frozen)
-    model.config.save_pretrained(root / "zero")
+    shutil.copytree(real_checkpoints["zero3-bf16-w2"], root / "zero")
     return root
 
 
@@ -106,6 +107,38 @@ def malicious_zip_bin(folder, marker):
     return folder / "pytorch_model.bin"
 
 
+class TypedRebuild:
+    """Pickles as torch's `_rebuild_from_type_v2(func, new_type, args, state)` (how torch saves a tensor that
+    carries attributes) with the parts given; args rebuild a real 4-element tensor."""
+
+    def __init__(self, func, new_type, state):
+        self.func, self.new_type, self.state = func, new_type, state
+
+    def __reduce__(self):
+        with warnings.catch_warnings():  # a TypedStorage is what torch's own tensor pickling puts here
+            warnings.simplefilter("ignore")
+            storage = torch.arange(4.0).storage()
+        args = (storage, 0, (4,), (1,), False, collections.OrderedDict())
+        return torch._tensor._rebuild_from_type_v2, (self.func, self.new_type, args, self.state)
+
+
+class CallsTensor:
+    def __reduce__(self):
+        return torch.Tensor, (4,)
+
+
+def saved_bin(make):
+    """A damage that replaces the weights by a torch.save zip holding `make(marker)`."""
+
+    def damage(folder, marker):
+        for path in folder.glob("model*"):
+            path.unlink()
+        torch.save({"x": make(marker)}, folder / "pytorch_model.bin")
+        return folder / "pytorch_model.bin"
+
+    return damage
+
+
 def nan_weights(folder):
     shard = first_shard(folder)
     from safetensors.torch import load_file
@@ -129,14 +162,14 @@ def fp16_overflow(folder):
 
 
 def remove_rank(folder):
-    target = next((folder / "global_step1").glob("*zero_pp_rank_1_*optim_states.pt"))
+    target = next((folder / "global_step2").glob("*zero_pp_rank_1_*optim_states.pt"))
     target.unlink()
-    return folder / "global_step1"
+    return folder / "global_step2"
 
 
 def wrong_world_size(folder):
     """Optimizer files of world size 2 whose partition_count says 3."""
-    step = folder / "global_step1"
+    step = folder / "global_step2"
     for file in step.glob("*optim_states.pt"):
         state = torch.load(file, weights_only=False)
         state["optimizer_state_dict"]["partition_count"] = 3
@@ -145,9 +178,9 @@ def wrong_world_size(folder):
 
 
 def no_optimizer_files(folder):
-    for file in (folder / "global_step1").glob("*optim_states.pt"):
+    for file in (folder / "global_step2").glob("*optim_states.pt"):
         file.unlink()
-    return folder / "global_step1"
+    return folder / "global_step2"
 
 
 def empty_folder(folder):
@@ -193,6 +226,33 @@ CASES = {
         "refused to unpickle: it references posix.system",
         [],
     ),
+    "tensor attributes rebuilding a non-tensor type": (
+        "hf",
+        saved_bin(lambda _: TypedRebuild(torch._utils._rebuild_tensor_v2, collections.OrderedDict, {})),
+        "refused to unpickle: _rebuild_from_type_v2 makes a <class 'collections.OrderedDict'>",
+        [],
+    ),
+    "tensor attributes not a plain dict": (
+        "hf",
+        saved_bin(lambda _: TypedRebuild(torch._utils._rebuild_tensor_v2, torch.Tensor, [("ds_id", "0_1")])),
+        "sets attributes from a list, not a plain dict",
+        [],
+    ),
+    "tensor attributes carrying os.system": (
+        "hf",
+        saved_bin(
+            lambda marker: TypedRebuild(torch._utils._rebuild_tensor_v2, torch.Tensor, {"ds_id": Payload(marker)})
+        ),
+        "refused to unpickle: it references posix.system",
+        [],
+    ),
+    "tensor rebuilt by a non-tensor function": (
+        "hf",
+        saved_bin(lambda _: TypedRebuild(collections.OrderedDict, torch.nn.Parameter, {})),
+        "_rebuild_from_type_v2 rebuilds with 'OrderedDict', not a tensor",
+        [],
+    ),
+    "torch.Tensor called by the pickle": ("hf", saved_bin(lambda _: CallsTensor()), "it calls torch.Tensor", []),
     "missing ZeRO rank file": ("zero", remove_rank, "rank file(s) [1] missing", []),
     "wrong world size": ("zero", wrong_world_size, "world size 3 (partition_count)", []),
     "ZeRO without optimizer files": ("zero", no_optimizer_files, "no *_optim_states.pt", []),
@@ -205,13 +265,11 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_malformed_input(sources, tmp_path, case):
     kind, damage, expected, extra = CASES[case]
-    import shutil
-
     folder = tmp_path / "src"
     shutil.copytree(sources / kind, folder)
     marker = tmp_path / "pwned"
     named = damage(folder, marker) if "marker" in damage.__code__.co_varnames else damage(folder)
-    source = folder / "global_step1" if kind == "zero" and case != "empty folder" else folder
+    source = folder / "global_step2" if kind == "zero" and case != "empty folder" else folder
     out = tmp_path / "out"
     result = run_cli("convert", source, "-o", out, *extra)
     assert result.returncode == 2, (result.stdout, result.stderr)

@@ -5,9 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers.builders import build_model, checkpoint_of, images, left_padded_batch, write_hf, zero_split
+from helpers.builders import build_model, checkpoint_of, images, left_padded_batch, write_hf
 from helpers.checks import SHAPES, assert_converted_equals, run_case
-from helpers.zero_format import write_zero_checkpoint
 
 from dattn_export.checkpoints.source import load_model, saved_state_dict
 from dattn_export.runtime.ort import OrtModel
@@ -210,14 +209,6 @@ def test_converts_from_every_layout_with_the_learners(tmp_path):
     with torch.no_grad():
         converted = load_model(tmp_path / "from-bin")(ids, images(2), mask).logits
         torch.testing.assert_close(converted, model(ids, images(2), mask).logits, atol=0, rtol=0)
-
-    trainable, frozen, shared, expected = zero_split(model, tensors)
-    step = write_zero_checkpoint(
-        tmp_path / "zero" / "global_step4", trainable, stage=3, world_size=3, frozen=frozen, shared=shared
-    )
-    model.config.save_pretrained(tmp_path / "zero")
-    convert(step, tmp_path / "from-zero", dtype="fp32")
-    assert_converted_equals(tmp_path / "from-zero", expected)  # fp32 masters, the frozen tower as stored (bf16)
 
     # a WINGS config whose checkpoint lacks a learner tensor is refused, naming it
     del tensors["model.layers.1.wings_router.bias"]

@@ -8,8 +8,9 @@ ZeRO-1/2: per param group, each rank holds an equal slice of the group's flat bu
   padded at the end (alignment 2 x world size).
 ZeRO-3: each rank holds ceil(numel / world_size) elements of every parameter, padding at the end of each
   parameter (`fp32_flat_groups`, groups concatenated per rank).
-Frozen parameters live in the model-states files (`frozen_param_fragments`), shared ones are
-`shared_params` aliases, buffers are in `module`.
+Frozen parameters live in the model-states files (`frozen_param_fragments`), except under ZeRO-1, which
+records none: there they exist only in `module` (16-bit). Shared ones are `shared_params` aliases, buffers
+are in `module`.
 """
 
 from __future__ import annotations
@@ -99,6 +100,25 @@ class ZeroReader(CheckpointReader):
             if source in self.tensors:
                 self.tensors[alias] = self.tensors[source]
         self.notes.append(f"ZeRO-{stage}, world size {world_size}, fp32 master weights ({len(optim_files)} rank files)")
+        self._unrecorded_frozen(model_states[0], model_files[0].name)
+
+    def _unrecorded_frozen(self, state: dict, file_name: str) -> None:
+        """ZeRO-1 records no frozen_param_shapes: a frozen parameter exists only as the module's 16-bit copy (and
+        DeepSpeed's zero_to_fp32 drops it). Take it from there, so the model is complete, and say so."""
+        module = state.get("module") or {}
+        restored = [
+            name
+            for name, tensor in module.items()
+            if name not in self.tensors and isinstance(tensor, LazyTensor) and tensor.numel
+        ]
+        for name in restored:
+            self.tensors[name] = module[name]
+        if restored:
+            dtypes = sorted({str(module[n].dtype).removeprefix("torch.") for n in restored})
+            self.notes.append(
+                f"{len(restored)} frozen tensor(s) restored from {file_name}'s module ({', '.join(dtypes)}): "
+                "DeepSpeed keeps no fp32 copy of them and its zero_to_fp32 drops them"
+            )
 
     def _buffers(self, state: dict) -> None:
         module = state.get("module") or {}

@@ -7,8 +7,9 @@ memory for one or two tensors, not one shard.
 Two file formats are parsed here without loading their data:
   * safetensors: an 8-byte little-endian header length, a JSON header, raw little-endian data;
   * torch.save zip archives (.bin, .pt): `data.pkl` is unpickled by a restricted unpickler that knows only
-    tensors, a few containers and dtypes, and DeepSpeed's own classes (as inert stand-ins that run
-    nothing); any other global (os.system, ...) is refused before anything is called.
+    tensors (plain, Parameters, and tensors pickled with attributes, whose attributes are dropped), a few
+    containers and dtypes, and DeepSpeed's own classes (as inert stand-ins that run nothing); any other
+    global (os.system, ...) is refused before anything is called.
 """
 
 from __future__ import annotations
@@ -283,10 +284,41 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *_ignored
     return data
 
 
+class TensorType:
+    """A tensor class a pickle names (`torch.Tensor`, `Parameter`) only to say what to rebuild: never called."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise UnsafePickle(f"it calls {self.name}, which only a tensor rebuild may name")
+
+
+TENSOR_TYPES = {
+    ("torch", "Tensor"): TensorType("torch.Tensor"),
+    ("torch._tensor", "Tensor"): TensorType("torch.Tensor"),
+    ("torch.nn.parameter", "Parameter"): TensorType("torch.nn.parameter.Parameter"),
+}
+
+
+def _rebuild_from_type(func, new_type, args, state) -> LazyTensor:
+    """A tensor pickled with Python attributes (DeepSpeed ZeRO-3 partitions carry `ds_id`): read as the plain
+    tensor; the attributes are checked to be a plain dict and then dropped, never set on anything."""
+    if func is not _rebuild_tensor or not isinstance(args, tuple):
+        raise UnsafePickle(f"_rebuild_from_type_v2 rebuilds with {getattr(func, '__name__', func)!r}, not a tensor")
+    if not any(new_type is t for t in TENSOR_TYPES.values()):
+        raise UnsafePickle(f"_rebuild_from_type_v2 makes a {new_type!r}, not a plain tensor or Parameter")
+    if type(state) is not dict or not all(type(k) is str for k in state):
+        raise UnsafePickle(f"_rebuild_from_type_v2 sets attributes from a {type(state).__name__}, not a plain dict")
+    return func(*args)
+
+
 SAFE_GLOBALS = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    **TENSOR_TYPES,
     ("torch", "Size"): torch.Size,
     ("builtins", "set"): set,
     ("__builtin__", "set"): set,

@@ -352,7 +352,8 @@ class DAttnDecoderLayer(nn.Module):
         """WINGS: the visual and text learners' outputs weighed by the router, and the text learner's cache.
         `shares` (B, heads, T, 2): the main attention's mass on [visual, text] per head, the router's input."""
         num_new = x.shape[1]
-        weights = torch.softmax(self.wings_router(shares.transpose(1, 2).flatten(2)), dim=-1)  # (B, T, 2)
+        router_input = shares.transpose(1, 2).flatten(2).to(x.dtype)  # the shares are fp32 in a 16-bit model
+        weights = torch.softmax(self.wings_router(router_input), dim=-1)  # (B, T, 2)
         visual_mask = visual_mask.bool()[:, None, :].expand(-1, num_new, -1)
         visual_learner, text_learner = self.wings_visual, self.wings_text
         visual_out = visual_learner.attend(visual_learner.heads(visual_learner.q_proj, x), *visual[2:], visual_mask)

@@ -71,15 +71,6 @@ def write_hf(folder, model, tensors, fmt="safetensors", shards=2):
     return folder
 
 
-def zero_split(model, tensors):
-    """Trainable LLM + adapter (fp32 masters), frozen bf16 vision tower, tied lm_head as a shared param."""
-    trainable = {n: t for n, t in tensors.items() if not n.startswith("model.mm_vis.")}
-    frozen = {n: t.to(torch.bfloat16) for n, t in tensors.items() if n.startswith("model.mm_vis.")}
-    shared = {"lm_head.weight": "model.embed_tokens.weight"} if model.config.tie_word_embeddings else {}
-    expected = {**trainable, **{n: t.float() for n, t in frozen.items()}}
-    return trainable, frozen, shared, expected
-
-
 def checkpoint_of(model, folder):
     """A checkpoint folder (tokenizer and all) holding `model`'s weights."""
     write_demo_checkpoint(folder, model.config.model_type.removeprefix("dattn_"))
