@@ -197,7 +197,7 @@ def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force:
     """Convert training output (HF, Trainer, DeepSpeed ZeRO, adapter-only) to verified sharded safetensors."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from .checkpoints.names import AUDIO_TOWER_NOT_RUN
+    from .checkpoints.names import audio_tower_role
     from .stages.convert import convert as run_convert
     from .ui import err, summary_table
     from .ui import out as stdout
@@ -213,14 +213,15 @@ def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force:
     )
     result = run_convert(checkpoint, out, dtype, max_shard_size, force, base, vision_heads, progress)
     shards = sorted(n for n in result.files if n.endswith(".safetensors"))
+    source = result.source
     audio = (
-        [("audio tower", f"{AUDIO_TOWER_NOT_RUN} ({result.source.audio_origin})")] if result.source.audio_origin else []
+        [("audio tower", f"{audio_tower_role(source.config)} ({source.audio_origin})")] if source.audio_origin else []
     )
     rows = [
-        ("source", f"{checkpoint} ({result.source.reader.layout}; {'; '.join(result.source.reader.notes)})"),
-        ("vision config", result.source.vision_origin),
+        ("source", f"{checkpoint} ({source.reader.layout}; {'; '.join(source.reader.notes)})"),
+        ("vision config", source.vision_origin),
         *audio,
-        *((f"inferred: {key}", origin) for key, origin in (result.source.config.dattn_inferred or {}).items()),
+        *((f"inferred: {key}", origin) for key, origin in (source.config.dattn_inferred or {}).items()),
         ("output", f"{out} ({len(shards)} shard(s), {len(result.files) + 1} files incl. manifest)"),
         (
             "tensors",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .modeling.configuration_dattn import CONFIG_CLASSES
+from .modeling.configuration_dattn import CONFIG_CLASSES, RELEASED_POOL_RULES
 from .modeling.modeling_dattn import Gemma2RMSNorm, MMRMSNorm
 
 TINY_VISION = {
@@ -41,10 +41,25 @@ TINY_TEXT = {
 }  # fmt: skip
 
 
-def tiny_config(family: str = "mistral", *, vision: str = "siglip", audio: bool = False, **overrides):
+# a released video model in miniature: 7 x 7 patches a frame, pooled by 2; audio pooled by 2
+TINY_VIDEO = dict(
+    mm_input_type="video", dattn_mode="dattn-sum", mm_image_pool_size=2, mm_audio_pool_size=2, mm_time_interval=8,
+)  # fmt: skip
+
+
+def tiny_config(
+    family: str = "mistral", *, vision: str = "siglip", audio: bool = False, video: bool = False, **overrides
+):
     """A tiny D-Attn config of `family` (mistral | gemma2) with a tiny `vision` tower (siglip | clip) and, with
-    `audio`, the tiny Whisper encoder the released models carry."""
-    fields = {**TINY_TEXT[family], "mm_vision_tower": f"dattn-export/tiny-{vision}", **overrides}
+    `audio`, the tiny Whisper encoder the released models carry; `video`: a video model (frames and audio) that
+    pools as the family's released model does."""
+    fields = {**TINY_TEXT[family], "mm_vision_tower": f"dattn-export/tiny-{vision}"}
+    if video:
+        model_type = fields["model_type"]
+        fields |= {**TINY_VIDEO, "mm_pool_rule": RELEASED_POOL_RULES[model_type]}
+        fields["vision_config"] = {**TINY_VISION[vision], "image_size": 28, "patch_size": 4}
+        audio = True
+    fields |= overrides
     fields.setdefault("vision_config", dict(TINY_VISION[vision]))
     if audio:
         fields |= {"mm_audio_tower": "dattn-export/tiny-whisper", "audio_config": dict(TINY_AUDIO)}

@@ -27,6 +27,12 @@ def canonical_name(name: str) -> str:
 
 COMPONENTS = ("vision tower", "adapter", "LLM")  # every model has these; some also "audio tower", "WINGS learners"
 AUDIO_TOWER_NOT_RUN = "carried in the checkpoint, not run: image prompts do not use it"
+
+
+def audio_tower_role(config) -> str:
+    return "runs the audio stream (a video model)" if config.is_video else AUDIO_TOWER_NOT_RUN
+
+
 WINGS_MODULE = re.compile(r"^model\.layers\.\d+\.wings_")
 
 

@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 from ..errors import InputError
-from ..modeling.configuration_dattn import CONFIG_CLASSES
+from ..modeling.configuration_dattn import CONFIG_CLASSES, RELEASED_POOL_RULES
 from ..modeling.modeling_dattn import MODEL_CLASSES
 
 RELEASED_ARCHITECTURES = {"dattn_mistral": "DattnMistralForCausalLM", "dattn_gemma2": "DattnGemma2ForCausalLM"}
@@ -34,6 +34,9 @@ def released_fields(fields: dict, source: Path) -> dict:
         ),
         "mm_mask_empty_images": (True, f"{CODE}/multimodal.py: image_masks, an all-zero image is masked"),
     }
+    if fields.get("mm_input_type") == "video":
+        origin = "Vidi_7B" if model_type == "dattn_mistral" else "Vidi1.5_9B"
+        inferred["mm_pool_rule"] = (RELEASED_POOL_RULES[model_type], f"{origin} mm_vision/pool.py, multimodal.py")
     if fields.get("mm_std") is None:  # its norm is initialised from it; the checkpoint holds the trained weights
         inferred["mm_std"] = (1.0, "config.json mm_std is null")
     mapped = {**fields, **{key: value for key, (value, _) in inferred.items()}}
@@ -51,8 +54,8 @@ def released_fields(fields: dict, source: Path) -> dict:
 # this project's keys, which released configs do not have
 OWN_KEYS = (
     "vision_config", "audio_config", "dattn_mode", "dattn_diagonal", "dattn_debias", "window_rule",
-    "mm_scale_streams", "mm_mask_empty_images", "dattn_inferred", "wings_rank", "wings_layers", "layer_types",
-    "use_bidirectional_attention",
+    "mm_scale_streams", "mm_mask_empty_images", "mm_pool_rule", "dattn_inferred", "wings_rank", "wings_layers",
+    "layer_types", "use_bidirectional_attention",
 )  # fmt: skip
 
 

@@ -73,6 +73,15 @@ class Source:
         if found := processor_folder(self.reader.config_dir, self.config):
             carry_files(found, destination, (PROCESSOR_FILE,))
 
+    def refuse_video(self, command: str) -> None:
+        """Commands that run image models only, so far, stop a video model with one line."""
+        if self.config.is_video:
+            raise InputError(
+                self.config_path,
+                f"is a video model (mm_input_type 'video'): `{command}` runs image models only so far "
+                "(info, convert, verify and push take video models)",
+            )
+
     def raise_first_problem(self) -> None:
         if self.problems:
             first = self.problems[0]

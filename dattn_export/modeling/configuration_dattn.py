@@ -16,6 +16,14 @@ ATTENTION_MODES = ("dattn", "dattn-sum", "sattn", "mmca")
 # flash-attn's window_size=(w, w), which the released models were trained with, shows w + 1
 WINDOW_RULES = {"transformers": 0, "flash_attn": 1}
 VISION_CONFIG_CLASSES = {"siglip_vision_model": SiglipVisionConfig, "clip_vision_model": CLIPVisionConfig}
+INPUT_TYPES = ("image", "video")
+# how a video model pools a frame's tower features and its audio features (the released models differ):
+#   conv-interpolate (Vidi_7B): a bias-free conv, stride 1, then bilinear resize to mm_image_pool_size a side;
+#     the audio conv keeps the Whisper width
+#   space-to-depth (Vidi1.5_9B): one zero row and column, then mm_image_pool_size-wide blocks stacked into
+#     channels; the audio conv maps to the LLM width
+POOL_RULES = ("conv-interpolate", "space-to-depth")
+RELEASED_POOL_RULES = {"dattn_mistral": "conv-interpolate", "dattn_gemma2": "space-to-depth"}
 
 
 @dataclasses.dataclass(repr=False, eq=False)
@@ -36,6 +44,7 @@ class DAttnFields:
     mm_audio_pool_size: int | None = None
     mm_time_interval: int | None = None
     mm_std: float = 1.0  # the initial weight of mm_rand_llm_norm
+    mm_pool_rule: str = "space-to-depth"  # video models: one of POOL_RULES
     dattn_mode: str = "dattn"  # one of ATTENTION_MODES (mmca: DeepSpeed-VisualChat's multi-modal causal attention)
     window_rule: str = "transformers"  # one of WINDOW_RULES
     mm_scale_streams: bool = False  # Gemma 2 (released): the visual stream is scaled by sqrt(hidden) like the text
@@ -51,8 +60,10 @@ class DAttnFields:
             raise ValueError(f"dattn_mode must be one of {ATTENTION_MODES}, got {self.dattn_mode!r}")
         if self.window_rule not in WINDOW_RULES:
             raise ValueError(f"window_rule must be one of {sorted(WINDOW_RULES)}, got {self.window_rule!r}")
-        if self.mm_input_type != "image":
-            raise ValueError(f"mm_input_type {self.mm_input_type!r} is not supported yet (image checkpoints only)")
+        if self.mm_input_type not in INPUT_TYPES:
+            raise ValueError(f"mm_input_type must be one of {INPUT_TYPES}, got {self.mm_input_type!r}")
+        if self.is_video:
+            self._check_video()
         if self.mm_image_aspect_ratio == "anyres":
             raise ValueError("mm_image_aspect_ratio 'anyres' is not supported yet (one tile per image only)")
         if self.mm_projector_type != "mlp2x_gelu":
@@ -73,6 +84,26 @@ class DAttnFields:
             raise ValueError(
                 f"wings_layers {self.wings_layers} are not all layers of a {self.num_hidden_layers}-layer model"
             )
+
+    def _check_video(self) -> None:
+        """A video model as the released code builds one: frames and an audio stream, each softmaxed and summed."""
+        needed = ("audio_config", "mm_image_pool_size", "mm_audio_pool_size", "mm_time_interval")
+        missing = [key for key in needed if getattr(self, key) is None]
+        if missing:
+            raise ValueError(f"a video model (mm_input_type 'video') needs {', '.join(missing)}")
+        if self.mm_pool_rule not in POOL_RULES:
+            raise ValueError(f"mm_pool_rule must be one of {POOL_RULES}, got {self.mm_pool_rule!r}")
+        if self.dattn_mode != "dattn-sum" or self.wings_rank:
+            raise ValueError("a video model attends to its streams as the released code does: dattn_mode 'dattn-sum'")
+        pool, grid = self.mm_image_pool_size, self.patch_grid
+        if not 1 < pool <= grid:
+            raise ValueError(f"mm_image_pool_size {pool} must lie in [2, {grid}] (the tower's patches a side)")
+        if self.mm_pool_rule == "space-to-depth" and (grid + 1) % pool:
+            raise ValueError(f"mm_image_pool_size {pool} must divide {grid + 1} (the tower's patches a side, plus one)")
+
+    @property
+    def is_video(self) -> bool:
+        return self.mm_input_type == "video"
 
     @property
     def vision_tower_config(self) -> SiglipVisionConfig | CLIPVisionConfig:
@@ -116,6 +147,12 @@ class DAttnFields:
     @property
     def tokens_per_image(self) -> int:
         return self.patch_grid**2
+
+    @property
+    def tokens_per_frame(self) -> int:
+        """A video model's visual tokens per frame (space-to-depth: until the frames pass the resize budget)."""
+        side = self.mm_image_pool_size
+        return side**2 if self.mm_pool_rule == "conv-interpolate" else ((self.patch_grid + 1) // side) ** 2
 
     @property
     def wings_layer_indices(self) -> list[int]:

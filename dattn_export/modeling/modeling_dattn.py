@@ -1,7 +1,9 @@
 """The D-Attn vision-language model (reference implementation in PyTorch).
 
 vision tower -> mlp2x_gelu adapter -> RMSNorm -> + row/column position embeddings -> LLM norm -> visual
-stream; the LLM's decoder layers (Mistral or Gemma 2 weights and names) run two streams:
+stream (video models, `mm_input_type="video"`: frames pooled, + time embeddings, and an audio stream from the
+Whisper tower; the audio stream runs the layers as the visual one does and text attends to it with its own
+softmax, summed); the LLM's decoder layers (Mistral or Gemma 2 weights and names) run two streams:
   * visual: V2V is diagonal (each token attends only to itself) so a layer's visual K/V depend on the
     image alone: `encode_visual` computes them once per image and any prompt reuses them;
   * text: one `decomposed_attention` call per layer over [visual K/V (unrotated) ; text K/V (causal)].
@@ -144,6 +146,37 @@ class AudioTower(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.encoder = WhisperEncoder(config.audio_tower_config)
+
+
+class FramePool(nn.Module):
+    """mm_rand_img_pool: frames' tower features (N, C, g, g) -> (N, C', s, s), by the config's mm_pool_rule."""
+
+    PADDED_SIDE = 28  # space-to-depth: the released code's constant (SigLIP/14 at 384 px: 27 patches, plus one)
+    MAX_TOKENS = 60000  # space-to-depth: past 60000 x pool^2 padded tokens in all, the frames are resized
+
+    def __init__(self, config):
+        super().__init__()
+        self.rule, self.pool = config.mm_pool_rule, config.mm_image_pool_size
+        channels = config.vision_config["hidden_size"]
+        if self.rule == "conv-interpolate":
+            self.conv = nn.Conv2d(channels, channels, kernel_size=math.ceil(config.patch_grid / self.pool), bias=False)
+        self.out_channels = channels if self.rule == "conv-interpolate" else channels * self.pool**2
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.rule == "conv-interpolate":  # mm_vision/pool.py (Vidi_7B)
+            return F.interpolate(self.conv(x), size=self.pool, mode="bilinear", align_corners=True)
+        x = F.pad(x, (0, 1, 0, 1))  # mm_vision/pool.py (Vidi1.5_9B), with the size multimodal.py chooses
+        frames, channels, height, width = x.shape
+        size = (self.PADDED_SIDE, self.PADDED_SIDE)
+        budget = self.MAX_TOKENS * self.pool**2
+        if frames * height * width > budget:  # utils.resize_by_tokens: even sides, at least 10
+            ratio = math.sqrt(budget / (frames * height * width))
+            size = tuple(max(10, int(n * ratio) - int(n * ratio) % 2) for n in (height, width))
+        if size[0] != self.PADDED_SIDE:
+            x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+        m, height, width = self.pool, x.shape[2], x.shape[3]  # utils.space_to_depth: m x m blocks into channels
+        x = x.reshape(frames, channels, height // m, m, width // m, m).permute(0, 1, 3, 5, 2, 4)
+        return x.reshape(frames, channels * m * m, height // m, width // m)
 
 
 # --- the decoder ---------------------------------------------------------------------------------
@@ -317,9 +350,18 @@ class DAttnDecoderLayer(nn.Module):
         return self.residual_mlp(h, attn.output(out)), visual_kv
 
     def text_forward(
-        self, h: Tensor, rope, past: KV | None, visual: KV, key_mask: Tensor, visual_mask: Tensor
+        self,
+        h: Tensor,
+        rope,
+        past: KV | None,
+        visual: KV,
+        key_mask: Tensor,
+        visual_mask: Tensor,
+        audio: KV | None = None,
+        audio_mask: Tensor | None = None,
     ) -> tuple[Tensor, KV]:
-        """One layer of the text stream; returns its output and the text K/V cache (past + new)."""
+        """One layer of the text stream; returns its output and the text K/V cache (past + new). Video models add
+        T2A: the audio keys (unrotated, unmasked inside a sample) under their own softmax, summed."""
         attn = self.self_attn
         x = self.input_layernorm(h)
         q = attn.heads(attn.q_proj, x)
@@ -328,7 +370,13 @@ class DAttnDecoderLayer(nn.Module):
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         q_vis = q if self.debias else q_rot
-        attn_out = attn.output(attn.attend(q_rot, k, v, key_mask, q_vis, visual[:2], visual_mask))
+        heads_out = attn.attend(q_rot, k, v, key_mask, q_vis, visual[:2], visual_mask)
+        if audio is not None:
+            audio_keys = audio_mask.bool()[:, None, :].expand(-1, q.shape[2], -1)
+            heads_out = heads_out + decomposed_attention(
+                q_vis, *audio[:2], audio_keys, scale=attn.scale, softcap=attn.softcap, merge="sum"
+            )
+        attn_out = attn.output(heads_out)
         if not self.wings:
             return self.residual_mlp(h, attn_out), (k, v)
         shares = segment_shares(
@@ -404,11 +452,31 @@ class DAttnModel(DAttnPreTrainedModel):
         if config.audio_config is not None:
             self.mm_aud = AudioTower(config)
         self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
-        self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
-        self.mm_rand_norm = MMRMSNorm(hidden)
-        self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.patch_grid)
-        self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.patch_grid)
+        if config.is_video:  # frames: pooled, with row, column and time embeddings; audio: pooled, with time
+            self.mm_rand_img_pool = FramePool(config)
+            self.mm_rand_img_projector = MLPProjector(self.mm_rand_img_pool.out_channels, hidden)
+            self.mm_rand_img_norm = MMRMSNorm(hidden)
+            self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
+            self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
+            whisper, pool = config.audio_config["d_model"], config.mm_audio_pool_size
+            audio_width = whisper if config.mm_pool_rule == "conv-interpolate" else hidden
+            self.mm_rand_aud_pool = nn.Conv1d(whisper, audio_width, kernel_size=pool, stride=pool, bias=False)
+            self.mm_rand_aud_projector = MLPProjector(audio_width, hidden)
+            self.mm_rand_aud_norm = MMRMSNorm(hidden)
+            self.mm_rand_pos_t = LearnablePositionEmbedding(hidden, config.mm_time_interval)
+        else:
+            self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
+            self.mm_rand_norm = MMRMSNorm(hidden)
+            self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.patch_grid)
+            self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.patch_grid)
         self.post_init()
+
+    def scaled(self, stream: Tensor) -> Tensor:
+        """A context stream as the decoder takes it: with mm_scale_streams, times sqrt(hidden) where Gemma 2 scales
+        the text embeddings (in the stream's dtype, as Gemma 2 rounds its normalizer)."""
+        if not self.config.mm_scale_streams:
+            return stream
+        return stream * torch.tensor(self.config.hidden_size**0.5, dtype=stream.dtype)
 
     def embed_images(self, pixel_values: Tensor) -> Tensor:
         """(B, images, 3, H, W) pixels -> (B, images * tokens_per_image, hidden) visual embeddings: tower features
@@ -419,10 +487,56 @@ class DAttnModel(DAttnPreTrainedModel):
         x = self.mm_rand_norm(self.mm_rand_projector(features))
         x = x + self.mm_rand_pos_h(grid, x.dtype)[:, None, :]
         x = x + self.mm_rand_pos_w(grid, x.dtype)[None, :, :]
-        x = self.mm_rand_llm_norm(x.flatten(1, 2))
-        if self.config.mm_scale_streams:  # where Gemma 2 scales the text embeddings
-            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        x = self.scaled(self.mm_rand_llm_norm(x.flatten(1, 2)))
         return x.unflatten(0, (batch, images)).flatten(1, 2)
+
+    def embed_video(self, frames: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """Each sample's frames (F_i, 3, H, W) -> (B, L, hidden) visual embeddings and their (B, L) mask
+        (multimodal.py encode_video_images): tower features -> mm_rand_img_pool -> projector -> norm -> + row,
+        + column embeddings (over the pooled grid) -> + time embeddings (over the sample's frames). A sample whose
+        frames are all zero has no video."""
+        grid = self.config.patch_grid
+        features = self.mm_vis(torch.cat(frames).to(self.dtype)).unflatten(1, (grid, grid)).permute(0, 3, 1, 2)
+        x = self.mm_rand_img_pool(features).permute(0, 2, 3, 1)
+        x = self.mm_rand_img_norm(self.mm_rand_img_projector(x))
+        x = x + self.mm_rand_pos_h(x.shape[1], x.dtype)[:, None, :]
+        x = x + self.mm_rand_pos_w(x.shape[2], x.dtype)[None, :, :]
+        samples = [f + self.mm_rand_pos_t(len(f), x.dtype)[:, None, None] for f in x.split([len(f) for f in frames])]
+        return self.context_stream([f.flatten(0, 2) for f in samples], [f.abs().sum() != 0 for f in frames])
+
+    def embed_audio(self, mels: list[Tensor], mel_frames: list[int]) -> tuple[Tensor, Tensor]:
+        """Each sample's log-mel chunks (C_i, mel bins, chunk frames) and its length in mel frames -> (B, L, hidden)
+        audio embeddings and their (B, L) mask (multimodal.py encode_video_audios): the Whisper encoder per chunk
+        -> the sample's chunks end to end, cut to its length -> mm_rand_aud_pool (a strided conv) -> projector ->
+        norm -> + time embeddings. A sample whose features are all zero has no audio."""
+        features = self.mm_aud.encoder(torch.cat(mels).to(self.dtype)).last_hidden_state
+        per_frame = features.shape[1] / mels[0].shape[-1]  # encoder positions per mel frame (1500 / 3000)
+        lengths = [math.floor(n * per_frame) for n in mel_frames]
+        chunks = features.split([len(m) for m in mels])
+        x = nn.utils.rnn.pad_sequence([f.flatten(0, 1)[:n] for f, n in zip(chunks, lengths)], batch_first=True)
+        x = self.mm_rand_aud_pool(x.transpose(1, 2)).transpose(1, 2)
+        lengths = [n // self.config.mm_audio_pool_size for n in lengths]
+        x = torch.cat([row[:n] for row, n in zip(x, lengths)])
+        x = self.mm_rand_aud_norm(self.mm_rand_aud_projector(x))
+        samples = [f + self.mm_rand_pos_t(len(f), x.dtype) for f in x.split(lengths)]
+        return self.context_stream(samples, [m.abs().sum() != 0 for m in mels])
+
+    def context_stream(self, samples: list[Tensor], present: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """Per-sample token embeddings -> padded to the longest (B, L, hidden), LLM-normed and zeroed outside the
+        mask: the tokens that are not padding, of the samples that are `present`."""
+        x = nn.utils.rnn.pad_sequence(samples, batch_first=True)
+        mask = (x.abs().sum(-1) != 0) & torch.stack(present)[:, None]
+        return self.scaled(self.mm_rand_llm_norm(x) * mask[..., None]), mask
+
+    def encode_video(self, frames: list[Tensor]) -> tuple[list[KV], Tensor]:
+        """Every layer's visual K/V for each sample's frames, and the visual mask."""
+        embeds, mask = self.embed_video(frames)
+        return self.encode_visual(embeds, mask), mask
+
+    def encode_audio(self, mels: list[Tensor], mel_frames: list[int]) -> tuple[list[KV], Tensor]:
+        """Every layer's audio K/V (the audio stream runs the layers as the visual one does), and the audio mask."""
+        embeds, mask = self.embed_audio(mels, mel_frames)
+        return self.encode_visual(embeds, mask), mask
 
     def image_mask(self, pixel_values: Tensor) -> Tensor:
         """(B, images * tokens_per_image) bool: with mm_mask_empty_images an all-zero image stands for "no image"
@@ -460,9 +574,12 @@ class DAttnModel(DAttnPreTrainedModel):
         past_key_values: list[KV] | None = None,
         visual_key_values: list[KV] | None = None,
         visual_mask: Tensor | None = None,
+        audio_key_values: list[KV] | None = None,
+        audio_mask: Tensor | None = None,
     ) -> tuple[Tensor, list[KV]]:
         """The text stream. attention_mask (B, past + T) marks real text tokens (left padding allowed);
-        visual_mask (B, V) marks real visual tokens. Returns the final hidden states and the text cache."""
+        visual_mask (B, V) and audio_mask (B, A) mark real visual and audio tokens. Returns the final hidden
+        states and the text cache."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, num_new = h.shape[:2]
         num_past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
@@ -484,7 +601,8 @@ class DAttnModel(DAttnPreTrainedModel):
                 visual, layer_visual_valid = layer.no_visual(h)
             else:
                 visual, layer_visual_valid = visual_key_values[i], visual_valid
-            h, kv = layer.text_forward(h, rope, past, visual, text_valid, layer_visual_valid)
+            audio = None if audio_key_values is None else audio_key_values[i]
+            h, kv = layer.text_forward(h, rope, past, visual, text_valid, layer_visual_valid, audio, audio_mask)
             present.append(kv)
         return self.norm(h), present
 
@@ -495,6 +613,8 @@ class DAttnOutput(ModelOutput):
     past_key_values: list[KV] | None = None
     visual_key_values: list[KV] | None = None
     visual_mask: Tensor | None = None
+    audio_key_values: list[KV] | None = None
+    audio_mask: Tensor | None = None
 
 
 class DAttnForCausalLM(DAttnPreTrainedModel):
@@ -516,21 +636,37 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         visual_key_values: list[KV] | None = None,
         visual_mask: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        audio_key_values: list[KV] | None = None,
+        audio_mask: Tensor | None = None,
     ) -> DAttnOutput:
         """Logits for the text tokens. Images come as `pixel_values` (B, images, 3, H, W), or as the
-        `visual_key_values` an earlier call returned."""
+        `visual_key_values` an earlier call returned; a video model's frames and audio as the K/V that
+        `model.encode_video` and `model.encode_audio` return."""
         if pixel_values is not None and visual_key_values is None:
             visual_key_values, image_mask = self.model.encode_images(pixel_values)
             visual_mask = image_mask if visual_mask is None else visual_mask.bool() & image_mask
         hidden, present = self.model(
-            input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, visual_key_values, visual_mask
+            input_ids,
+            inputs_embeds,
+            attention_mask,
+            position_ids,
+            past_key_values,
+            visual_key_values,
+            visual_mask,
+            audio_key_values,
+            audio_mask,
         )
         logits = self.lm_head(hidden)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return DAttnOutput(
-            logits=logits, past_key_values=present, visual_key_values=visual_key_values, visual_mask=visual_mask
+            logits=logits,
+            past_key_values=present,
+            visual_key_values=visual_key_values,
+            visual_mask=visual_mask,
+            audio_key_values=audio_key_values,
+            audio_mask=audio_mask,
         )
 
     @torch.no_grad()
@@ -543,13 +679,20 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         visual_key_values: list[KV] | None = None,
         eos_token_id: int | None = None,
         visual_mask: Tensor | None = None,
+        audio_key_values: list[KV] | None = None,
+        audio_mask: Tensor | None = None,
     ) -> Tensor:
-        """Greedy decoding with the text KV cache; the image's visual K/V are computed once (or reused)."""
+        """Greedy decoding with the text KV cache; the image's visual K/V (and a video model's audio K/V) are
+        computed once (or reused)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        out = self(
-            input_ids, pixel_values, attention_mask, visual_key_values=visual_key_values, visual_mask=visual_mask
+        streams = dict(
+            visual_key_values=visual_key_values,
+            visual_mask=visual_mask,
+            audio_key_values=audio_key_values,
+            audio_mask=audio_mask,
         )
+        out = self(input_ids, pixel_values, attention_mask, **streams)
         tokens = []
         for step in range(max_new_tokens):
             next_token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -563,6 +706,8 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
                 past_key_values=out.past_key_values,
                 visual_key_values=out.visual_key_values,
                 visual_mask=out.visual_mask,
+                audio_key_values=out.audio_key_values,
+                audio_mask=out.audio_mask,
             )
         return torch.cat(tokens, dim=1)
 

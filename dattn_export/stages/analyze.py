@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..artifacts import atomic_dir
-from ..checkpoints.source import load_model
+from ..checkpoints.source import build_model, open_source
 from ..errors import InputError
 from ..modeling.attention import dattn_op, segment_shares
 from ..plugins.contract import using_op
@@ -66,7 +66,9 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float | None:
 
 @torch.no_grad()
 def analyze(checkpoint: Path, image: Path, prompt: str, out: Path, force: bool = False) -> AttentionReport:
-    model = load_model(checkpoint)
+    source = open_source(checkpoint)
+    source.refuse_video("analyze")
+    model = build_model(source)
     tokenizer = load_tokenizer(checkpoint, model.config)
     before_text, _, after_text = prompt.partition(IMAGE_MARKER) if IMAGE_MARKER in prompt else ("", "", prompt)
     ids = tokenizer(before_text)["input_ids"]  # with no marker, only the BOS token comes before the image

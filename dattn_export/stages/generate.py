@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.names import parameter_counts
-from ..checkpoints.source import load_model
+from ..checkpoints.source import build_model, open_source
 from ..processing import load_image_processor, load_images, load_tokenizer
 from ..ui import stage
 
@@ -34,7 +34,9 @@ def eos_token_id(folder: Path, config) -> int | None:
 def run_prompt(folder: Path, prompt: str, image_paths: list[Path], max_new_tokens: int) -> PromptResult:
     seconds: dict[str, float] = {}
     with stage("load checkpoint", seconds):
-        model = load_model(folder)
+        source = open_source(folder)
+        source.refuse_video("generate")
+        model = build_model(source)
         tokenizer = load_tokenizer(folder, model.config)
         image_processor = load_image_processor(folder, model.config)
     inputs = tokenizer(prompt, return_tensors="pt")

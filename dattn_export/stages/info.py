@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..artifacts import dtype_name
 from ..checkpoints import open_checkpoint
-from ..checkpoints.names import AUDIO_TOWER_NOT_RUN, canonical_name, parameter_counts
+from ..checkpoints.names import audio_tower_role, canonical_name, parameter_counts
 from ..checkpoints.source import audit
 from ..errors import InputError
 
@@ -63,8 +63,17 @@ def describe(path: Path, base: Path | None = None, vision_heads: int | None = No
         "audio_tower": "none"
         if c.audio_config is None
         else f"{c.mm_audio_tower}: Whisper encoder {c.audio_config['d_model']}x{c.audio_config['encoder_layers']} "
-        f"layers, {AUDIO_TOWER_NOT_RUN} ({source.audio_origin})",
-        "visual_tokens_per_image": c.tokens_per_image,
+        f"layers, {audio_tower_role(c)} ({source.audio_origin})",
+        "input": c.mm_input_type,
+        **(
+            {
+                "visual_tokens_per_frame": c.tokens_per_frame,
+                "audio_tokens_per_chunk": c.audio_config["max_source_positions"] // c.mm_audio_pool_size,
+                "pool_rule": c.mm_pool_rule,
+            }
+            if c.is_video
+            else {"visual_tokens_per_image": c.tokens_per_image}
+        ),
         "sliding_window": "none" if c.sliding_window is None else f"{c.sliding_window} ({c.window_rule} rule)",
         "stream_scaling": c.mm_scale_streams,
         "mask_empty_images": c.mm_mask_empty_images,

@@ -62,22 +62,33 @@ def check_tensors(out: Path, manifest: ConvertManifest, against) -> Check:
     return Check("tensors reload", not bad, "; ".join(bad[:3]) or f"{len(seen)} tensors, {what}")
 
 
+def probe_logits(model, seed: int = 0) -> torch.Tensor:
+    """Logits of an 8-token random prompt with a random image (a video model: two frames and one audio chunk)."""
+    config, generator = model.config, torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, config.vocab_size, (1, 8), generator=generator)
+    size = config.vision_config["image_size"]
+    if not config.is_video:
+        return model(ids, torch.randn(1, 1, 3, size, size, generator=generator)).logits
+    chunk = 2 * config.audio_config["max_source_positions"]  # mel frames a Whisper encoder takes
+    visual, visual_mask = model.model.encode_video([torch.randn(2, 3, size, size, generator=generator)])
+    mel = torch.randn(1, config.audio_config["num_mel_bins"], chunk, generator=generator)
+    audio, audio_mask = model.model.encode_audio([mel], [chunk])
+    streams = dict(visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask)
+    return model(ids, **streams).logits
+
+
 def check_model(out: Path, against) -> Check:
     """The folder loads as the reference model and gives finite logits (the source's, when it has the same dtype)."""
     source = open_source(out)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, source.config.vocab_size, (1, 8), generator=generator)
-    size = source.config.vision_config["image_size"]
-    pixels = torch.randn(1, 1, 3, size, size, generator=generator)
     with torch.no_grad():
-        logits = build_model(source).forward(ids, pixels).logits
+        logits = probe_logits(build_model(source))
         if not torch.isfinite(logits).all():
             return Check("model loads and runs", False, "non-finite logits")
         same_dtype = against is not None and all(
             t.dtype == source.tensors[n].dtype for n, t in against.tensors.items() if n in source.tensors
         )
         if same_dtype:
-            error = (build_model(against).forward(ids, pixels).logits - logits).abs().max().item()
+            error = (probe_logits(build_model(against)) - logits).abs().max().item()
             return Check("model loads and runs", error == 0, f"logits equal the source's (max abs error {error:.3g})")
     return Check("model loads and runs", True, f"logits {list(logits.shape)} finite")
 

@@ -19,7 +19,8 @@ from filelock import FileLock
 SCRIPT = Path(__file__).with_name("deepspeed_training.py")
 
 # name: (world size, run). Engine runs save `global_step2/`; Trainer runs `checkpoint-2/`; the released run
-# `trainer.save_model(out)`. LLaVA's zero3.json, which the released code builds on, gathers 16-bit weights.
+# `trainer.save_model(out)`. Vidi publishes no DeepSpeed config; the usual ZeRO-3 configs for Trainer runs gather
+# 16-bit weights on save (the Trainer run without gathering covers the other case).
 RUNS = {
     "zero1-bf16-w2": (2, dict(kind="engine", stage=1, precision="bf16")),
     "zero1-fp32-w3": (3, dict(kind="engine", stage=1, precision="fp32", family="mistral", tied=False)),

@@ -1,6 +1,7 @@
 """Run ByteDance's Vidi code (outside the project) as an oracle on CPU: build a tiny random model with its own
 classes, save it as its trainer does (sharded bf16 safetensors), and record its logits for image, text-only and
-mixed-batch prompts.  usage: VIDI_SRC=... python vidi_oracle.py {gemma2|mistral} OUT  (see README.md)"""
+mixed-batch prompts; with `video`, a video model's (frames and audio, samples without one).
+usage: VIDI_SRC=... python vidi_oracle.py {gemma2|mistral} OUT [video]  (see README.md)"""
 
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 family, out = sys.argv[1], Path(sys.argv[2])
+video = sys.argv[3:] == ["video"]
 VIDI_SRC = os.environ["VIDI_SRC"]  # a checkout of github.com/bytedance/vidi
 sys.path.insert(0, str(Path(__file__).parent))
 import flash_standin
@@ -101,11 +103,12 @@ for stub in ("deepspeed", "deepspeed.comm"):  # Vidi's modules hold their refere
 torch.manual_seed(0)
 towers = out / "towers"
 vision_dir, audio_dir, base = towers / "siglip-tiny", towers / "whisper-tiny", out / "base"
+size, patch = (28, 4) if video else (32, 8)  # video: 7 patches a side, pooled by 2
 vc = SiglipVisionConfig(
-    hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8
+    hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, image_size=size, patch_size=patch
 )
 SiglipVisionModel(vc).save_pretrained(vision_dir)
-SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(vision_dir)
+SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(vision_dir)
 ac = WhisperConfig(
     d_model=32,
     encoder_layers=2,
@@ -123,7 +126,8 @@ ac = WhisperConfig(
     decoder_start_token_id=1,
 )
 WhisperModel(ac).save_pretrained(audio_dir)
-WhisperFeatureExtractor(feature_size=16).save_pretrained(audio_dir)
+# its chunk: 60 mel frames, the tiny encoder's input (30 positions), as 3000 are Whisper's (1500 positions)
+WhisperFeatureExtractor(feature_size=16, hop_length=8000).save_pretrained(audio_dir)
 base.mkdir(parents=True, exist_ok=True)
 from tokenizers import Tokenizer, models
 
@@ -146,11 +150,17 @@ config = Config(
     mm_vision_select_layer=-2,
     mm_image_aspect_ratio="resize",
     mm_image_grid_points="[[1, 2], [2, 1], [2, 2]]",
-    mm_input_type="image",
-    mm_splits=1,
+    mm_input_type="video" if video else "image",
+    mm_image_pool_size=2,
+    mm_audio_pool_size=2,
+    mm_splits=4 if video else 1,  # finetune.sh's; Vidi1.5_9B's video pool gets no size at 1 (a TypeError)
     mm_std=0.5,
-    mm_time_interval=10000,
+    mm_time_interval=8 if video else 10000,
     loss_thres=None,
+    train_rand=True,  # train.py sets these before training; the video path reads them
+    train_vis=False,
+    train_aud=False,
+    train_llm=True,
 )
 config._name_or_path = str(base)
 config._attn_implementation_internal = "flash_attention_2"
@@ -176,6 +186,23 @@ tokenizer.save_pretrained(ckpt)
 
 cases = {}
 ids = torch.randint(3, 512, (2, 14), generator=g)
+if video:  # 3 and 2 frames; 2 and 1 log-mel chunks with 100 and 41 real frames
+    frames = [torch.randn(n, 3, size, size, generator=g) for n in (3, 2)]
+    mels = [torch.randn(n, 16, 60, generator=g) for n in (2, 1)]
+    image_ids = torch.cat([ids[:, :1], torch.full((2, 1), IMAGE_TOKEN_INDEX), ids[:, 1:]], dim=1)
+    mask = torch.ones_like(image_ids)
+    no_audio = [mels[0], torch.zeros(1, 16, 60)]  # the collator's stand-in for a sample without audio
+    with torch.no_grad():
+        for name, (f, a, n) in {
+            "video_audio": (frames, mels, [100, 41]),
+            "video_no_audio_2nd": (frames, no_audio, [100, 60]),
+            "video_no_video_2nd": ([frames[0], torch.zeros_like(frames[1])], mels, [100, 41]),
+        }.items():
+            logits = model(image_ids, attention_mask=mask, images=f, audios=a, audio_sizes=n, use_cache=False).logits
+            cases[name] = (ids, f, a, n, logits)
+    torch.save({"cases": cases, "video": True}, out / "oracle.pt")
+    print(family, "video saved", sorted(p.name for p in ckpt.iterdir()))
+    sys.exit()
 pixels = torch.randn(2, 3, 32, 32, generator=g)
 image_ids = torch.cat([ids[:, :1], torch.full((2, 1), IMAGE_TOKEN_INDEX), ids[:, 1:]], dim=1)  # <bos> <image> text
 with torch.no_grad():
