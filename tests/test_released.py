@@ -6,27 +6,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers.builders import checkpoint_of, images
+from helpers.builders import checkpoint_of, images, released_model
 from helpers.cli import run_cli
 from helpers.vidi_literal import image_stream, vidi_logits
 
-from dattn_export.checkpoints.released import is_released, released_config, released_fields
-from dattn_export.checkpoints.source import config_from_dict
+from dattn_export.checkpoints.released import is_released
 from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
 from dattn_export.presets import randomize_weights, tiny_config
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.onnx_export import export_onnx
-
-WINDOW = 6  # shorter than every prompt below
-
-
-def released_model(family: str, seed: int = 0):
-    """A tiny model whose config went through what a released config.json says (the released semantics)."""
-    config = tiny_config(family, audio=True, sliding_window=WINDOW, mm_std=0.5)
-    fields = released_config(config, "towers/tiny-siglip", "towers/tiny-whisper")
-    fields |= {"vision_config": config.vision_config, "audio_config": config.audio_config}
-    released = config_from_dict(released_fields(fields, "config.json"), "config.json")
-    return randomize_weights(MODEL_CLASSES[released.model_type](released), seed).eval()
 
 
 def prompts(vocab=512, seed=0):

@@ -1,25 +1,21 @@
 """Video models as the released code (ByteDance's Vidi) runs them: frames and audio, each a context stream of its
 own, held to `helpers.vidi_literal` (the released forward written out from reading it), both families."""
 
+import json
+
 import pytest
 import torch
+from helpers.builders import released_model
+from helpers.cli import run_cli
 from helpers.vidi_literal import audio_stream, pool_frames, video_stream, vidi_logits
+from safetensors import safe_open
 
-from dattn_export.checkpoints.released import released_config, released_fields
-from dattn_export.checkpoints.source import config_from_dict
-from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
-from dattn_export.presets import randomize_weights, tiny_config
-
-WINDOW = 6  # shorter than the prompts
+from dattn_export.stages.demo import write_demo_checkpoint
+from dattn_export.stages.info import describe
 
 
 def video_model(family: str, seed: int = 0):
-    """A tiny video model whose config went through what a released config.json says."""
-    config = tiny_config(family, video=True, sliding_window=WINDOW, mm_std=0.5)
-    fields = released_config(config, "towers/tiny-siglip", "towers/tiny-whisper")
-    fields |= {"vision_config": config.vision_config, "audio_config": config.audio_config}
-    released = config_from_dict(released_fields(fields, "config.json"), "config.json")
-    return randomize_weights(MODEL_CLASSES[released.model_type](released), seed).eval()
+    return released_model(family, seed, video=True)
 
 
 def inputs(seed: int = 0):
@@ -105,3 +101,45 @@ def test_incremental_decoding_and_cached_streams(family):
         fresh_audio, _ = model.model.encode_audio(mels, mel_frames)
         fresh = dict(streams, visual_key_values=fresh_visual, audio_key_values=fresh_audio)
         torch.testing.assert_close(model(second, **streams).logits, model(second, **fresh).logits, atol=0, rtol=0)
+
+
+def test_released_video_folder_through_the_commands(tmp_path, family):
+    """A folder as the released code saves a video model converts untouched and verifies; the commands that run
+    image models only say so in one line."""
+    folder = write_demo_checkpoint(tmp_path / "video", family, video=True)
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["mm_input_type"] == "video" and not {"mm_pool_rule", "vision_config", "dattn_mode"} & set(saved)
+    assert run_cli("info", folder).returncode == 0
+    architecture = describe(folder).architecture
+    assert architecture["input"] == "video" and "runs the audio stream" in architecture["audio_tower"]
+    assert architecture["visual_tokens_per_frame"] == (4 if family == "mistral" else 16)
+    assert architecture["audio_tokens_per_chunk"] == 15  # 30 encoder positions / mm_audio_pool_size 2
+    converted = tmp_path / "converted"
+    assert run_cli("convert", folder, "-o", converted).returncode == 0
+    pool = "model.mm_rand_img_pool.conv.weight"  # Vidi_7B's conv; Vidi1.5_9B's pool has no weights
+    names = {name for shard in converted.glob("*.safetensors") for name in safe_open(shard, "pt").keys()}
+    assert (pool in names) == (family == "mistral") and "model.mm_rand_aud_pool.weight" in names
+    verified = run_cli("verify", converted, "--against", folder)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    for command in (["onnx", converted, "-o", tmp_path / "onnx"], ["generate", converted, "--prompt", "hi"]):
+        refused = run_cli(*command)
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1 and "is a video model" in lines[0], refused.stderr
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_long_streams_run_in_chunks(monkeypatch, family):
+    """Frames, audio chunks and context tokens go through in chunks (memory beyond the caches stays one chunk's):
+    the same K/V as all at once."""
+    model = video_model(family)
+    _, frames, mels, mel_frames = inputs()
+    with torch.no_grad():
+        whole = model.model.encode_video(frames), model.model.encode_audio(mels, mel_frames)
+        monkeypatch.setattr(type(model.model), "FRAME_CHUNK", 2)
+        monkeypatch.setattr(type(model.model), "STREAM_CHUNK", 7)
+        chunked = model.model.encode_video(frames), model.model.encode_audio(mels, mel_frames)
+    for (caches, mask), (chunk_caches, chunk_mask) in zip(whole, chunked):
+        assert torch.equal(mask, chunk_mask)
+        for kv, chunk_kv in zip(caches, chunk_caches, strict=True):
+            for t, c in zip(kv, chunk_kv, strict=True):
+                torch.testing.assert_close(c, t, atol=1e-5, rtol=0)  # matmuls of other sizes round apart

@@ -162,15 +162,17 @@ class FramePool(nn.Module):
             self.conv = nn.Conv2d(channels, channels, kernel_size=math.ceil(config.patch_grid / self.pool), bias=False)
         self.out_channels = channels if self.rule == "conv-interpolate" else channels * self.pool**2
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, total_frames: int | None = None) -> Tensor:
+        """`total_frames`: how many frames the video has in all (the resize budget counts them), when `x` is a
+        chunk of them."""
         if self.rule == "conv-interpolate":  # mm_vision/pool.py (Vidi_7B)
             return F.interpolate(self.conv(x), size=self.pool, mode="bilinear", align_corners=True)
         x = F.pad(x, (0, 1, 0, 1))  # mm_vision/pool.py (Vidi1.5_9B), with the size multimodal.py chooses
         frames, channels, height, width = x.shape
         size = (self.PADDED_SIDE, self.PADDED_SIDE)
-        budget = self.MAX_TOKENS * self.pool**2
-        if frames * height * width > budget:  # utils.resize_by_tokens: even sides, at least 10
-            ratio = math.sqrt(budget / (frames * height * width))
+        budget, counted = self.MAX_TOKENS * self.pool**2, (total_frames or frames) * height * width
+        if counted > budget:  # utils.resize_by_tokens: even sides, at least 10
+            ratio = math.sqrt(budget / counted)
             size = tuple(max(10, int(n * ratio) - int(n * ratio) % 2) for n in (height, width))
         if size[0] != self.PADDED_SIDE:
             x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
@@ -481,6 +483,8 @@ class DAttnModel(DAttnPreTrainedModel):
     def embed_images(self, pixel_values: Tensor) -> Tensor:
         """(B, images, 3, H, W) pixels -> (B, images * tokens_per_image, hidden) visual embeddings: tower features
         -> projector -> norm -> + row, + column embeddings -> LLM norm (-> x sqrt(hidden) with mm_scale_streams)."""
+        if self.config.is_video:
+            raise ValueError("a video model takes frames and audio (encode_video, encode_audio), not images")
         batch, images = pixel_values.shape[:2]
         grid = self.config.patch_grid
         features = self.mm_vis(pixel_values.flatten(0, 1).to(self.dtype)).unflatten(1, (grid, grid))
@@ -495,21 +499,30 @@ class DAttnModel(DAttnPreTrainedModel):
         (multimodal.py encode_video_images): tower features -> mm_rand_img_pool -> projector -> norm -> + row,
         + column embeddings (over the pooled grid) -> + time embeddings (over the sample's frames). A sample whose
         frames are all zero has no video."""
-        grid = self.config.patch_grid
-        features = self.mm_vis(torch.cat(frames).to(self.dtype)).unflatten(1, (grid, grid)).permute(0, 3, 1, 2)
-        x = self.mm_rand_img_pool(features).permute(0, 2, 3, 1)
-        x = self.mm_rand_img_norm(self.mm_rand_img_projector(x))
-        x = x + self.mm_rand_pos_h(x.shape[1], x.dtype)[:, None, :]
-        x = x + self.mm_rand_pos_w(x.shape[2], x.dtype)[None, :, :]
+        pixels = torch.cat(frames)
+        x = torch.cat([self.frame_tokens(chunk, len(pixels)) for chunk in pixels.split(self.FRAME_CHUNK)])
         samples = [f + self.mm_rand_pos_t(len(f), x.dtype)[:, None, None] for f in x.split([len(f) for f in frames])]
         return self.context_stream([f.flatten(0, 2) for f in samples], [f.abs().sum() != 0 for f in frames])
+
+    FRAME_CHUNK = 16  # frames through the tower at once
+
+    def frame_tokens(self, pixels: Tensor, total_frames: int) -> Tensor:
+        """(N, 3, H, W) frames -> (N, rows, columns, hidden): tower, pool (sized for `total_frames` in all),
+        projector, norm, + row and column embeddings."""
+        grid = self.config.patch_grid
+        features = self.mm_vis(pixels.to(self.dtype)).unflatten(1, (grid, grid)).permute(0, 3, 1, 2)
+        x = self.mm_rand_img_pool(features, total_frames).permute(0, 2, 3, 1)
+        x = self.mm_rand_img_norm(self.mm_rand_img_projector(x))
+        x = x + self.mm_rand_pos_h(x.shape[1], x.dtype)[:, None, :]
+        return x + self.mm_rand_pos_w(x.shape[2], x.dtype)[None, :, :]
 
     def embed_audio(self, mels: list[Tensor], mel_frames: list[int]) -> tuple[Tensor, Tensor]:
         """Each sample's log-mel chunks (C_i, mel bins, chunk frames) and its length in mel frames -> (B, L, hidden)
         audio embeddings and their (B, L) mask (multimodal.py encode_video_audios): the Whisper encoder per chunk
         -> the sample's chunks end to end, cut to its length -> mm_rand_aud_pool (a strided conv) -> projector ->
         norm -> + time embeddings. A sample whose features are all zero has no audio."""
-        features = self.mm_aud.encoder(torch.cat(mels).to(self.dtype)).last_hidden_state
+        groups = torch.cat(mels).to(self.dtype).split(self.FRAME_CHUNK)  # 30 s chunks through Whisper, a few at once
+        features = torch.cat([self.mm_aud.encoder(group).last_hidden_state for group in groups])
         per_frame = features.shape[1] / mels[0].shape[-1]  # encoder positions per mel frame (1500 / 3000)
         lengths = [math.floor(n * per_frame) for n in mel_frames]
         chunks = features.split([len(m) for m in mels])
@@ -551,19 +564,39 @@ class DAttnModel(DAttnPreTrainedModel):
         visual_mask = self.image_mask(pixel_values)
         return self.encode_visual(self.embed_images(pixel_values), visual_mask), visual_mask
 
+    STREAM_CHUNK = 2048  # context tokens through the layers at once, where each token's K/V depend on it alone
+
     def encode_visual(self, visual_embeds: Tensor, visual_mask: Tensor | None = None) -> list[KV]:
-        """Every layer's visual K/V: a function of the image alone, reusable for any prompt."""
+        """Every layer's visual K/V: a function of the image alone, reusable for any prompt. With diagonal V2V a
+        token's K/V depend on that token alone, so long streams (videos) run through the layers in chunks written
+        into the caches: memory beyond the caches stays that of one chunk."""
         batch, num_visual = visual_embeds.shape[:2]
         valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask.bool()
         positions = torch.arange(num_visual, device=visual_embeds.device).expand(batch, -1)
         if self.config.v2v_per_image:  # each image is its own sequence
             positions = positions % self.config.tokens_per_image
-        rope = self.rotary_emb(visual_embeds, positions)
-        h, visual_kv = visual_embeds, []
+        tracing = torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()
+        if not self.config.use_diagonal or num_visual <= self.STREAM_CHUNK or tracing:
+            return self.stream_layers(visual_embeds, valid, positions)
+        caches = None
+        for start in range(0, num_visual, self.STREAM_CHUNK):
+            part = slice(start, start + self.STREAM_CHUNK)
+            chunk = self.stream_layers(visual_embeds[:, part], valid[:, part], positions[:, part])
+            if caches is None:
+                caches = [tuple(t.new_empty(*t.shape[:2], num_visual, t.shape[3]) for t in kv) for kv in chunk]
+            for cache, kv in zip(caches, chunk):
+                for whole, piece in zip(cache, kv):
+                    whole[:, :, part] = piece
+        return caches
+
+    def stream_layers(self, embeds: Tensor, valid: Tensor, positions: Tensor) -> list[KV]:
+        """A context stream through every layer: each layer's K/V (the last layer's output is never needed)."""
+        rope = self.rotary_emb(embeds, positions)
+        h, caches = embeds, []
         for i, layer in enumerate(self.layers):
             h, kv = layer.visual_forward(h, rope, valid, need_output=i + 1 < len(self.layers))
-            visual_kv.append(kv)
-        return visual_kv
+            caches.append(kv)
+        return caches
 
     def forward(
         self,

@@ -58,23 +58,29 @@ def demo_image(size: int = 64) -> Image.Image:
 def write_towers(folder: Path, config) -> tuple[Path, Path]:
     """The tower folders a released checkpoint names (config and preprocessor; their weights are in the
     checkpoint): (vision tower, audio tower)."""
-    vision, audio = folder / "tiny-siglip", folder / "tiny-whisper"
+    vision = folder / ("tiny-siglip-video" if config.is_video else "tiny-siglip")  # video frames are smaller
+    audio = folder / "tiny-whisper"
     SiglipVisionConfig(**config.vision_config).save_pretrained(vision)
     size = config.vision_config["image_size"]
     IMAGE_PROCESSORS[config.vision_config["model_type"]](size={"height": size, "width": size}).save_pretrained(vision)
     WhisperConfig(**config.audio_config).save_pretrained(audio)
-    WhisperFeatureExtractor(feature_size=config.audio_config["num_mel_bins"]).save_pretrained(audio)
+    # a chunk of as many mel frames as the tiny encoder takes (Whisper's: 3000 for 1500 positions)
+    hop = WhisperFeatureExtractor().n_samples // (2 * config.audio_config["max_source_positions"])
+    WhisperFeatureExtractor(feature_size=config.audio_config["num_mel_bins"], hop_length=hop).save_pretrained(audio)
     return vision.absolute(), audio.absolute()
 
 
-def write_demo_checkpoint(out: Path, family: str = "mistral", seed: int = 0, **config_overrides) -> Path:
+def write_demo_checkpoint(
+    out: Path, family: str = "mistral", seed: int = 0, video: bool = False, **config_overrides
+) -> Path:
     """A checkpoint as the released training code (bytedance/vidi) saves it: its config.json keys (the towers named
     by folders, written beside in `towers/`), sharded safetensors with its names and shapes (the Whisper audio tower
     included), tokenizer and generation config; plus a sample image (demo.png). Overrides of this project's own
-    switches (attention modes, WINGS learners), which the released code cannot express, give our config format."""
+    switches (attention modes, WINGS learners), which the released code cannot express, give our config format.
+    `video`: a video model (frames and audio) as the family's released video model."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(family, audio=True, mm_std=0.5, **config_overrides)
+    config = tiny_config(family, audio=True, video=video, mm_std=0.5, **config_overrides)
     model = randomize_weights(MODEL_CLASSES[config.model_type](config), seed).eval()
     planned = [
         PlannedTensor(name, t.dtype, tuple(t.shape), produce=lambda _buffer, t=t: t)

@@ -6,7 +6,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from dattn_export.checkpoints.source import saved_state_dict
+from dattn_export.checkpoints.released import released_config, released_fields
+from dattn_export.checkpoints.source import config_from_dict, saved_state_dict
 from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
 from dattn_export.presets import randomize_weights, tiny_config
 from dattn_export.stages.demo import build_tokenizer, write_demo_checkpoint
@@ -79,3 +80,13 @@ def checkpoint_of(model, folder):
     save_file(saved_state_dict(model), folder / "model.safetensors", metadata={"format": "pt"})
     model.config.save_pretrained(folder)
     return folder
+
+
+def released_model(family: str, seed: int = 0, window: int = 6, **preset):
+    """A tiny model whose config went through what a released config.json says (the released semantics); `preset`:
+    tiny_config's switches (video=True for a video model). The sliding window is shorter than the tests' prompts."""
+    config = tiny_config(family, audio=True, sliding_window=window, mm_std=0.5, **preset)
+    fields = released_config(config, "towers/tiny-siglip", "towers/tiny-whisper")
+    fields |= {"vision_config": config.vision_config, "audio_config": config.audio_config}
+    released = config_from_dict(released_fields(fields, "config.json"), "config.json")
+    return randomize_weights(MODEL_CLASSES[released.model_type](released), seed).eval()
