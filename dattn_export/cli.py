@@ -69,7 +69,9 @@ def print_prompt_result(
     params = ", ".join(f"{k} {v:,}" for k, v in result.parameters.items())
     timings = "\n".join(f"{k.split(':')[0]}: {v:.2f} s" for k, v in (seconds or result.seconds).items())
     rows = [*rows, ("parameters", params), ("visual tokens", str(result.visual_tokens))]
-    if "audio tower" in result.parameters:
+    if result.audio_tokens is not None:
+        rows.append(("audio tokens", str(result.audio_tokens)))
+    elif "audio tower" in result.parameters:
         rows.append(("audio tower", AUDIO_TOWER_NOT_RUN))
     out.print(summary_table(title, [*rows, ("time", timings)]))
 
@@ -84,7 +86,7 @@ def demo(directory: Path, family: str, max_new_tokens: int):
     from .artifacts import atomic_dir
     from .stages.convert import convert as run_convert
     from .stages.demo import DEMO_PROMPT, write_demo_checkpoint
-    from .stages.generate import run_prompt
+    from .stages.generate import Media, run_prompt
     from .stages.onnx_export import export_onnx
     from .stages.validate import validate as run_validate
     from .stages.verify import verify as run_verify
@@ -94,7 +96,7 @@ def demo(directory: Path, family: str, max_new_tokens: int):
     seconds: dict[str, float] = {}
     with stage(f"write a tiny {family} D-Attn checkpoint", seconds), atomic_dir(checkpoint, overwrite=True) as tmp:
         write_demo_checkpoint(tmp, family)
-    result = run_prompt(checkpoint, DEMO_PROMPT, [checkpoint / "demo.png"], max_new_tokens)
+    result = run_prompt(checkpoint, DEMO_PROMPT, Media(images=[checkpoint / "demo.png"]), max_new_tokens)
     with stage("convert to safetensors + manifest, verify against the source", seconds):
         run_convert(checkpoint, converted, force=True)
         checks = run_verify(converted, against=checkpoint)
@@ -119,12 +121,24 @@ def demo(directory: Path, family: str, max_new_tokens: int):
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="Text prompt.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="Image file (repeatable).")
+@click.option("--video", type=click.Path(path_type=Path), help="Video model: a video file (1 frame/s, its audio).")
+@click.option("--frames", type=click.Path(path_type=Path), help="Video model: a folder of frame images, in name order.")
+@click.option("--audio", type=click.Path(path_type=Path), help="Video model: an audio file (instead of the video's).")
 @click.option("--max-new-tokens", default=20, show_default=True)
-def generate(checkpoint: Path, prompt: str, images: tuple[Path, ...], max_new_tokens: int):
+def generate(
+    checkpoint: Path,
+    prompt: str,
+    images: tuple[Path, ...],
+    video: Path | None,
+    frames: Path | None,
+    audio: Path | None,
+    max_new_tokens: int,
+):
     """Greedy generation with the PyTorch reference model: a smoke test for a checkpoint folder."""
-    from .stages.generate import run_prompt
+    from .stages.generate import Media, run_prompt
 
-    result = run_prompt(checkpoint, prompt, list(images), max_new_tokens)
+    media = Media(images=list(images), video=video, frames=frames, audio=audio)
+    result = run_prompt(checkpoint, prompt, media, max_new_tokens)
     print_prompt_result("dattn-export generate", result, [("checkpoint", str(checkpoint))])
 
 

@@ -1,12 +1,15 @@
-"""Tokenizer and image preprocessing for a checkpoint folder, offline."""
+"""Tokenizer, image, video-frame and audio preprocessing for a checkpoint folder, offline. Video and audio follow
+the released code (bytedance/vidi `dataset/vid_utils.py`, `img_utils.py`); files are decoded with PyAV."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import av
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
-from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProcessorPil
+from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProcessorPil, WhisperFeatureExtractor
 
 from .checkpoints.towers import tower_folder
 from .errors import InputError
@@ -42,10 +45,109 @@ def load_image_processor(folder: Path, config):
 
 def load_images(paths: list[Path], image_processor) -> torch.Tensor:
     """Image files -> (1, images, 3, H, W) pixel values."""
-    pictures = []
-    for path in paths:
-        try:
-            pictures.append(Image.open(path).convert("RGB"))
-        except (OSError, UnidentifiedImageError) as e:
-            raise InputError(path, f"not a readable image ({e})") from None
+    return image_pixels([open_image(path) for path in paths], image_processor)
+
+
+def image_pixels(pictures: list[Image.Image], image_processor) -> torch.Tensor:
+    """Images -> (1, images, 3, H, W) pixel values."""
     return image_processor(pictures, return_tensors="pt")["pixel_values"][None]
+
+
+# --- video models -----------------------------------------------------------------------------------------------
+
+VIDEO_FPS = 1.0  # frames kept per second of video (load_video's default)
+AUDIO_RATE = 16000  # Hz, one channel (load_audio, as Whisper)
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
+
+
+def open_media(path: Path):
+    try:
+        return av.open(str(path))
+    except (av.FFmpegError, OSError) as e:
+        raise InputError(path, f"cannot be decoded ({str(e).strip()})") from None
+
+
+def load_video_frames(path: Path, fps: float = VIDEO_FPS) -> list[Image.Image]:
+    """Every round(average rate / fps)-th frame from the first, as RGB images (load_video's frame indices)."""
+    with open_media(path) as container:
+        if not container.streams.video:
+            raise InputError(path, "has no video stream")
+        stream = container.streams.video[0]
+        if not stream.average_rate:
+            raise InputError(path, "has no frame rate: cannot sample frames per second")
+        step = max(1, round(float(stream.average_rate) / fps))
+        try:
+            frames = [f.to_image().convert("RGB") for i, f in enumerate(container.decode(stream)) if i % step == 0]
+        except av.FFmpegError as e:
+            raise InputError(path, f"cannot be decoded as video ({str(e).strip()})") from None
+    if not frames:
+        raise InputError(path, "holds no video frames")
+    return frames
+
+
+def load_frame_folder(folder: Path) -> list[Image.Image]:
+    """A folder of frame images, in file-name order."""
+    files = sorted(f for f in Path(folder).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise InputError(folder, f"holds no frame images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return [open_image(f) for f in files]
+
+
+def open_image(path: Path) -> Image.Image:
+    try:
+        return Image.open(path).convert("RGB")
+    except (OSError, UnidentifiedImageError) as e:
+        raise InputError(path, f"not a readable image ({e})") from None
+
+
+def preprocess_frames(frames: list[Image.Image], image_processor, size: int) -> torch.Tensor:
+    """(F, 3, size, size): each frame resized to the tower's square (bicubic), then its processor (the released
+    "resize" preprocessing)."""
+    resized = [frame.resize((size, size), resample=Image.BICUBIC) for frame in frames]
+    return image_processor(resized, return_tensors="pt")["pixel_values"]
+
+
+def has_audio(path: Path) -> bool:
+    with open_media(path) as container:
+        return bool(container.streams.audio)
+
+
+def load_audio(path: Path, rate: int = AUDIO_RATE) -> np.ndarray:
+    """The first audio stream as one channel of float samples at `rate`, through 16-bit (load_audio: ffmpeg's s16le
+    output / 32768)."""
+    with open_media(path) as container:
+        if not container.streams.audio:
+            raise InputError(path, "has no audio stream")
+        resampler, pieces = av.AudioResampler(format="s16", layout="mono", rate=rate), []
+        try:
+            for frame in container.decode(container.streams.audio[0]):
+                pieces += [r.to_ndarray() for r in resampler.resample(frame)]
+            pieces += [r.to_ndarray() for r in resampler.resample(None)]
+        except av.FFmpegError as e:
+            raise InputError(path, f"cannot be decoded as audio ({str(e).strip()})") from None
+    samples = np.concatenate(pieces, axis=1).reshape(-1) if pieces else np.zeros(0, np.int16)
+    if not samples.size:
+        raise InputError(path, "holds no audio samples")
+    return samples.astype(np.float32) / 32768.0
+
+
+def load_audio_processor(folder: Path, config) -> WhisperFeatureExtractor:
+    """The audio tower folder's feature extractor, else Whisper's at the tower's mel bins, its chunk the encoder's
+    input (2 x max_source_positions mel frames: 3000 for Whisper)."""
+    found = tower_folder(config.mm_audio_tower, folder)
+    if found is not None and (found / PROCESSOR_FILE).is_file():
+        return WhisperFeatureExtractor.from_pretrained(str(found), local_files_only=True)
+    return default_audio_processor(config.audio_config)
+
+
+def default_audio_processor(audio_config: dict) -> WhisperFeatureExtractor:
+    hop = WhisperFeatureExtractor().n_samples // (2 * audio_config["max_source_positions"])
+    return WhisperFeatureExtractor(feature_size=audio_config["num_mel_bins"], hop_length=hop)
+
+
+def audio_features(samples: np.ndarray, extractor) -> tuple[torch.Tensor, int]:
+    """(chunks, mel bins, chunk frames) log-mel features of 30 s chunks and the real mel frames in all
+    (process_audio; its `num_frames`, which transformers 4.x returned: each chunk's samples // hop length)."""
+    chunks = [samples[i : i + extractor.n_samples] for i in range(0, len(samples), extractor.n_samples)]
+    features = extractor(chunks, sampling_rate=extractor.sampling_rate, return_tensors="pt")
+    return features.input_features, sum(len(chunk) // extractor.hop_length for chunk in chunks)

@@ -2,15 +2,23 @@
 own, held to `helpers.vidi_literal` (the released forward written out from reading it), both families."""
 
 import json
+import wave
 
+import av
+import numpy as np
 import pytest
 import torch
 from helpers.builders import released_model
 from helpers.cli import run_cli
 from helpers.vidi_literal import audio_stream, pool_frames, video_stream, vidi_logits
+from PIL import Image
 from safetensors import safe_open
+from transformers import WhisperFeatureExtractor
 
+from dattn_export.checkpoints.source import load_model
+from dattn_export.processing import load_image_processor, load_tokenizer
 from dattn_export.stages.demo import write_demo_checkpoint
+from dattn_export.stages.generate import Media, run_prompt
 from dattn_export.stages.info import describe
 
 
@@ -121,11 +129,115 @@ def test_released_video_folder_through_the_commands(tmp_path, family):
     assert (pool in names) == (family == "mistral") and "model.mm_rand_aud_pool.weight" in names
     verified = run_cli("verify", converted, "--against", folder)
     assert verified.returncode == 0, verified.stdout + verified.stderr
-    for command in (["onnx", converted, "-o", tmp_path / "onnx"], ["generate", converted, "--prompt", "hi"]):
-        refused = run_cli(*command)
-        lines = refused.stderr.strip().splitlines()
-        assert refused.returncode == 2 and len(lines) == 1 and "is a video model" in lines[0], refused.stderr
+    refused = run_cli("onnx", converted, "-o", tmp_path / "onnx")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "is a video model" in lines[0], refused.stderr
     assert not (tmp_path / "onnx").exists()
+
+
+# --- generate with video and audio files -------------------------------------------------------------------------
+
+COLORS = [(20 * i, 255 - 20 * i, 90) for i in range(12)]  # one colour a frame
+
+
+def write_video(path, fps=4, audio_seconds=40):
+    """12 frames at `fps` (lossless PNG frames) and `audio_seconds` of 16 kHz 16-bit audio (PCM) in a QuickTime file;
+    returns the samples as floats."""
+    samples = (np.sin(np.arange(16000 * audio_seconds) / 7.0) * 8000).astype(np.int16)
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("png", rate=fps)
+        video.width, video.height, video.pix_fmt = 64, 48, "rgb24"
+        audio = container.add_stream("pcm_s16le", rate=16000)
+        audio.layout = "mono"
+        for color in COLORS:
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), color, np.uint8), format="rgb24")
+            container.mux(video.encode(frame))
+        container.mux(video.encode())
+        frame = av.AudioFrame.from_ndarray(samples[None], format="s16", layout="mono")
+        frame.sample_rate = 16000
+        container.mux(audio.encode(frame))
+        container.mux(audio.encode())
+    return samples.astype(np.float32) / 32768
+
+
+def test_generate_reads_a_video_file(tmp_path, family):
+    """generate --video: one frame a second from the first (here every 4th of 12 at 4 fps), each resized to the
+    tower's square and preprocessed; the audio track in 30 s chunks of log-mel; the same tokens as the model
+    given exactly those inputs."""
+    folder = write_demo_checkpoint(tmp_path / "video", family, video=True)
+    samples = write_video(tmp_path / "clip.mov")
+    result = run_prompt(folder, "what happens", Media(video=tmp_path / "clip.mov"), max_new_tokens=6)
+
+    model = load_model(folder)
+    kept = [Image.new("RGB", (64, 48), COLORS[i]) for i in (0, 4, 8)]
+    processor = load_image_processor(folder, model.config)
+    pixels = processor([f.resize((28, 28), Image.BICUBIC) for f in kept], return_tensors="pt")["pixel_values"]
+    extractor = WhisperFeatureExtractor.from_pretrained(str(folder.parent / "towers" / "tiny-whisper"))
+    chunks = [samples[:480000], samples[480000:]]  # 30 s and 10 s
+    mels = extractor(chunks, sampling_rate=16000, return_tensors="pt").input_features
+    mel_frames = 480000 // 8000 + 160000 // 8000  # a mel frame per hop of the chunk's real samples: 60 + 20
+    with torch.no_grad():
+        visual, visual_mask = model.model.encode_video([pixels])
+        audio, audio_mask = model.model.encode_audio([mels], [mel_frames])
+        prompt = load_tokenizer(folder, model.config)("what happens", return_tensors="pt")
+        expected = model.generate(
+            prompt["input_ids"],
+            max_new_tokens=6,
+            visual_key_values=visual,
+            visual_mask=visual_mask,
+            audio_key_values=audio,
+            audio_mask=audio_mask,
+            eos_token_id=2,
+        )
+    assert result.generated_ids == expected[0].tolist()
+    assert result.visual_tokens == 3 * (4 if family == "mistral" else 16) and result.audio_tokens == 20  # 80 / 2 / 2
+
+
+def test_generate_reads_frames_and_a_wav(tmp_path):
+    folder = write_demo_checkpoint(tmp_path / "video", "gemma2", video=True)
+    (tmp_path / "frames").mkdir()
+    for i, color in enumerate(COLORS[:3]):
+        Image.new("RGB", (40, 40), color).save(tmp_path / "frames" / f"{i:03d}.png")
+    samples = (np.sin(np.arange(16000 * 5) / 5.0) * 9000).astype(np.int16)
+    with wave.open(str(tmp_path / "speech.wav"), "wb") as wav:
+        wav.setnchannels(1), wav.setsampwidth(2), wav.setframerate(16000), wav.writeframes(samples.tobytes())
+    media = Media(frames=tmp_path / "frames", audio=tmp_path / "speech.wav")
+    result = run_prompt(folder, "what happens", media, max_new_tokens=3)
+    assert result.visual_tokens == 3 * 16 and result.audio_tokens == 2  # 5 s: 10 mel frames -> 5 -> 2
+
+
+def damaged_inputs(tmp_path):
+    (tmp_path / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 4)
+    with wave.open(str(tmp_path / "empty.wav"), "wb") as wav:
+        wav.setnchannels(1), wav.setsampwidth(2), wav.setframerate(16000)
+    (tmp_path / "no-frames").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "photo.png")
+
+
+BAD_MEDIA = {  # option, file, what the one-line error says
+    "undecodable video": ("--video", "broken.mp4", "cannot be decoded"),
+    "empty WAV": ("--audio", "empty.wav", "holds no audio samples"),
+    "folder without frames": ("--frames", "no-frames", "holds no frame images"),
+    "an image for a video model": ("--image", "photo.png", "is an image, but the model is a video model"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MEDIA))
+def test_bad_media_is_one_line(tmp_path, case):
+    folder = write_demo_checkpoint(tmp_path / "video", "mistral", video=True)
+    damaged_inputs(tmp_path)
+    option, name, expected = BAD_MEDIA[case]
+    result = run_cli("generate", folder, "--prompt", "hi", option, tmp_path / name)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert expected in lines[0] and str(tmp_path / name) in lines[0], lines[0]
+
+
+def test_video_for_an_image_model_is_one_line(tmp_path):
+    folder = write_demo_checkpoint(tmp_path / "image", "mistral")
+    write_video(tmp_path / "clip.mov", audio_seconds=1)
+    result = run_cli("generate", folder, "--prompt", "hi", "--video", tmp_path / "clip.mov")
+    assert result.returncode == 2 and "is video or audio, but the model is an image model" in result.stderr
 
 
 def test_long_streams_run_in_chunks(monkeypatch, family):

@@ -79,7 +79,7 @@ class Source:
             raise InputError(
                 self.config_path,
                 f"is a video model (mm_input_type 'video'): `{command}` runs image models only so far "
-                "(info, convert, verify and push take video models)",
+                "(info, convert, verify, push and generate take video models)",
             )
 
     def raise_first_problem(self) -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast, SiglipVisionConfig, WhisperConfig, WhisperFeatureExtractor
+from transformers import PreTrainedTokenizerFast, SiglipVisionConfig, WhisperConfig
 
 from ..checkpoints.released import OWN_KEYS, released_config
 from ..checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
 from ..checkpoints.source import saved_state_dict
 from ..modeling.modeling_dattn import MODEL_CLASSES
 from ..presets import randomize_weights, tiny_config
-from ..processing import IMAGE_PROCESSORS
+from ..processing import IMAGE_PROCESSORS, default_audio_processor
 
 DEMO_PROMPT = "USER: Describe the image in one sentence.\nASSISTANT:"
 SHARD_BYTES = 256 * 1024  # small, so the demo checkpoint has several shards like a real one
@@ -64,9 +64,7 @@ def write_towers(folder: Path, config) -> tuple[Path, Path]:
     size = config.vision_config["image_size"]
     IMAGE_PROCESSORS[config.vision_config["model_type"]](size={"height": size, "width": size}).save_pretrained(vision)
     WhisperConfig(**config.audio_config).save_pretrained(audio)
-    # a chunk of as many mel frames as the tiny encoder takes (Whisper's: 3000 for 1500 positions)
-    hop = WhisperFeatureExtractor().n_samples // (2 * config.audio_config["max_source_positions"])
-    WhisperFeatureExtractor(feature_size=config.audio_config["num_mel_bins"], hop_length=hop).save_pretrained(audio)
+    default_audio_processor(config.audio_config).save_pretrained(audio)  # its chunk: the tiny encoder's input
     return vision.absolute(), audio.absolute()
 
 

@@ -1,4 +1,5 @@
-"""Run a prompt (and images) through a checkpoint with the reference model: greedy decoding."""
+"""Run a prompt (and images, or a video model's frames and audio) through a checkpoint with the reference model:
+greedy decoding."""
 
 from __future__ import annotations
 
@@ -6,12 +7,47 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..checkpoints.names import parameter_counts
 from ..checkpoints.source import build_model, open_source
-from ..processing import load_image_processor, load_images, load_tokenizer
+from ..errors import InputError
+from ..processing import (
+    AUDIO_RATE,
+    audio_features,
+    has_audio,
+    image_pixels,
+    load_audio,
+    load_audio_processor,
+    load_frame_folder,
+    load_image_processor,
+    load_tokenizer,
+    load_video_frames,
+    open_image,
+    preprocess_frames,
+)
 from ..ui import stage
+
+
+@dataclass
+class Media:
+    """What a prompt comes with: images (an image model), or a video model's frames (a video file or a folder of
+    frames) and audio (a file, else the video's own track when it has one)."""
+
+    images: list[Path] = field(default_factory=list)
+    video: Path | None = None
+    frames: Path | None = None
+    audio: Path | None = None
+
+    def check(self, config) -> None:
+        if config.is_video and self.images:
+            raise InputError(self.images[0], "is an image, but the model is a video model: pass --video or --frames")
+        given = self.video or self.frames or self.audio
+        if not config.is_video and given:
+            raise InputError(given, "is video or audio, but the model is an image model: pass --image")
+        if self.video and self.frames:
+            raise InputError(self.frames, "and --video both give frames: pass one")
 
 
 @dataclass
@@ -22,6 +58,7 @@ class PromptResult:
     visual_tokens: int
     parameters: dict[str, int]
     seconds: dict[str, float] = field(default_factory=dict)
+    audio_tokens: int | None = None  # None: an image model
 
 
 def eos_token_id(folder: Path, config) -> int | None:
@@ -30,35 +67,67 @@ def eos_token_id(folder: Path, config) -> int | None:
     return eos[0] if isinstance(eos, list) else eos
 
 
+@dataclass
+class DecodedMedia:
+    images: list
+    frames: list | None
+    samples: np.ndarray | None
+
+
+def decode_media(media: Media) -> DecodedMedia:
+    """Every file read and decoded before any model work, so that a bad one is the first and only message."""
+    frames = (
+        load_video_frames(media.video) if media.video else load_frame_folder(media.frames) if media.frames else None
+    )
+    audio = media.audio or (media.video if media.video and has_audio(media.video) else None)
+    return DecodedMedia([open_image(p) for p in media.images], frames, None if audio is None else load_audio(audio))
+
+
+def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, float]) -> dict:
+    """The context streams' K/V and masks for `model.generate`: images, or frames and audio."""
+    streams, config = {}, model.config
+    if media.images:
+        with stage(f"encode {len(media.images)} image(s): visual K/V for every layer", seconds):
+            pixels = image_pixels(media.images, load_image_processor(folder, config))
+            streams["visual_key_values"], streams["visual_mask"] = model.model.encode_images(pixels)
+    if media.frames:
+        with stage(f"encode {len(media.frames)} frame(s): visual K/V for every layer", seconds):
+            size = config.vision_config["image_size"]
+            pixels = preprocess_frames(media.frames, load_image_processor(folder, config), size)
+            streams["visual_key_values"], streams["visual_mask"] = model.model.encode_video([pixels])
+    if media.samples is not None:
+        with stage(f"encode {len(media.samples) / AUDIO_RATE:.1f} s of audio: audio K/V for every layer", seconds):
+            mels, mel_frames = audio_features(media.samples, load_audio_processor(folder, config))
+            streams["audio_key_values"], streams["audio_mask"] = model.model.encode_audio([mels], [mel_frames])
+    return streams
+
+
 @torch.no_grad()
-def run_prompt(folder: Path, prompt: str, image_paths: list[Path], max_new_tokens: int) -> PromptResult:
+def run_prompt(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> PromptResult:
     seconds: dict[str, float] = {}
+    source = open_source(folder)
+    media.check(source.config)
+    decoded = decode_media(media)
     with stage("load checkpoint", seconds):
-        source = open_source(folder)
-        source.refuse_video("generate")
         model = build_model(source)
         tokenizer = load_tokenizer(folder, model.config)
-        image_processor = load_image_processor(folder, model.config)
     inputs = tokenizer(prompt, return_tensors="pt")
-    visual_kv = visual_mask = None
-    if image_paths:
-        with stage(f"encode {len(image_paths)} image(s): visual K/V for every layer", seconds):
-            pixels = load_images(image_paths, image_processor)
-            visual_kv, visual_mask = model.model.encode_images(pixels)
+    streams = encode_media(model, folder, decoded, seconds)
     with stage(f"generate up to {max_new_tokens} tokens (greedy, KV cache)", seconds):
         generated = model.generate(
             inputs["input_ids"],
             attention_mask=inputs["attention_mask"],
             max_new_tokens=max_new_tokens,
-            visual_key_values=visual_kv,
-            visual_mask=visual_mask,
             eos_token_id=eos_token_id(folder, model.config),
+            **streams,
         )[0].tolist()
+    audio = streams.get("audio_key_values")
     return PromptResult(
         prompt_ids=inputs["input_ids"][0].tolist(),
         generated_ids=generated,
         text=tokenizer.decode(generated, skip_special_tokens=True),
-        visual_tokens=0 if visual_kv is None else visual_kv[0][0].shape[2],
+        visual_tokens=int(streams["visual_mask"].sum()) if "visual_mask" in streams else 0,
         parameters=parameter_counts({n: tuple(p.shape) for n, p in model.named_parameters()}),
         seconds=seconds,
+        audio_tokens=(0 if audio is None else int(streams["audio_mask"].sum())) if model.config.is_video else None,
     )
