@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProces
 
 from .checkpoints.towers import tower_folder
 from .errors import InputError
+from .modeling.modeling_dattn import anyres_grid
 
 PROCESSOR_FILE = "preprocessor_config.json"
 
@@ -46,6 +47,17 @@ def load_image_processor(folder: Path, config):
 def load_images(paths: list[Path], image_processor) -> torch.Tensor:
     """Image files -> (1, images, 3, H, W) pixel values."""
     return image_pixels([open_image(path) for path in paths], image_processor)
+
+
+def anyres_tiles(image: Image.Image, image_processor, grid_points: list, tile: int) -> torch.Tensor:
+    """(1 + columns x rows, 3, tile, tile): the image resized to one tile (the thumbnail), then the image resized to
+    the best tiling's resolution and cut into tiles row by row (img_utils.process_anyres_image)."""
+    columns, rows = anyres_grid(image.size, grid_points, tile)
+    resized = image.resize((columns * tile, rows * tile), resample=Image.BICUBIC)
+    corners = [(x, y) for y in range(0, rows * tile, tile) for x in range(0, columns * tile, tile)]
+    tiles = [resized.crop((x, y, x + tile, y + tile)) for x, y in corners]
+    thumbnail = image.resize((tile, tile), resample=Image.BICUBIC)
+    return image_processor([thumbnail, *tiles], return_tensors="pt")["pixel_values"]
 
 
 def image_pixels(pictures: list[Image.Image], image_processor) -> torch.Tensor:

@@ -8,12 +8,17 @@ import pytest
 import torch
 from helpers.builders import checkpoint_of, images, released_model
 from helpers.cli import run_cli
-from helpers.vidi_literal import image_stream, vidi_logits
+from helpers.vidi_literal import anyres_stream, image_stream, select_best_resolution, vidi_logits
+from PIL import Image
 
 from dattn_export.checkpoints.released import is_released
-from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
+from dattn_export.checkpoints.source import load_model
+from dattn_export.modeling.modeling_dattn import MODEL_CLASSES, anyres_grid
 from dattn_export.presets import randomize_weights, tiny_config
+from dattn_export.processing import load_image_processor, load_tokenizer
 from dattn_export.runtime.ort import OrtModel
+from dattn_export.stages.demo import write_demo_checkpoint
+from dattn_export.stages.generate import Media, run_prompt
 from dattn_export.stages.onnx_export import export_onnx
 
 
@@ -151,3 +156,71 @@ def test_tower_named_relative_to_the_checkpoint_or_in_the_hub_cache(tmp_path, mo
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     assert tower_folder("org/tower", tmp_path / "ckpt") == snapshot
     assert tower_folder("org/other", tmp_path / "ckpt") is None
+
+
+# --- anyres images ---------------------------------------------------------------------------------------------
+
+GRID_POINTS = [[1, 2], [2, 1], [2, 2]]  # (columns, rows) of 32-pixel tiles
+
+
+def anyres_inputs(seed=0):
+    """A wide image (2 x 1 tiles) and a tall one (1 x 2), each a thumbnail plus its tiles, and their sizes."""
+    generator = torch.Generator().manual_seed(seed)
+    tiles = [torch.randn(3, 3, 32, 32, generator=generator), torch.randn(3, 3, 32, 32, generator=generator)]
+    return tiles, [(70, 30), (30, 66)]
+
+
+@pytest.mark.parametrize("case", ["wide and tall", "second sample without an image"])
+def test_anyres_equals_released_forward(family, case):
+    model = released_model(family, mm_image_aspect_ratio="anyres", mm_image_grid_points=GRID_POINTS)
+    ids, _ = prompts()
+    tiles, sizes = anyres_inputs()
+    if case == "second sample without an image":
+        tiles[1] = torch.zeros_like(tiles[1])
+    with torch.no_grad():
+        stream = anyres_stream(model, tiles, sizes)
+        expected = vidi_logits(model, ids, [stream])
+        visual, visual_mask = model.model.encode_anyres(tiles, sizes)
+        got = model(ids, visual_key_values=visual, visual_mask=visual_mask).logits
+    assert torch.equal(visual_mask, stream[1]) and visual_mask.sum(-1).tolist()[0] == 16 + 2 * 16
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_anyres_tiling_choice_equals_released():
+    """Our tiling choice against img_utils.select_best_resolution on 500 random image sizes (with 14-pixel tiles
+    and the released tilings, where ties and truncation matter)."""
+    points = [[1, 2], [2, 1], [2, 2], [1, 3], [3, 1], [3, 3], [2, 3]]
+    generator = torch.Generator().manual_seed(0)
+    for width, height in torch.randint(1, 3000, (500, 2), generator=generator).tolist():
+        best = select_best_resolution((width, height), [[a * 14, b * 14] for a, b in points])
+        assert anyres_grid((width, height), points, 14) == (best[0] // 14, best[1] // 14), (width, height)
+
+
+def test_generate_tiles_an_image_for_anyres_models(tmp_path):
+    """generate --image on an anyres checkpoint: a thumbnail and the best tiling's tiles (process_anyres_image:
+    resize to the tiling's resolution, cut row by row), the same tokens as the model given exactly those tiles;
+    onnx says in one line that it does not take anyres models yet."""
+    folder = write_demo_checkpoint(
+        tmp_path / "anyres", "gemma2", mm_image_aspect_ratio="anyres", mm_image_grid_points=GRID_POINTS
+    )
+    pixels = (np.arange(50 * 90 * 3).reshape(50, 90, 3) % 251).astype(np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "wide.png")
+    result = run_prompt(folder, "what is this", Media(images=[tmp_path / "wide.png"]), max_new_tokens=5)
+
+    model = load_model(folder)
+    image = Image.open(tmp_path / "wide.png").convert("RGB")
+    width, height = select_best_resolution(image.size, [[a * 32, b * 32] for a, b in GRID_POINTS])
+    resized = image.resize((width, height), resample=Image.BICUBIC)
+    patches = [resized.crop((j, i, j + 32, i + 32)) for i in range(0, height, 32) for j in range(0, width, 32)]
+    processor = load_image_processor(folder, model.config)
+    tiles = processor([image.resize((32, 32), resample=Image.BICUBIC), *patches], return_tensors="pt")
+    with torch.no_grad():
+        visual, visual_mask = model.model.encode_anyres([tiles["pixel_values"]], [image.size])
+        ids = load_tokenizer(folder, model.config)("what is this", return_tensors="pt")["input_ids"]
+        expected = model.generate(
+            ids, max_new_tokens=5, visual_key_values=visual, visual_mask=visual_mask, eos_token_id=2
+        )
+    assert (width, height) == (64, 64) and result.visual_tokens == 16 + 64  # 90 x 50 keeps most in 2 x 2 tiles
+    assert result.generated_ids == expected[0].tolist()
+    refused = run_cli("onnx", folder, "-o", tmp_path / "onnx")
+    assert refused.returncode == 2 and "is an anyres model" in refused.stderr and not (tmp_path / "onnx").exists()

@@ -2,6 +2,10 @@
 own, held to `helpers.vidi_literal` (the released forward written out from reading it), both families."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 import wave
 
 import av
@@ -20,6 +24,7 @@ from dattn_export.processing import load_image_processor, load_tokenizer
 from dattn_export.stages.demo import write_demo_checkpoint
 from dattn_export.stages.generate import Media, run_prompt
 from dattn_export.stages.info import describe
+from dattn_export.stages.push import usage_snippet
 
 
 def video_model(family: str, seed: int = 0):
@@ -255,3 +260,63 @@ def test_long_streams_run_in_chunks(monkeypatch, family):
         for kv, chunk_kv in zip(caches, chunk_caches, strict=True):
             for t, c in zip(kv, chunk_kv, strict=True):
                 torch.testing.assert_close(c, t, atol=1e-5, rtol=0)  # matmuls of other sizes round apart
+
+
+def test_video_checkpoint_without_its_audio_tower_config_is_one_line(tmp_path):
+    folder = write_demo_checkpoint(tmp_path / "video", "gemma2", video=True)
+    shutil.rmtree(tmp_path / "towers" / "tiny-whisper")  # the folder mm_audio_tower names
+    result = run_cli("convert", folder, "-o", tmp_path / "out")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and str(folder / "config.json") in lines[0], result.stderr
+    assert "the audio tower's config cannot be found" in lines[0] and not (tmp_path / "out").exists()
+
+
+REMOTE_CODE = """
+import sys
+import numpy as np
+import torch
+
+snippet, out = sys.argv[1:]
+exec(open(snippet).read())  # the model card's video usage, as written (it loads the model as `model`)
+assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+generator = torch.Generator().manual_seed(1)
+frames = [torch.randn(2, 3, 28, 28, generator=generator)]
+mels = [torch.randn(1, 16, 60, generator=generator)]
+ids = torch.randint(3, 300, (1, 7), generator=generator)
+with torch.no_grad():
+    visual, visual_mask = model.model.encode_video(frames)
+    audio, audio_mask = model.model.encode_audio(mels, [60])
+    streams = dict(visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask)
+    np.save(out, model(ids, **streams).logits.numpy())
+"""
+
+
+def test_shipped_code_runs_video_and_audio_with_transformers_alone(tmp_path, family):
+    """A converted video folder loads through transformers' remote code (the files push uploads) in a fresh
+    process; the model card's video usage runs as written; its logits equal the reference's."""
+    folder = write_demo_checkpoint(tmp_path / "video", family, video=True)
+    assert run_cli("convert", folder, "-o", tmp_path / "converted").returncode == 0
+    snippet = usage_snippet(str(tmp_path / "converted"), "what happens", video=True)
+    (tmp_path / "snippet.py").write_text(snippet.removeprefix("```python\n").removesuffix("```"))
+    (tmp_path / "remote.py").write_text(REMOTE_CODE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    args = [sys.executable, tmp_path / "remote.py", tmp_path / "snippet.py", tmp_path / "x.npy"]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = load_model(tmp_path / "converted")
+    generator = torch.Generator().manual_seed(1)
+    frames = [torch.randn(2, 3, 28, 28, generator=generator)]
+    mels = [torch.randn(1, 16, 60, generator=generator)]
+    ids = torch.randint(3, 300, (1, 7), generator=generator)
+    with torch.no_grad():
+        visual, visual_mask = model.model.encode_video(frames)
+        audio, audio_mask = model.model.encode_audio(mels, [60])
+        streams = dict(visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask)
+        expected = model(ids, **streams).logits.numpy()
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), expected)
+
+
+def test_frames_of_the_wrong_size_are_refused_by_name():
+    model = video_model("mistral")
+    with pytest.raises(ValueError, match=r"frames of shape \[3, 32, 32\]: the tower takes \[3, 28, 28\]"):
+        model.model.encode_video([torch.zeros(2, 3, 32, 32)])

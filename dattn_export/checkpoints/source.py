@@ -73,14 +73,19 @@ class Source:
         if found := processor_folder(self.reader.config_dir, self.config):
             carry_files(found, destination, (PROCESSOR_FILE,))
 
-    def refuse_video(self, command: str) -> None:
-        """Commands that run image models only, so far, stop a video model with one line."""
+    def refuse_beyond_images(self, command: str) -> None:
+        """Commands that run single-tile image models only, so far, stop a video or anyres model with one line."""
         if self.config.is_video:
-            raise InputError(
-                self.config_path,
-                f"is a video model (mm_input_type 'video'): `{command}` runs image models only so far "
-                "(info, convert, verify, push and generate take video models)",
-            )
+            kind = "a video model (mm_input_type 'video')"
+        elif self.config.is_anyres:
+            kind = "an anyres model (mm_image_aspect_ratio 'anyres')"
+        else:
+            return
+        raise InputError(
+            self.config_path,
+            f"is {kind}: `{command}` runs single-tile image models only so far "
+            "(info, convert, verify, push and generate take it)",
+        )
 
     def raise_first_problem(self) -> None:
         if self.problems:

@@ -140,6 +140,13 @@ def infer_from_shapes(shapes: dict[str, tuple[int, ...]], heads: int, source: Pa
 def infer_audio_from_shapes(shapes: dict[str, tuple[int, ...]], source: Path) -> dict:
     shape = lambda suffix: tower_shape(shapes, AUDIO_PREFIX + suffix, "audio tower", source)  # noqa: E731
     d_model, mel_bins, _ = shape("conv1.weight")
+    if d_model % WHISPER_HEAD_DIM:
+        raise InputError(
+            source,
+            f"the audio tower's config cannot be found (mm_audio_tower names no folder here or in the Hugging Face "
+            f"cache, and no known tower), and its width {d_model} is not Whisper's {WHISPER_HEAD_DIM}-wide heads: "
+            "put the tower's folder where mm_audio_tower says",
+        )
     return whisper_config(
         dict(
             d_model=d_model,

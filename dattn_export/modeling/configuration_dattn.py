@@ -37,7 +37,7 @@ class DAttnFields:
     mm_vision_select_layer: int = -2
     mm_projector_type: str = "mlp2x_gelu"
     mm_image_aspect_ratio: str = "resize"
-    mm_image_grid_points: list | None = None  # anyres tilings [rows, columns]
+    mm_image_grid_points: list | None = None  # anyres tilings [columns, rows] (widths, heights in tiles)
     mm_input_type: str = "image"
     mm_splits: int = 1
     mm_image_pool_size: int | None = None
@@ -64,8 +64,8 @@ class DAttnFields:
             raise ValueError(f"mm_input_type must be one of {INPUT_TYPES}, got {self.mm_input_type!r}")
         if self.is_video:
             self._check_video()
-        if self.mm_image_aspect_ratio == "anyres":
-            raise ValueError("mm_image_aspect_ratio 'anyres' is not supported yet (one tile per image only)")
+        if self.is_anyres and not self.mm_image_grid_points:
+            raise ValueError("mm_image_aspect_ratio 'anyres' needs mm_image_grid_points (the tilings to choose from)")
         if self.mm_projector_type != "mlp2x_gelu":
             raise ValueError(f"mm_projector_type {self.mm_projector_type!r} is not supported (only 'mlp2x_gelu')")
         if self.vision_config is not None and self.vision_config.get("model_type") not in VISION_CONFIG_CLASSES:
@@ -104,6 +104,18 @@ class DAttnFields:
     @property
     def is_video(self) -> bool:
         return self.mm_input_type == "video"
+
+    @property
+    def is_anyres(self) -> bool:
+        """Images as a thumbnail plus the tiles of the best of mm_image_grid_points (image models)."""
+        return self.mm_image_aspect_ratio == "anyres" and not self.is_video
+
+    @property
+    def position_grid(self) -> int:
+        """How many positions the row / column embeddings spread over: the patch grid, times the widest tiling."""
+        if not self.is_anyres:
+            return self.patch_grid
+        return self.patch_grid * max(max(point) for point in self.mm_image_grid_points)
 
     @property
     def vision_tower_config(self) -> SiglipVisionConfig | CLIPVisionConfig:

@@ -148,6 +148,20 @@ class AudioTower(nn.Module):
         self.encoder = WhisperEncoder(config.audio_tower_config)
 
 
+def anyres_grid(image_size: tuple[int, int], grid_points: list, tile: int) -> tuple[int, int]:
+    """The tiling (columns, rows) of `grid_points` whose resolution (tiles of `tile` pixels) keeps most of a
+    (width, height) image once it is fitted in, the least padding breaking ties (img_utils.select_best_resolution)."""
+    width, height = image_size
+    best, kept, wasted = None, 0, math.inf
+    for columns, rows in grid_points:
+        scale = min(columns * tile / width, rows * tile / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        waste = columns * tile * rows * tile - effective
+        if effective > kept or (effective == kept and waste < wasted):
+            best, kept, wasted = (columns, rows), effective, waste
+    return best
+
+
 class FramePool(nn.Module):
     """mm_rand_img_pool: frames' tower features (N, C, g, g) -> (N, C', s, s), by the config's mm_pool_rule."""
 
@@ -469,8 +483,8 @@ class DAttnModel(DAttnPreTrainedModel):
         else:
             self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
             self.mm_rand_norm = MMRMSNorm(hidden)
-            self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.patch_grid)
-            self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.patch_grid)
+            self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.position_grid)
+            self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.position_grid)
         self.post_init()
 
     def scaled(self, stream: Tensor) -> Tensor:
@@ -489,10 +503,37 @@ class DAttnModel(DAttnPreTrainedModel):
         grid = self.config.patch_grid
         features = self.mm_vis(pixel_values.flatten(0, 1).to(self.dtype)).unflatten(1, (grid, grid))
         x = self.mm_rand_norm(self.mm_rand_projector(features))
-        x = x + self.mm_rand_pos_h(grid, x.dtype)[:, None, :]
-        x = x + self.mm_rand_pos_w(grid, x.dtype)[None, :, :]
+        x = self.with_positions(x)
         x = self.scaled(self.mm_rand_llm_norm(x.flatten(1, 2)))
         return x.unflatten(0, (batch, images)).flatten(1, 2)
+
+    def embed_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+        """Anyres images (multimodal.py encode_images, its list branch): each sample's thumbnail and tiles
+        (1 + columns x rows, 3, H, W) and its image's (width, height) -> (B, L, hidden) visual embeddings and their
+        mask. Tower features -> projector (no mm_rand_norm on this path) -> the thumbnail's grid, and the tiles
+        joined into one (rows x grid, columns x grid) grid, each + row, + column embeddings -> end to end."""
+        grid = self.config.patch_grid
+        features = self.mm_rand_projector(self.mm_vis(torch.cat(tiles).to(self.dtype)))
+        samples = []
+        for feature, size in zip(features.split([len(t) for t in tiles]), image_sizes):
+            columns, rows = anyres_grid(size, self.config.mm_image_grid_points, self.config.vision_config["image_size"])
+            thumbnail = self.with_positions(feature[0].unflatten(0, (grid, grid)))
+            joined = feature[1:].reshape(rows, columns, grid, grid, -1).permute(0, 2, 1, 3, 4)
+            joined = self.with_positions(joined.flatten(0, 1).flatten(1, 2))
+            samples.append(torch.cat([thumbnail.flatten(0, 1), joined.flatten(0, 1)]))
+        x = nn.utils.rnn.pad_sequence(samples, batch_first=True)
+        mask = (x.abs().sum(-1) != 0) & torch.stack([t.abs().sum() != 0 for t in tiles])[:, None]
+        return self.scaled(self.mm_rand_llm_norm(x)), mask
+
+    def with_positions(self, x: Tensor) -> Tensor:
+        """(..., rows, columns, hidden) + row embeddings, then + column embeddings."""
+        x = x + self.mm_rand_pos_h(x.shape[-3], x.dtype)[:, None, :]
+        return x + self.mm_rand_pos_w(x.shape[-2], x.dtype)[None, :, :]
+
+    def encode_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[list[KV], Tensor]:
+        """Every layer's visual K/V for anyres images, and the visual mask."""
+        embeds, mask = self.embed_anyres(tiles, image_sizes)
+        return self.encode_visual(embeds, mask), mask
 
     def embed_video(self, frames: list[Tensor]) -> tuple[Tensor, Tensor]:
         """Each sample's frames (F_i, 3, H, W) -> (B, L, hidden) visual embeddings and their (B, L) mask
@@ -509,12 +550,13 @@ class DAttnModel(DAttnPreTrainedModel):
     def frame_tokens(self, pixels: Tensor, total_frames: int) -> Tensor:
         """(N, 3, H, W) frames -> (N, rows, columns, hidden): tower, pool (sized for `total_frames` in all),
         projector, norm, + row and column embeddings."""
-        grid = self.config.patch_grid
+        grid, size = self.config.patch_grid, self.config.vision_config["image_size"]
+        if tuple(pixels.shape[-3:]) != (3, size, size):
+            raise ValueError(f"frames of shape {list(pixels.shape[-3:])}: the tower takes [3, {size}, {size}]")
         features = self.mm_vis(pixels.to(self.dtype)).unflatten(1, (grid, grid)).permute(0, 3, 1, 2)
         x = self.mm_rand_img_pool(features, total_frames).permute(0, 2, 3, 1)
         x = self.mm_rand_img_norm(self.mm_rand_img_projector(x))
-        x = x + self.mm_rand_pos_h(x.shape[1], x.dtype)[:, None, :]
-        return x + self.mm_rand_pos_w(x.shape[2], x.dtype)[None, :, :]
+        return self.with_positions(x)
 
     def embed_audio(self, mels: list[Tensor], mel_frames: list[int]) -> tuple[Tensor, Tensor]:
         """Each sample's log-mel chunks (C_i, mel bins, chunk frames) and its length in mel frames -> (B, L, hidden)

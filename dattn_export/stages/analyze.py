@@ -67,7 +67,7 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float | None:
 @torch.no_grad()
 def analyze(checkpoint: Path, image: Path, prompt: str, out: Path, force: bool = False) -> AttentionReport:
     source = open_source(checkpoint)
-    source.refuse_video("analyze")
+    source.refuse_beyond_images("analyze")
     model = build_model(source)
     tokenizer = load_tokenizer(checkpoint, model.config)
     before_text, _, after_text = prompt.partition(IMAGE_MARKER) if IMAGE_MARKER in prompt else ("", "", prompt)

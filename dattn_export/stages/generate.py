@@ -15,6 +15,7 @@ from ..checkpoints.source import build_model, open_source
 from ..errors import InputError
 from ..processing import (
     AUDIO_RATE,
+    anyres_tiles,
     audio_features,
     has_audio,
     image_pixels,
@@ -48,6 +49,8 @@ class Media:
             raise InputError(given, "is video or audio, but the model is an image model: pass --image")
         if self.video and self.frames:
             raise InputError(self.frames, "and --video both give frames: pass one")
+        if config.is_anyres and len(self.images) > 1:
+            raise InputError(self.images[1], "is a second image: an anyres model takes one image a prompt")
 
 
 @dataclass
@@ -86,7 +89,12 @@ def decode_media(media: Media) -> DecodedMedia:
 def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, float]) -> dict:
     """The context streams' K/V and masks for `model.generate`: images, or frames and audio."""
     streams, config = {}, model.config
-    if media.images:
+    if media.images and config.is_anyres:
+        with stage("encode the image's thumbnail and tiles: visual K/V for every layer", seconds):
+            image, tile = media.images[0], config.vision_config["image_size"]
+            tiles = anyres_tiles(image, load_image_processor(folder, config), config.mm_image_grid_points, tile)
+            streams["visual_key_values"], streams["visual_mask"] = model.model.encode_anyres([tiles], [image.size])
+    elif media.images:
         with stage(f"encode {len(media.images)} image(s): visual K/V for every layer", seconds):
             pixels = image_pixels(media.images, load_image_processor(folder, config))
             streams["visual_key_values"], streams["visual_mask"] = model.model.encode_images(pixels)

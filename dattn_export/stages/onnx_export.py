@@ -262,7 +262,7 @@ def export_onnx(
             "--dtype bf16", f"needs --opset 22 or later: ONNX's Conv accepts bfloat16 from opset 22 (asked {opset})"
         )
     source = open_source(checkpoint, base, vision_heads)
-    source.refuse_video("onnx")
+    source.refuse_beyond_images("onnx")
     torch_dtype = DTYPES[dtype].torch
     model = build_model(source, torch_dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

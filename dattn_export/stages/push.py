@@ -43,7 +43,47 @@ class UploadFile:
     content: bytes | None = None
 
 
-def usage_snippet(repo_id: str, prompt: str) -> str:
+def usage_snippet(repo_id: str, prompt: str, video: bool = False) -> str:
+    return video_usage_snippet(repo_id, prompt) if video else image_usage_snippet(repo_id, prompt)
+
+
+def video_usage_snippet(repo_id: str, prompt: str) -> str:
+    """A video model: frames (one a second) resized to the tower's square, and 16 kHz audio in Whisper's 30 s chunks,
+    as the released code prepares them; only torch, transformers and PIL."""
+    return f'''```python
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoTokenizer, WhisperFeatureExtractor
+
+repo = "{repo_id}"
+model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True, dtype=torch.float32)
+tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
+processor = AutoImageProcessor.from_pretrained(repo)
+whisper = model.config.audio_config  # a chunk is as many mel frames as the encoder takes: 3000 for Whisper
+mel = WhisperFeatureExtractor(
+    feature_size=whisper["num_mel_bins"], hop_length=480000 // (2 * whisper["max_source_positions"])
+)
+
+frames = [Image.new("RGB", (640, 360), (30 * i, 90, 160)) for i in range(4)]  # your video, one frame a second
+size = model.config.vision_config["image_size"]
+pixels = processor([f.resize((size, size), Image.BICUBIC) for f in frames], return_tensors="pt")["pixel_values"]
+samples = np.zeros(16000 * 4, np.float32)  # its audio: 16 kHz mono floats
+chunks = [samples[i : i + mel.n_samples] for i in range(0, len(samples), mel.n_samples)]
+mels = mel(chunks, sampling_rate=16000, return_tensors="pt")["input_features"]
+with torch.no_grad():
+    visual, visual_mask = model.model.encode_video([pixels])
+    audio, audio_mask = model.model.encode_audio([mels], [sum(len(c) // mel.hop_length for c in chunks)])
+    inputs = tokenizer({prompt!r}, return_tensors="pt")
+    tokens = model.generate(
+        inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=32,
+        visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask,
+    )
+print(tokenizer.decode(tokens[0], skip_special_tokens=True))
+```'''
+
+
+def image_usage_snippet(repo_id: str, prompt: str) -> str:
     return f'''```python
 import torch
 from PIL import Image
@@ -81,7 +121,7 @@ def model_card(
     data = ModelCardData(
         license=license,
         library_name="transformers",
-        pipeline_tag="image-text-to-text",
+        pipeline_tag="video-text-to-text" if config.is_video else "image-text-to-text",
         base_model=base_model,
         tags=["dattn", "custom_code", "vision-language", config.model_type, family],
     )
@@ -160,7 +200,7 @@ def model_card(
         "",
         "The model code ships in this repository (`modeling_dattn.py`); nothing else is downloaded.",
         "",
-        usage_snippet(repo_id, DEMO_PROMPT),
+        usage_snippet(repo_id, DEMO_PROMPT, video=config.is_video),
         "",
     ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))

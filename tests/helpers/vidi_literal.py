@@ -39,6 +39,45 @@ def image_stream(model, pixels):
     return x, present[:, None].expand(-1, x.shape[1])
 
 
+def select_best_resolution(original_size, possible_resolutions):
+    """img_utils.select_best_resolution: the (width, height) keeping most of the image, then wasting least."""
+    original_width, original_height = original_size
+    best_fit, max_effective, min_wasted = None, 0, float("inf")
+    for width, height in possible_resolutions:
+        scale = min(width / original_width, height / original_height)
+        downscaled_width, downscaled_height = int(original_width * scale), int(original_height * scale)
+        effective = min(downscaled_width * downscaled_height, original_width * original_height)
+        wasted = width * height - effective
+        if effective > max_effective or (effective == max_effective and wasted < min_wasted):
+            max_effective, min_wasted, best_fit = effective, wasted, (width, height)
+    return best_fit
+
+
+def anyres_stream(model, tiles, image_sizes):
+    """multimodal.py encode_images, anyres: per sample a thumbnail and tiles, the image's (width, height)."""
+    m, config, grid = model.model, model.config, model.config.patch_grid
+    size = config.vision_config["image_size"]
+    grid_res = [[a * size, b * size] for a, b in config.mm_image_grid_points]  # mm_image_grid_res
+    num_positions = grid * max(max(p) for p in config.mm_image_grid_points)
+    features = m.mm_vis.vision_model(torch.cat(tiles), output_hidden_states=True).hidden_states[-2]
+    features = m.mm_rand_projector(features)
+    samples = []
+    for feature, image_size in zip(torch.split(features, [len(t) for t in tiles]), image_sizes):
+        base = feature[0].reshape(grid, grid, -1)
+        base = base + rms(position_embedding(m.mm_rand_pos_h, grid, num_positions))[:, None]
+        base = base + rms(position_embedding(m.mm_rand_pos_w, grid, num_positions))[None, :]
+        width, height = select_best_resolution(image_size, grid_res)
+        num_patch_width, num_patch_height = width // size, height // size
+        tiled = feature[1:].view(num_patch_height, num_patch_width, grid, grid, -1).permute(0, 2, 1, 3, 4)
+        tiled = tiled.flatten(0, 1).flatten(1, 2)
+        tiled = tiled + rms(position_embedding(m.mm_rand_pos_h, tiled.shape[0], num_positions))[:, None]
+        tiled = tiled + rms(position_embedding(m.mm_rand_pos_w, tiled.shape[1], num_positions))[None, :]
+        samples.append(torch.cat([base.flatten(0, 1), tiled.flatten(0, 1)]))
+    x = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+    mask = (x.abs().sum(-1) != 0) & (torch.stack([t.abs().sum() for t in tiles]) != 0)[:, None]
+    return m.mm_rand_llm_norm.weight * rms(x), mask
+
+
 def pool_frames(model, x):
     """mm_rand_img_pool on (N, C, g, g): Vidi_7B's conv + bilinear resize; Vidi1.5_9B's zero pad + space_to_depth
     (resized first when the frames hold more than 60000 x pool^2 padded tokens: utils.resize_by_tokens)."""

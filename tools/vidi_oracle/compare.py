@@ -14,12 +14,12 @@ from dattn_export.runtime.ort import OrtModel
 root = Path(sys.argv[1])
 ckpt, conv, onnx_dir = root / "checkpoint", root / "converted", root / "onnx"
 oracle = torch.load(root / "oracle.pt", weights_only=False)
-video = oracle.get("video", False)  # video models: no ONNX export yet
+video, anyres = oracle.get("video", False), oracle.get("anyres", False)  # no ONNX export for these yet
 for args in (
     ["info", ckpt],
     ["convert", ckpt, "-o", conv, "--force"],
     ["verify", conv, "--against", ckpt],
-    *([] if video else [["onnx", conv, "-o", onnx_dir, "--force"], ["validate", onnx_dir]]),
+    *([] if video or anyres else [["onnx", conv, "-o", onnx_dir, "--force"], ["validate", onnx_dir]]),
     ["push", conv, "--repo-id", "me/vidi-tiny", "--dry-run"],
 ):
     r = subprocess.run(["dattn-export", *map(str, args)], capture_output=True, text=True)
@@ -28,6 +28,13 @@ for args in (
         (r.stdout + r.stderr).strip().splitlines()[-1][:150] if r.returncode else "",
     )
 model = load_model(conv)
+if anyres:
+    for name, (ids, tiles, sizes, expected) in oracle["cases"].items():
+        with torch.no_grad():
+            visual, visual_mask = model.model.encode_anyres(tiles, sizes)
+            got = model(ids, visual_key_values=visual, visual_mask=visual_mask)
+        print(f"{name:20s} torch max abs logits error {float((got.logits - expected).abs().max()):.2e}")
+    sys.exit()
 if video:
     for name, (ids, frames, mels, mel_frames, expected) in oracle["cases"].items():
         with torch.no_grad():

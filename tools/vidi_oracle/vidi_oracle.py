@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 family, out = sys.argv[1], Path(sys.argv[2])
-video = sys.argv[3:] == ["video"]
+video, anyres = sys.argv[3:] == ["video"], sys.argv[3:] == ["anyres"]
 VIDI_SRC = os.environ["VIDI_SRC"]  # a checkout of github.com/bytedance/vidi
 sys.path.insert(0, str(Path(__file__).parent))
 import flash_standin
@@ -148,7 +148,7 @@ config = Config(
     mm_vision_tower=str(vision_dir),
     mm_audio_tower=str(audio_dir),
     mm_vision_select_layer=-2,
-    mm_image_aspect_ratio="resize",
+    mm_image_aspect_ratio="anyres" if anyres else "resize",
     mm_image_grid_points="[[1, 2], [2, 1], [2, 2]]",
     mm_input_type="video" if video else "image",
     mm_image_pool_size=2,
@@ -186,6 +186,18 @@ tokenizer.save_pretrained(ckpt)
 
 cases = {}
 ids = torch.randint(3, 512, (2, 14), generator=g)
+if anyres:  # a wide image (2 x 1 tiles) and a tall one (1 x 2), each a thumbnail plus its tiles; then no image
+    tiles = [torch.randn(3, 3, size, size, generator=g) for _ in range(2)]
+    sizes = [(70, 30), (30, 66)]
+    image_ids = torch.cat([ids[:, :1], torch.full((2, 1), IMAGE_TOKEN_INDEX), ids[:, 1:]], dim=1)
+    mask = torch.ones_like(image_ids)
+    with torch.no_grad():
+        for name, t in {"anyres": tiles, "anyres_no_image_2nd": [tiles[0], torch.zeros_like(tiles[1])]}.items():
+            logits = model(image_ids, attention_mask=mask, images=t, image_sizes=sizes, use_cache=False).logits
+            cases[name] = (ids, t, sizes, logits)
+    torch.save({"cases": cases, "anyres": True}, out / "oracle.pt")
+    print(family, "anyres saved", sorted(p.name for p in ckpt.iterdir()))
+    sys.exit()
 if video:  # 3 and 2 frames; 2 and 1 log-mel chunks with 100 and 41 real frames
     frames = [torch.randn(n, 3, size, size, generator=g) for n in (3, 2)]
     mels = [torch.randn(n, 16, 60, generator=g) for n in (2, 1)]
