@@ -25,6 +25,7 @@ from dattn_export.stages.demo import write_demo_checkpoint
 from dattn_export.stages.generate import Media, run_prompt
 from dattn_export.stages.info import describe
 from dattn_export.stages.push import usage_snippet
+from dattn_export.stages.verify import probe_logits
 
 
 def video_model(family: str, seed: int = 0):
@@ -275,19 +276,13 @@ REMOTE_CODE = """
 import sys
 import numpy as np
 import torch
+from dattn_export.stages.verify import probe_logits  # the inputs only: the model is the shipped code's
 
 snippet, out = sys.argv[1:]
 exec(open(snippet).read())  # the model card's video usage, as written (it loads the model as `model`)
 assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-generator = torch.Generator().manual_seed(1)
-frames = [torch.randn(2, 3, 28, 28, generator=generator)]
-mels = [torch.randn(1, 16, 60, generator=generator)]
-ids = torch.randint(3, 300, (1, 7), generator=generator)
 with torch.no_grad():
-    visual, visual_mask = model.model.encode_video(frames)
-    audio, audio_mask = model.model.encode_audio(mels, [60])
-    streams = dict(visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask)
-    np.save(out, model(ids, **streams).logits.numpy())
+    np.save(out, probe_logits(model).numpy())
 """
 
 
@@ -303,16 +298,8 @@ def test_shipped_code_runs_video_and_audio_with_transformers_alone(tmp_path, fam
     args = [sys.executable, tmp_path / "remote.py", tmp_path / "snippet.py", tmp_path / "x.npy"]
     done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    model = load_model(tmp_path / "converted")
-    generator = torch.Generator().manual_seed(1)
-    frames = [torch.randn(2, 3, 28, 28, generator=generator)]
-    mels = [torch.randn(1, 16, 60, generator=generator)]
-    ids = torch.randint(3, 300, (1, 7), generator=generator)
     with torch.no_grad():
-        visual, visual_mask = model.model.encode_video(frames)
-        audio, audio_mask = model.model.encode_audio(mels, [60])
-        streams = dict(visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask)
-        expected = model(ids, **streams).logits.numpy()
+        expected = probe_logits(load_model(tmp_path / "converted")).numpy()
     np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), expected)
 
 
