@@ -482,26 +482,36 @@ def trt(
 
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--image", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--image", type=click.Path(path_type=Path), help="Image file.")
+@click.option("--video", type=click.Path(path_type=Path), help="Video model: a video file (1 frame/s, its audio).")
+@click.option("--frames", type=click.Path(path_type=Path), help="Video model: a folder of frame images, in name order.")
+@click.option("--audio", type=click.Path(path_type=Path), help="Video model: an audio file (instead of the video's).")
 @click.option("--prompt", required=True, help="Prompt; mark where the image sits with <image> for the LAWS curves.")
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Replace the report folder if it exists.")
-def analyze(checkpoint: Path, image: Path, prompt: str, out: Path, force: bool):
-    """Per layer and text token, the attention mass on the image; MLLM-LAWS curves and attention shift; plots."""
+def analyze(checkpoint: Path, image, video, frames, audio, prompt: str, out: Path, force: bool):
+    """Per layer and text token, the attention mass on the image (a video model: on its frames and on its audio);
+    MLLM-LAWS curves and attention shift; plots."""
     from .stages.analyze import analyze as run_analyze
+    from .stages.generate import Media
     from .ui import out as stdout
     from .ui import summary_table
 
-    report = run_analyze(checkpoint, image, prompt, out, force)
+    media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
+    report = run_analyze(checkpoint, media, prompt, out, force)
     shift = (
         "n/a (needs <image> with text on both sides)"
         if report.attention_shift is None
         else f"{report.attention_shift:.4f}"
     )
     per_layer = ", ".join(f"{sum(row) / len(row):.3f}" for row in report.visual_mass)
+    audio_rows = []
+    if report.audio_mass is not None:
+        audio_rows = [("mean audio mass per layer", ", ".join(f"{sum(r) / len(r):.3f}" for r in report.audio_mass))]
     rows = [
         ("tokens", f"{len(report.tokens)} ({report.image_after_token} before the image)"),
         ("mean visual mass per layer", per_layer),
+        *audio_rows,
         ("attention shift", shift),
         ("written", f"{out}/report.json, visual_mass.png, laws.png"),
     ]

@@ -1,7 +1,9 @@
 """analyze: its numbers against attention weights materialised explicitly, and its plots."""
 
+import itertools
 import json
 import math
+import wave
 
 import numpy as np
 import pytest
@@ -9,20 +11,22 @@ import torch
 from helpers.builders import build_model, checkpoint_of
 from PIL import Image
 
+from dattn_export.checkpoints.source import load_model
 from dattn_export.modeling.attention import dattn_op
 from dattn_export.plugins.contract import using_op
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
 from dattn_export.stages.analyze import PLOT_SIZE, analyze
-from dattn_export.stages.demo import demo_image
+from dattn_export.stages.demo import demo_image, write_demo_checkpoint
+from dattn_export.stages.generate import Media, decode_media, encode_media
 
 PROMPT = "USER: Look at this <image> and describe the picture in detail.\nASSISTANT:"
 
 
-def materialised_masses(model, ids, pixels, image_after):
-    """Per layer: the full softmax over [visual keys ; text keys] of every head, written out literally;
-    mass on visual keys, on text before the image and after it, averaged over heads -> (L, 3, T)."""
+def materialised_masses(model, ids, streams, image_after):
+    """Per layer: the full softmax over [visual keys ; (audio keys ;) text keys] of every head, written out
+    literally; mass on visual keys, (on audio keys,) on text before the image and after it, averaged over heads ->
+    (L, 3 or 4, T). `streams`: the forward's context K/V and masks (every key real)."""
     config = model.config
-    visual_kv = model.model.encode_visual(model.model.embed_images(pixels))
     calls = []
 
     def recording_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords):
@@ -30,32 +34,30 @@ def materialised_masses(model, ids, pixels, image_after):
         return dattn_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords)
 
     with using_op(model, recording_op):
-        model(ids, visual_key_values=visual_kv)
+        model(ids, **streams)
+    audio = streams.get("audio_key_values") or [None] * len(calls)
     out = []
-    for a, call in zip([layer.self_attn for layer in model.model.layers], calls, strict=True):
+    for a, call, audio_kv in zip([layer.self_attn for layer in model.model.layers], calls, audio, strict=True):
         groups = config.num_attention_heads // config.num_key_value_heads
-        k_vis, k = call["k_vis"].repeat_interleave(groups, 1), call["k"].repeat_interleave(groups, 1)
-        logits = (
-            torch.cat([call["q_vis"] @ k_vis.transpose(-1, -2), call["q"] @ k.transpose(-1, -2)], -1).double() * a.scale
-        )
+        contexts = [call["k_vis"]] + ([] if audio_kv is None else [audio_kv[0]])
+        contexts = [keys.repeat_interleave(groups, 1) for keys in contexts]
+        k = call["k"].repeat_interleave(groups, 1)
+        logits = [call["q_vis"] @ keys.transpose(-1, -2) for keys in contexts] + [call["q"] @ k.transpose(-1, -2)]
+        logits = torch.cat(logits, -1).double() * a.scale
         if a.softcap:
             logits = a.softcap * torch.tanh(logits / a.softcap)
-        num_visual, tokens = k_vis.shape[2], k.shape[2]
+        num_context, tokens = sum(keys.shape[2] for keys in contexts), k.shape[2]
         for i in range(tokens):
             for j in range(tokens):
                 window_ok = a.window is None or i - j < a.window
                 if j > i or not window_ok:
-                    logits[..., i, num_visual + j] = -math.inf
-        weights = torch.softmax(logits, dim=-1)[0]  # (heads, T, V + T)
-        out.append(
-            torch.stack(
-                [
-                    weights[..., :num_visual].sum(-1),
-                    weights[..., num_visual : num_visual + image_after].sum(-1),
-                    weights[..., num_visual + image_after :].sum(-1),
-                ]
-            ).mean(1)
-        )
+                    logits[..., i, num_context + j] = -math.inf
+        weights = torch.softmax(logits, dim=-1)[0]  # (heads, T, contexts + T)
+        ends = [0, *itertools.accumulate(keys.shape[2] for keys in contexts)]
+        parts = [weights[..., start:end].sum(-1) for start, end in itertools.pairwise(ends)]
+        parts += [weights[..., num_context : num_context + image_after].sum(-1)]
+        parts += [weights[..., num_context + image_after :].sum(-1)]
+        out.append(torch.stack(parts).mean(1))
     return torch.stack(out)
 
 
@@ -64,13 +66,14 @@ def test_analyze_matches_materialised_softmax(tmp_path, family):
     model = build_model(family, attn_logit_softcapping=3.0) if family == "gemma2" else build_model(family)
     checkpoint = checkpoint_of(model, tmp_path / "ckpt")
     demo_image().save(tmp_path / "image.png")
-    report = analyze(checkpoint, tmp_path / "image.png", PROMPT, tmp_path / "report")
+    report = analyze(checkpoint, Media(images=[tmp_path / "image.png"]), PROMPT, tmp_path / "report")
 
     pixels = load_images([tmp_path / "image.png"], load_image_processor(checkpoint, model.config))
     tokenizer = load_tokenizer(checkpoint, model.config)
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(report.tokens)])
     with torch.no_grad():
-        expected = materialised_masses(model, ids, pixels, report.image_after_token).numpy()  # (L, 3, T)
+        streams = dict(visual_key_values=model.model.encode_visual(model.model.embed_images(pixels)))
+        expected = materialised_masses(model, ids, streams, report.image_after_token).numpy()  # (L, 3, T)
     np.testing.assert_allclose(np.array(report.visual_mass), expected[:, 0], atol=1e-5, rtol=0)
     after = expected[:, :, report.image_after_token :].mean(-1)
     for i, part in enumerate(("image", "before", "after")):
@@ -85,3 +88,29 @@ def test_analyze_matches_materialised_softmax(tmp_path, family):
         with Image.open(tmp_path / "report" / name) as picture:
             assert picture.format == "PNG" and picture.size == size
             assert np.asarray(picture.convert("L")).std() > 10  # not a blank canvas
+
+
+def test_analyze_a_video_model_matches_materialised_softmax(tmp_path):
+    """A video model: the mass on its frames and on its audio, each against one softmax over every key written out."""
+    folder = write_demo_checkpoint(tmp_path / "video", "gemma2", video=True)
+    (tmp_path / "frames").mkdir()
+    for i in range(3):
+        Image.new("RGB", (40, 40), (70 * i, 200 - 50 * i, 90)).save(tmp_path / "frames" / f"{i}.png")
+    samples = (np.sin(np.arange(16000 * 5) / 5.0) * 9000).astype(np.int16)
+    with wave.open(str(tmp_path / "speech.wav"), "wb") as wav:
+        wav.setnchannels(1), wav.setsampwidth(2), wav.setframerate(16000), wav.writeframes(samples.tobytes())
+    media = Media(frames=tmp_path / "frames", audio=tmp_path / "speech.wav")
+    report = analyze(folder, media, PROMPT, tmp_path / "report")
+
+    model = load_model(folder)
+    tokenizer = load_tokenizer(folder, model.config)
+    ids = torch.tensor([tokenizer.convert_tokens_to_ids(report.tokens)])
+    with torch.no_grad():
+        streams = encode_media(model, folder, decode_media(media), {})
+        expected = materialised_masses(model, ids, streams, report.image_after_token).numpy()  # (L, 4, T)
+    np.testing.assert_allclose(np.array(report.visual_mass), expected[:, 0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.array(report.audio_mass), expected[:, 1], atol=1e-5, rtol=0)
+    after = expected[:, :, report.image_after_token :].mean(-1)
+    for i, part in enumerate(("image", "audio", "before", "after")):
+        np.testing.assert_allclose(report.laws[part], after[:, i], atol=1e-5, rtol=0)
+    assert 0.01 < np.mean(report.audio_mass) < 0.99

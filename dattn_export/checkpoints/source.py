@@ -84,7 +84,7 @@ class Source:
         raise InputError(
             self.config_path,
             f"is {kind}: `{command}` runs single-tile image models only so far "
-            "(info, convert, verify, push and generate take it)",
+            "(info, convert, verify, push, generate and analyze take it)",
         )
 
     def raise_first_problem(self) -> None:

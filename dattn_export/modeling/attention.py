@@ -164,16 +164,33 @@ def segment_shares(
     window: int | None,
     causal_visual: bool,
     text_split: Tensor | None = None,
+    contexts: tuple[tuple[Tensor, Tensor], ...] = (),
 ) -> Tensor:
     """Per head and query, the share of one softmax over [visual ; text] keys (the op contract's masks) that
     falls on each segment: (B, Hq, T, 2) as [visual, text], or with `text_split` (S,) bool over the text keys
-    (B, Hq, T, 3) as [visual, text where split, text elsewhere]. For the alpha merge and conventional attention
-    this is the attention mass on each segment (visual: sigmoid(S_V - S_T)); a query that sees no key gets 0."""
-    txt_mask, vis_mask = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual, causal=True)
-    s = torch.cat([_logits(q_vis, k_vis, vis_mask, scale, softcap), _logits(q, k, txt_mask, scale, softcap)], dim=-1)
+    (B, Hq, T, 3) as [visual, text where split, text elsewhere]. `contexts`: more context segments (keys
+    (B, Hkv, A, D), mask (B, A)) that `q_vis` reads like the visual one (a video model's audio), each a share
+    after the visual one. For the alpha merge and conventional attention this is the attention mass on each segment
+    (visual: sigmoid(S_V - S_T)); for the sum merge the share one softmax would give; a query that sees no key
+    gets 0."""
+    num_queries = q.shape[2]
+    txt_mask, vis_mask = segment_masks(key_mask, visual_mask, num_queries, window, causal_visual, causal=True)
+    context_logits = [
+        _logits(q_vis, keys, mask.bool()[:, None, :].expand(-1, num_queries, -1), scale, softcap)
+        for keys, mask in contexts
+    ]
+    s = torch.cat(
+        [_logits(q_vis, k_vis, vis_mask, scale, softcap), *context_logits, _logits(q, k, txt_mask, scale, softcap)],
+        dim=-1,
+    )
     p = _softmax(s)
-    p_text = p[..., k_vis.shape[2] :]
-    text = p_text.sum(-1)
-    shares = [p.sum(-1) - text]  # not a sum over the visual keys: that axis may be empty
+    sizes = [keys.shape[2] for keys, _ in contexts]
+    p_contexts = p[..., k_vis.shape[2] : k_vis.shape[2] + sum(sizes)].split(sizes, dim=-1)
+    p_text = p[..., k_vis.shape[2] + sum(sizes) :]
+    text, context_shares = p_text.sum(-1), [part.sum(-1) for part in p_contexts]
+    visual = p.sum(-1) - text  # not a sum over the visual keys: that axis may be empty
+    for share in context_shares:
+        visual = visual - share
+    shares = [visual, *context_shares]
     shares += [text] if text_split is None else [p_text[..., text_split].sum(-1), p_text[..., ~text_split].sum(-1)]
     return torch.stack(shares, dim=-1).flatten(1, 2)

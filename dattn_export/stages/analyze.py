@@ -1,11 +1,13 @@
-"""`analyze`: what the decomposed attention does with an image and a prompt, layer by layer.
+"""`analyze`: what the decomposed attention does with an image (or a video model's frames and audio) and a prompt,
+layer by layer.
 
 For every layer and text token: the attention mass on the visual stream, sigmoid(S_V - S_T) with S_* the
 log-sum-exp of each segment's logits (for the alpha merge and for conventional attention exactly the share of
-the softmax on visual keys; for the sum merge the share the alpha merge would give). The prompt may mark where
-the image sits with `<image>`: text before it, the image, and text after it give the MLLM-LAWS curves (mass of
-the tokens after the image on each part, per layer) and the attention-shift score, 1 - Pearson(before, after).
-Heads are averaged. Writes report.json, visual_mass.png (layers x tokens) and laws.png.
+the softmax on visual keys; for the sum merge the share the alpha merge would give); a video model's audio stream
+gets its share the same way. The prompt may mark where the image sits with `<image>`: text before it, the image,
+and text after it give the MLLM-LAWS curves (mass of the tokens after the image on each part, per layer) and the
+attention-shift score, 1 - Pearson(before, after). Heads are averaged. Writes report.json, visual_mass.png
+(layers x tokens) and laws.png.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from ..checkpoints.source import build_model, open_source
 from ..errors import InputError
 from ..modeling.attention import dattn_op, segment_shares
 from ..plugins.contract import using_op
-from ..processing import load_image_processor, load_images, load_tokenizer
+from ..processing import load_tokenizer
+from .generate import Media, decode_media, encode_media
 
 IMAGE_MARKER = "<image>"
 PLOT_SIZE = {"visual_mass.png": (1200, 600), "laws.png": (900, 500)}  # pixels, at 100 dpi
@@ -34,12 +37,14 @@ class AttentionReport:
     tokens: list[str]
     image_after_token: int  # text tokens before the image
     visual_mass: list[list[float]]  # [layer][token]
-    laws: dict[str, list[float]]  # before / image / after -> per layer
+    laws: dict[str, list[float]]  # before / image / after (/ audio) -> per layer
     attention_shift: float | None
+    audio_mass: list[list[float]] | None = None  # [layer][token]; None: no audio stream
 
 
-def layer_masses(call: dict, attention, image_after: int) -> torch.Tensor:
-    """(3, T): mean over heads of the softmax mass on [visual, text before the image, text after it]."""
+def layer_masses(call: dict, attention, image_after: int, audio: tuple | None) -> torch.Tensor:
+    """(3, T), or (4, T) with `audio` (the layer's audio keys and mask): mean over heads of the softmax mass on
+    [visual, (audio,) text before the image, text after it]."""
     q, k = call["q"], call["k"]
     before = torch.arange(k.shape[2]) < image_after + (k.shape[2] - q.shape[2])
     shares = segment_shares(
@@ -54,6 +59,7 @@ def layer_masses(call: dict, attention, image_after: int) -> torch.Tensor:
         window=attention.window,
         causal_visual=attention.causal_visual,
         text_split=before,
+        contexts=() if audio is None else (audio,),
     )
     return shares.mean(dim=1)[0].T  # batch of one
 
@@ -65,9 +71,12 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float | None:
 
 
 @torch.no_grad()
-def analyze(checkpoint: Path, image: Path, prompt: str, out: Path, force: bool = False) -> AttentionReport:
+def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool = False) -> AttentionReport:
     source = open_source(checkpoint)
-    source.refuse_beyond_images("analyze")
+    media.check(source.config)
+    if not (media.images or media.video or media.frames):
+        raise InputError("--image", "nothing to analyze: pass an image (a video model: --video or --frames)")
+    decoded = decode_media(media)
     model = build_model(source)
     tokenizer = load_tokenizer(checkpoint, model.config)
     before_text, _, after_text = prompt.partition(IMAGE_MARKER) if IMAGE_MARKER in prompt else ("", "", prompt)
@@ -76,8 +85,8 @@ def analyze(checkpoint: Path, image: Path, prompt: str, out: Path, force: bool =
     ids = ids + tokenizer(after_text, add_special_tokens=False)["input_ids"]
     if len(ids) == image_after:
         raise InputError("--prompt", "has no text after the image: nothing attends to it")
-    pixels = load_images([image], load_image_processor(checkpoint, model.config))
-    visual_kv, visual_mask = model.model.encode_images(pixels)
+    streams = encode_media(model, checkpoint, decoded, {})
+    audio_kv = streams.get("audio_key_values")
     calls = []  # every attention call's inputs, layer by layer
 
     def recording_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords):
@@ -85,20 +94,23 @@ def analyze(checkpoint: Path, image: Path, prompt: str, out: Path, force: bool =
         return dattn_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords)
 
     with using_op(model, recording_op):
-        model(torch.tensor([ids]), visual_key_values=visual_kv, visual_mask=visual_mask)
+        model(torch.tensor([ids]), **streams)
     attentions = [layer.self_attn for layer in model.model.layers]
+    audio = [None] * len(calls) if audio_kv is None else [(kv[0], streams["audio_mask"]) for kv in audio_kv]
     masses = torch.stack(
-        [layer_masses(call, a, image_after) for call, a in zip(calls, attentions, strict=True)]
-    )  # (L, 3, T)
+        [layer_masses(call, a, image_after, aud) for call, a, aud in zip(calls, attentions, audio, strict=True)]
+    )  # (L, 3 or 4, T): visual, (audio,) before, after
     after = masses[:, :, image_after:].mean(dim=2).numpy()  # the tokens after the image, averaged
-    shift = pearson(after[:, 1], after[:, 2])
+    shift = pearson(after[:, -2], after[:, -1])
+    laws = {"before": after[:, -2].tolist(), "image": after[:, 0].tolist(), "after": after[:, -1].tolist()}
     report = AttentionReport(
         merge=model.config.merge,
         tokens=tokenizer.convert_ids_to_tokens(ids),
         image_after_token=image_after,
         visual_mass=masses[:, 0].tolist(),
-        laws={"before": after[:, 1].tolist(), "image": after[:, 0].tolist(), "after": after[:, 2].tolist()},
+        laws=laws | ({} if audio_kv is None else {"audio": after[:, 1].tolist()}),
         attention_shift=None if shift is None else 1.0 - shift,
+        audio_mass=None if audio_kv is None else masses[:, 1].tolist(),
     )
     with atomic_dir(out, overwrite=force) as tmp:
         (tmp / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
@@ -128,8 +140,9 @@ def plot(report: AttentionReport, folder: Path) -> None:
     plt.close(fig)
     fig, ax = plt.subplots(figsize=tuple(n / 100 for n in PLOT_SIZE["laws.png"]), dpi=100)
     layers = range(len(report.laws["image"]))
-    for part, style in (("before", "o-"), ("image", "s-"), ("after", "^-")):
-        ax.plot(layers, report.laws[part], style, label=f"text {part} the image" if part != "image" else "the image")
+    labels = {"before": "text before the image", "image": "the image", "after": "text after it", "audio": "the audio"}
+    for part, style in zip(report.laws, ("o-", "s-", "^-", "d-")):
+        ax.plot(layers, report.laws[part], style, label=labels[part])
     shift = "n/a" if report.attention_shift is None else f"{report.attention_shift:.3f}"
     ax.set(
         xlabel="layer",
