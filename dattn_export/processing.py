@@ -57,7 +57,7 @@ def anyres_tiles(image: Image.Image, image_processor, grid_points: list, tile: i
     corners = [(x, y) for y in range(0, rows * tile, tile) for x in range(0, columns * tile, tile)]
     tiles = [resized.crop((x, y, x + tile, y + tile)) for x, y in corners]
     thumbnail = image.resize((tile, tile), resample=Image.BICUBIC)
-    return image_processor([thumbnail, *tiles], return_tensors="pt")["pixel_values"]
+    return image_pixels([thumbnail, *tiles], image_processor)[0]
 
 
 def image_pixels(pictures: list[Image.Image], image_processor) -> torch.Tensor:
@@ -115,20 +115,16 @@ def open_image(path: Path) -> Image.Image:
 def preprocess_frames(frames: list[Image.Image], image_processor, size: int) -> torch.Tensor:
     """(F, 3, size, size): each frame resized to the tower's square (bicubic), then its processor (the released
     "resize" preprocessing)."""
-    resized = [frame.resize((size, size), resample=Image.BICUBIC) for frame in frames]
-    return image_processor(resized, return_tensors="pt")["pixel_values"]
+    return image_pixels([frame.resize((size, size), resample=Image.BICUBIC) for frame in frames], image_processor)[0]
 
 
-def has_audio(path: Path) -> bool:
-    with open_media(path) as container:
-        return bool(container.streams.audio)
-
-
-def load_audio(path: Path, rate: int = AUDIO_RATE) -> np.ndarray:
+def load_audio(path: Path, rate: int = AUDIO_RATE, missing_ok: bool = False) -> np.ndarray | None:
     """The first audio stream as one channel of float samples at `rate`, through 16-bit (load_audio: ffmpeg's s16le
-    output / 32768)."""
+    output / 32768); None for a file without one when `missing_ok` (a video without a sound track)."""
     with open_media(path) as container:
         if not container.streams.audio:
+            if missing_ok:
+                return None
             raise InputError(path, "has no audio stream")
         resampler, pieces = av.AudioResampler(format="s16", layout="mono", rate=rate), []
         try:

@@ -521,9 +521,8 @@ class DAttnModel(DAttnPreTrainedModel):
             joined = feature[1:].reshape(rows, columns, grid, grid, -1).permute(0, 2, 1, 3, 4)
             joined = self.with_positions(joined.flatten(0, 1).flatten(1, 2))
             samples.append(torch.cat([thumbnail.flatten(0, 1), joined.flatten(0, 1)]))
-        x = nn.utils.rnn.pad_sequence(samples, batch_first=True)
-        mask = (x.abs().sum(-1) != 0) & torch.stack([t.abs().sum() != 0 for t in tiles])[:, None]
-        return self.scaled(self.mm_rand_llm_norm(x)), mask
+        # the released path leaves masked tokens unzeroed; they are never read, so the shared stream ending serves
+        return self.context_stream(samples, [t.abs().sum() != 0 for t in tiles])
 
     def with_positions(self, x: Tensor) -> Tensor:
         """(..., rows, columns, hidden) + row embeddings, then + column embeddings."""
@@ -532,8 +531,7 @@ class DAttnModel(DAttnPreTrainedModel):
 
     def encode_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for anyres images, and the visual mask."""
-        embeds, mask = self.embed_anyres(tiles, image_sizes)
-        return self.encode_visual(embeds, mask), mask
+        return self.stream_caches(*self.embed_anyres(tiles, image_sizes))
 
     def embed_video(self, frames: list[Tensor]) -> tuple[Tensor, Tensor]:
         """Each sample's frames (F_i, 3, H, W) -> (B, L, hidden) visual embeddings and their (B, L) mask
@@ -585,12 +583,14 @@ class DAttnModel(DAttnPreTrainedModel):
 
     def encode_video(self, frames: list[Tensor]) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for each sample's frames, and the visual mask."""
-        embeds, mask = self.embed_video(frames)
-        return self.encode_visual(embeds, mask), mask
+        return self.stream_caches(*self.embed_video(frames))
 
     def encode_audio(self, mels: list[Tensor], mel_frames: list[int]) -> tuple[list[KV], Tensor]:
         """Every layer's audio K/V (the audio stream runs the layers as the visual one does), and the audio mask."""
-        embeds, mask = self.embed_audio(mels, mel_frames)
+        return self.stream_caches(*self.embed_audio(mels, mel_frames))
+
+    def stream_caches(self, embeds: Tensor, mask: Tensor) -> tuple[list[KV], Tensor]:
+        """A context stream's K/V for every layer, with the mask that goes with them."""
         return self.encode_visual(embeds, mask), mask
 
     def image_mask(self, pixel_values: Tensor) -> Tensor:
@@ -603,8 +603,7 @@ class DAttnModel(DAttnPreTrainedModel):
 
     def encode_images(self, pixel_values: Tensor) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for the images, and the visual mask that goes with them."""
-        visual_mask = self.image_mask(pixel_values)
-        return self.encode_visual(self.embed_images(pixel_values), visual_mask), visual_mask
+        return self.stream_caches(self.embed_images(pixel_values), self.image_mask(pixel_values))
 
     STREAM_CHUNK = 2048  # context tokens through the layers at once, where each token's K/V depend on it alone
 

@@ -17,7 +17,6 @@ from ..processing import (
     AUDIO_RATE,
     anyres_tiles,
     audio_features,
-    has_audio,
     image_pixels,
     load_audio,
     load_audio_processor,
@@ -82,8 +81,11 @@ def decode_media(media: Media) -> DecodedMedia:
     frames = (
         load_video_frames(media.video) if media.video else load_frame_folder(media.frames) if media.frames else None
     )
-    audio = media.audio or (media.video if media.video and has_audio(media.video) else None)
-    return DecodedMedia([open_image(p) for p in media.images], frames, None if audio is None else load_audio(audio))
+    if media.audio:
+        samples = load_audio(media.audio)
+    else:  # the video's own sound track, when it has one
+        samples = load_audio(media.video, missing_ok=True) if media.video else None
+    return DecodedMedia([open_image(p) for p in media.images], frames, samples)
 
 
 def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, float]) -> dict:

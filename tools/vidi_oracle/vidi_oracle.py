@@ -186,11 +186,11 @@ tokenizer.save_pretrained(ckpt)
 
 cases = {}
 ids = torch.randint(3, 512, (2, 14), generator=g)
+image_ids = torch.cat([ids[:, :1], torch.full((2, 1), IMAGE_TOKEN_INDEX), ids[:, 1:]], dim=1)  # <bos> <image> text
+mask = torch.ones_like(image_ids)
 if anyres:  # a wide image (2 x 1 tiles) and a tall one (1 x 2), each a thumbnail plus its tiles; then no image
     tiles = [torch.randn(3, 3, size, size, generator=g) for _ in range(2)]
     sizes = [(70, 30), (30, 66)]
-    image_ids = torch.cat([ids[:, :1], torch.full((2, 1), IMAGE_TOKEN_INDEX), ids[:, 1:]], dim=1)
-    mask = torch.ones_like(image_ids)
     with torch.no_grad():
         for name, t in {"anyres": tiles, "anyres_no_image_2nd": [tiles[0], torch.zeros_like(tiles[1])]}.items():
             logits = model(image_ids, attention_mask=mask, images=t, image_sizes=sizes, use_cache=False).logits
@@ -201,8 +201,6 @@ if anyres:  # a wide image (2 x 1 tiles) and a tall one (1 x 2), each a thumbnai
 if video:  # 3 and 2 frames; 2 and 1 log-mel chunks with 100 and 41 real frames
     frames = [torch.randn(n, 3, size, size, generator=g) for n in (3, 2)]
     mels = [torch.randn(n, 16, 60, generator=g) for n in (2, 1)]
-    image_ids = torch.cat([ids[:, :1], torch.full((2, 1), IMAGE_TOKEN_INDEX), ids[:, 1:]], dim=1)
-    mask = torch.ones_like(image_ids)
     no_audio = [mels[0], torch.zeros(1, 16, 60)]  # the collator's stand-in for a sample without audio
     with torch.no_grad():
         for name, (f, a, n) in {
@@ -216,7 +214,6 @@ if video:  # 3 and 2 frames; 2 and 1 log-mel chunks with 100 and 41 real frames
     print(family, "video saved", sorted(p.name for p in ckpt.iterdir()))
     sys.exit()
 pixels = torch.randn(2, 3, 32, 32, generator=g)
-image_ids = torch.cat([ids[:, :1], torch.full((2, 1), IMAGE_TOKEN_INDEX), ids[:, 1:]], dim=1)  # <bos> <image> text
 with torch.no_grad():
     cases["image"] = (
         ids[:1],
