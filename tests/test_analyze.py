@@ -1,6 +1,5 @@
 """analyze: its numbers against attention weights materialised explicitly, and its plots."""
 
-import itertools
 import json
 import math
 import wave
@@ -23,38 +22,35 @@ PROMPT = "USER: Look at this <image> and describe the picture in detail.\nASSIST
 
 
 def materialised_masses(model, ids, streams, image_after):
-    """Per layer: the full softmax over [visual keys ; (audio keys ;) text keys] of every head, written out
-    literally; mass on visual keys, (on audio keys,) on text before the image and after it, averaged over heads ->
+    """Per layer: the full softmax over [context keys ; text keys] of every head, written out literally; mass on
+    visual keys, (on a video model's audio keys,) on text before the image and after it, averaged over heads ->
     (L, 3 or 4, T). `streams`: the forward's context K/V and masks (every key real)."""
     config = model.config
     calls = []
 
     def recording_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords):
-        calls.append(dict(q=q, k=k, q_vis=q_vis, k_vis=k_vis))
+        calls.append(dict(q=q, k=k, q_vis=q_vis, k_vis=k_vis, segments=visual_mask[0]))
         return dattn_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords)
 
     with using_op(model, recording_op):
         model(ids, **streams)
-    audio = streams.get("audio_key_values") or [None] * len(calls)
     out = []
-    for a, call, audio_kv in zip([layer.self_attn for layer in model.model.layers], calls, audio, strict=True):
+    for a, call in zip([layer.self_attn for layer in model.model.layers], calls, strict=True):
         groups = config.num_attention_heads // config.num_key_value_heads
-        contexts = [call["k_vis"]] + ([] if audio_kv is None else [audio_kv[0]])
-        contexts = [keys.repeat_interleave(groups, 1) for keys in contexts]
-        k = call["k"].repeat_interleave(groups, 1)
-        logits = [call["q_vis"] @ keys.transpose(-1, -2) for keys in contexts] + [call["q"] @ k.transpose(-1, -2)]
-        logits = torch.cat(logits, -1).double() * a.scale
+        k_vis, k = (call[name].repeat_interleave(groups, 1) for name in ("k_vis", "k"))
+        logits = torch.cat([call["q_vis"] @ k_vis.transpose(-1, -2), call["q"] @ k.transpose(-1, -2)], -1)
+        logits = logits.double() * a.scale
         if a.softcap:
             logits = a.softcap * torch.tanh(logits / a.softcap)
-        num_context, tokens = sum(keys.shape[2] for keys in contexts), k.shape[2]
+        num_context, tokens = k_vis.shape[2], k.shape[2]
         for i in range(tokens):
             for j in range(tokens):
                 window_ok = a.window is None or i - j < a.window
                 if j > i or not window_ok:
                     logits[..., i, num_context + j] = -math.inf
         weights = torch.softmax(logits, dim=-1)[0]  # (heads, T, contexts + T)
-        ends = [0, *itertools.accumulate(keys.shape[2] for keys in contexts)]
-        parts = [weights[..., start:end].sum(-1) for start, end in itertools.pairwise(ends)]
+        context = weights[..., :num_context]
+        parts = [context[..., call["segments"] == index].sum(-1) for index in range(1, a.num_contexts + 1)]
         parts += [weights[..., num_context : num_context + image_after].sum(-1)]
         parts += [weights[..., num_context + image_after :].sum(-1)]
         out.append(torch.stack(parts).mean(1))

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.checks import context_segments
 
-from dattn_export.modeling.attention import causal_mask, decomposed_attention
+from dattn_export.modeling.attention import causal_mask, decomposed_attention, segment_masks
 
 torch.manual_seed(0)
 
@@ -62,6 +63,53 @@ def test_sum_merge_adds_two_softmaxes(softcap):
         q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, scale=0.25, softcap=softcap, merge="sum"
     )
     torch.testing.assert_close(got.double(), xa + sa, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("lengths", [[7, 5], [6, 4, 3]])
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_sum_merge_one_softmax_per_context_segment(lengths, shuffled):
+    """A video model's text attention: text, frames and audio each under its own softmax, outputs added; each
+    segment computed literally on its own keys, row by row (a row without audio adds nothing for it)."""
+    q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis = random_problem(visual=sum(lengths))
+    segments = context_segments(2, lengths, torch.Generator().manual_seed(1) if shuffled else None)
+    _, vis_segments = segment_masks(torch.ones(2, 8), segments, q_txt.shape[2], None, False, True)
+    got = decomposed_attention(
+        q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, vis_segments, scale=0.25, softcap=2.0, merge="sum",
+        num_contexts=len(lengths),
+    )  # fmt: skip
+    for row in range(2):
+        expected, _ = literal_segment(
+            q_txt[row : row + 1], k_txt[row : row + 1], v_txt[row : row + 1], txt_mask[row : row + 1], 0.25, 2.0
+        )
+        for index in range(1, len(lengths) + 1):
+            keys = segments[row] == index
+            if keys.any():
+                all_visible = torch.ones(1, q_txt.shape[2], int(keys.sum()), dtype=torch.bool)
+                part, _ = literal_segment(
+                    q_vis[row : row + 1], k_vis[row : row + 1, :, keys], v_vis[row : row + 1, :, keys], all_visible,
+                    0.25, 2.0,
+                )  # fmt: skip
+                expected = expected + part
+        torch.testing.assert_close(got[row : row + 1].double(), expected, atol=1e-5, rtol=0)
+    # the segments really are separate softmaxes: one softmax over all context keys differs
+    one_softmax = decomposed_attention(
+        q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, vis_segments > 0, scale=0.25, softcap=2.0, merge="sum"
+    )
+    assert (got - one_softmax).abs().max() > 0.05
+
+
+def test_alpha_merge_over_segments_is_one_softmax():
+    """alpha: one softmax over every context key and the text, whatever segment a key is in."""
+    q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis = random_problem(visual=12)
+    segments = context_segments(2, [7, 5])[:, None, :].expand(-1, q_txt.shape[2], -1)
+    got = decomposed_attention(
+        q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, segments, scale=0.3, softcap=None, merge="alpha",
+        num_contexts=2,
+    )  # fmt: skip
+    expected = decomposed_attention(
+        q_txt, k_txt, v_txt, txt_mask, q_vis, k_vis, v_vis, segments > 0, scale=0.3, softcap=None, merge="alpha"
+    )
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
 def test_without_visual_segment_is_sdpa():

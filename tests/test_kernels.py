@@ -15,6 +15,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from helpers.checks import context_segments  # noqa: E402
+
 from dattn_export.plugins import contract  # noqa: E402
 from dattn_export.plugins.contract import Attributes  # noqa: E402
 from dattn_export.plugins.triton_kernel import launch  # noqa: E402
@@ -78,6 +80,34 @@ def test_kernel_matches_reference(dtype, dim, heads, shape, softcap, merge):
     assert error <= TOLERANCE[dtype], f"max abs error {error:.2e}"
 
 
+# (queries, past, segment lengths): frames + audio, and three segments; decode and prefill; a tile shared by two
+# segments (lengths not multiples of the 16-key tile) and one segment spanning many tiles
+SEGMENTED = [(1, 30, [40, 9]), (9, 4, [5, 70]), (1, 12, [17, 3, 33]), (20, 0, [64, 16, 2])]
+SEGMENTED_CASES = [
+    (dtype, shape, merge, shuffled)
+    for i, (dtype, shape) in enumerate(itertools.product(DTYPES, SEGMENTED))
+    for merge, shuffled in [("sum", i % 2 == 1), ("alpha", False)]
+]
+
+
+@pytest.mark.parametrize("dtype, shape, merge, shuffled", SEGMENTED_CASES)
+def test_kernel_with_context_segments(dtype, shape, merge, shuffled):
+    """Two and three context segments (num_contexts), with a row that lacks segment 2 and padded keys; the segment
+    of each key given by the mask, contiguous or shuffled."""
+    queries, past, lengths = shape
+    args = list(problem(dtype, 2, 8, 2, queries, past, sum(lengths), 64, seed=queries + sum(lengths)))
+    args[7] = context_segments(2, lengths, torch.Generator().manual_seed(3) if shuffled else None).to(DEVICE)
+    attributes = Attributes.from_reference(scale=0.125, softcap=30.0, merge=merge, num_contexts=len(lengths))
+    got = launch(*args, attributes)
+    expected = contract.reference(tuple(args), attributes)
+    error = (got.float() - expected.float()).abs().max().item()
+    magnitude = max(1.0, expected.float().abs().max().item())  # N + 1 softmax outputs added: outputs O(N)
+    assert error <= TOLERANCE[dtype] * magnitude, f"max abs error {error:.2e} at outputs up to {magnitude:.1f}"
+    if merge == "sum":  # not what one softmax over all context keys gives
+        one_segment = contract.reference(tuple(args[:7]) + (args[7] > 0,), Attributes(0.125, 30.0, merge="sum"))
+        assert (expected.float() - one_segment.float()).abs().max() > 10 * TOLERANCE[dtype]
+
+
 def test_kernel_without_causality():
     """causal=False: MMCA's attention within an image (every real key visible, no visual segment)."""
     args = problem(torch.float32, 3, 4, 2, 16, 0, 0, 32, seed=8)
@@ -111,7 +141,7 @@ import json, sys
 from dattn_export.plugins.contract import Attributes
 from dattn_export.plugins.triton_kernel import compile_ptx
 arch, dtype, merge = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-attributes = Attributes(128**-0.5, softcap=50.0, window=4096, merge=merge)
+attributes = Attributes(128**-0.5, softcap=50.0, window=4096, merge=merge, num_contexts=2 if merge == "sum" else 1)
 name, ptx, metadata = compile_ptx(dtype, 128, attributes, arch=arch, ptx_version=84)  # drivers of CUDA >= 12.4
 print(json.dumps({"name": name, "ptx": ptx, "num_warps": metadata.num_warps}))
 """

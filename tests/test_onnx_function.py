@@ -5,6 +5,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from helpers.checks import context_segments
 from onnx import TensorProto, helper
 
 from dattn_export.plugins import contract
@@ -14,13 +15,13 @@ from dattn_export.plugins.onnx_node import Variant, build_function
 OPSET = 18
 
 
-def single_node_model(attributes: dict, variant: Variant, dtype=TensorProto.FLOAT) -> bytes:
+def single_node_model(attributes: dict, variant: Variant, dtype=TensorProto.FLOAT, mask_type=TensorProto.BOOL) -> bytes:
     node = helper.make_node(contract.TYPE, list(contract.INPUTS), ["out"], domain=contract.DOMAIN, **attributes)
 
     def value(name, elem, rank):
         return helper.make_tensor_value_info(name, elem, [None] * rank)
 
-    inputs = [value(n, TensorProto.BOOL if "mask" in n else dtype, 2 if "mask" in n else 4) for n in contract.INPUTS]
+    inputs = [value(n, mask_type if "mask" in n else dtype, 2 if "mask" in n else 4) for n in contract.INPUTS]
     graph = helper.make_graph([node], "dattn", inputs, [value("out", dtype, 4)])
     model = helper.make_model(
         graph,
@@ -80,6 +81,24 @@ def test_function_body_matches_reference(heads, kv_heads, queries, past, visual,
     expected = contract.reference(tuple(inputs.values()), attributes)
     np.testing.assert_allclose(got, expected.numpy(), atol=1e-5, rtol=0)
     assert np.abs(expected.numpy()).max() > 0.1
+
+
+@pytest.mark.parametrize("lengths", [[9, 6], [5, 8, 3]])
+@pytest.mark.parametrize("merge, queries, window", [("sum", 4, None), ("sum", 1, 3), ("alpha", 4, 3)])
+def test_function_body_with_context_segments(lengths, merge, queries, window):
+    """N context segments (a video model's frames and audio): the mask gives each key's segment (int64, as the
+    decoder graphs feed it), one row without segment 2."""
+    inputs = problem(2, 8, 2, queries, 5, sum(lengths), 16, seed=sum(lengths) + queries)
+    inputs["key_mask"], inputs["visual_mask"] = inputs["key_mask"].long(), context_segments(2, lengths)
+    attributes = Attributes.from_reference(
+        scale=0.3, softcap=2.0, window=window, merge=merge, num_contexts=len(lengths)
+    )
+    variant = Variant(merge, True, False, compute_cast=False, num_contexts=len(lengths))
+    model = single_node_model(attributes.node_attributes(8, 2, 16), variant, mask_type=TensorProto.INT64)
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {n: t.numpy() for n, t in inputs.items()})
+    expected = contract.reference(tuple(inputs.values()), attributes)
+    np.testing.assert_allclose(got, expected.numpy(), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("merge", ["alpha", "sum"])

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers.checks import context_segments
 
 from dattn_export.plugins import contract
 from dattn_export.plugins.contract import Attributes
@@ -39,6 +40,11 @@ def test_cpu_dispatch_is_the_reference_and_the_op_is_well_formed():
     )
     torch.library.opcheck(decomposed_attention, (*args, 0.125, 0.0, 0, "alpha", 0))
     assert torch.ops.dattn.decomposed_attention.default is not None
+    # a video model's two context segments: the last attribute, keyword or positional
+    segmented = (*args[:7], context_segments(2, [20, 13]))
+    expected = contract.reference(segmented, Attributes(0.125, merge="sum", num_contexts=2))
+    torch.testing.assert_close(decomposed_attention(*segmented, 0.125, merge="sum", num_contexts=2), expected)
+    torch.library.opcheck(decomposed_attention, (*segmented, 0.125, 0.0, 0, "sum", 0, 1, 2))
 
 
 def test_the_op_traces_into_an_exported_program():

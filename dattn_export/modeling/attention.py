@@ -1,13 +1,16 @@
 """The decomposed-attention math: the single reference every other implementation is tested against.
 Pure torch: this file ships inside Hub repos with the model.
 
-Text queries attend to two key segments:
-  * the visual segment: visual keys, no mask by default, queried with `q_vis` (unrotated in D-Attn: "debiased");
+Text queries attend to the text keys and to N context segments:
+  * the context keys (a video model's frames then its audio; an image model's visual tokens, N = 1), no mask by
+    default, queried with `q_vis` (unrotated in D-Attn: "debiased"); an integer mask gives each key its segment
+    (1..N; 0: not a key), a bool mask puts every visible key in segment 1;
   * the text segment: text keys (past + current), causal/padding/window mask, queried with `q_txt` (rotated).
 
-merge="alpha": one softmax over the concatenated logits [visual ; text]. This equals the paper's
-    sigmoid(S_V - S_T) * XA + sigmoid(S_T - S_V) * SA, with S_* the log-sum-exp of each segment.
-merge="sum":   softmax per segment, outputs added (released Vidi-style models, MMCA's text rule).
+merge="alpha": one softmax over the concatenated logits [context ; text]. With one context segment this equals the
+    paper's sigmoid(S_V - S_T) * XA + sigmoid(S_T - S_V) * SA, with S_* the log-sum-exp of each segment.
+merge="sum":   softmax per segment (each context segment and the text), outputs added (the released Vidi models:
+    text, frames and audio each with their own softmax; MMCA's text rule).
 
 Grouped-query attention is computed by viewing the query heads as (kv_heads, group) so keys and
 values are never repeated.
@@ -21,16 +24,19 @@ from torch import Tensor
 MERGE_MODES = ("alpha", "sum")
 
 
-def _logits(q: Tensor, k: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
-    """(B, Hq, T, D) x (B, Hkv, S, D) -> fp32 logits (B, Hkv, G, T, S), soft-capped, masked positions at -inf."""
+def _logits(q: Tensor, k: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """(B, Hq, T, D) x (B, Hkv, S, D) -> fp32 logits (B, Hkv, G, T, S), soft-capped."""
     kv_heads = k.shape[1]
     q = q.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
     s = torch.matmul(q, k.float().unsqueeze(2).transpose(-1, -2)) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    if mask is not None:
-        s = s.masked_fill(~mask[:, None, None], float("-inf"))
     return s
+
+
+def _masked(s: Tensor, visible: Tensor | None) -> Tensor:
+    """Logits with the positions `visible` (B, T, S) does not allow at -inf."""
+    return s if visible is None else s.masked_fill(~visible[:, None, None], float("-inf"))
 
 
 def _softmax(s: Tensor) -> Tensor:
@@ -61,26 +67,31 @@ def decomposed_attention(
     scale: float,
     softcap: float | None,
     merge: str,
+    num_contexts: int = 1,
 ) -> Tensor:
-    """Text-query attention over a visual and a text key segment.
+    """Text-query attention over the context segments and a text key segment.
 
-    Shapes: q_* (B, Hq, T, D); k_*, v_* (B, Hkv, S, D) with Hq % Hkv == 0; masks bool (B, T, S),
-    True where the query may attend (None: all). Without a visual segment this is plain attention.
-    Computes in fp32 and returns (B, Hq, T, D) in q_txt's dtype. A query that sees no key outputs 0.
+    Shapes: q_* (B, Hq, T, D); k_*, v_* (B, Hkv, S, D) with Hq % Hkv == 0; `txt_mask` bool (B, T, S), True where
+    the query may attend (None: all); `vis_mask` (B, T, V) the context key's segment, 1..`num_contexts`, where the
+    query may attend it and 0 elsewhere (bool: segment 1; None: all in segment 1). Without context keys this is
+    plain attention. Computes in fp32 and returns (B, Hq, T, D) in q_txt's dtype. A query that sees no key
+    outputs 0.
     """
     if merge not in MERGE_MODES:
         raise ValueError(f"merge must be one of {MERGE_MODES}, got {merge!r}")
-    s_txt = _logits(q_txt, k_txt, txt_mask, scale, softcap)
+    s_txt = _masked(_logits(q_txt, k_txt, scale, softcap), txt_mask)
     if k_vis is None:
-        out = _weighted_values(_softmax(s_txt), v_txt)
-    else:
-        s_vis = _logits(q_vis, k_vis, vis_mask, scale, softcap)
-        if merge == "alpha":
-            p = _softmax(torch.cat([s_vis, s_txt], dim=-1))
-            p_vis, p_txt = p.split([s_vis.shape[-1], s_txt.shape[-1]], dim=-1)
-        else:
-            p_vis, p_txt = _softmax(s_vis), _softmax(s_txt)
+        return _weighted_values(_softmax(s_txt), v_txt).flatten(1, 2).to(q_txt.dtype)
+    s_vis = _logits(q_vis, k_vis, scale, softcap)
+    segment = s_vis.new_ones(s_vis.shape[:1] + s_vis.shape[3:], dtype=torch.long) if vis_mask is None else vis_mask
+    if merge == "alpha":
+        p = _softmax(torch.cat([_masked(s_vis, segment != 0), s_txt], dim=-1))
+        p_vis, p_txt = p.split([s_vis.shape[-1], s_txt.shape[-1]], dim=-1)
         out = _weighted_values(p_vis, v_vis) + _weighted_values(p_txt, v_txt)
+    else:
+        out = _weighted_values(_softmax(s_txt), v_txt)
+        for index in range(1, num_contexts + 1):
+            out = out + _weighted_values(_softmax(_masked(s_vis, segment.long() == index)), v_vis)
     return out.flatten(1, 2).to(q_txt.dtype)
 
 
@@ -116,19 +127,33 @@ def dattn_op(
     merge: str,
     causal_visual: bool,
     causal: bool,
+    num_contexts: int = 1,
 ) -> Tensor:
     """The DecomposedAttention op's math (its contract, with defaults, is `dattn_export.plugins.contract`).
 
-    The T queries `q` (rotated) sit at the last T of the S text key slots; `key_mask` (B, S) and
-    `visual_mask` (B, V) mark real keys (V may be 0). Text keys are causal, and with `window` a query at slot
-    i sees slot j only when i - j < window. Every visual key is visible to `q_vis` (debiased), unless
-    `causal_visual`: then the visual keys take slots [0, V) before the text and the same causal and window
-    rule covers them (conventional attention, no debiasing). With `causal` false every real text key is visible
-    (MMCA's attention within an image).
+    The T queries `q` (rotated) sit at the last T of the S text key slots; `key_mask` (B, S) marks real text keys
+    and `visual_mask` (B, V) each context key's segment, 1..`num_contexts` (0: not a key; V may be 0). Text keys
+    are causal, and with `window` a query at slot i sees slot j only when i - j < window. Every context key is
+    visible to `q_vis` (debiased), unless `causal_visual` (one segment): then the visual keys take slots [0, V)
+    before the text and the same causal and window rule covers them (conventional attention, no debiasing). With
+    `causal` false every real text key is visible (MMCA's attention within an image).
     """
+    if causal_visual and num_contexts != 1:
+        raise ValueError(f"causal visual keys take one context segment, not {num_contexts}")
     txt_mask, vis_mask = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual, causal)
     return decomposed_attention(
-        q, k, v, txt_mask, q_vis, k_vis, v_vis, vis_mask, scale=scale, softcap=softcap, merge=merge
+        q,
+        k,
+        v,
+        txt_mask,
+        q_vis,
+        k_vis,
+        v_vis,
+        vis_mask,
+        scale=scale,
+        softcap=softcap,
+        merge=merge,
+        num_contexts=num_contexts,
     )
 
 
@@ -140,15 +165,16 @@ def segment_masks(
     causal_visual: bool,
     causal: bool,
 ) -> tuple[Tensor, Tensor]:
-    """The op contract's (text, visual) bool masks, (B, T, S) and (B, T, V), from key validity."""
+    """The op contract's masks from key validity: text bool (B, T, S), and the context keys' segments (B, T, V),
+    0 where a query may not attend."""
+    segments = visual_mask.long()[:, None, :].expand(-1, num_queries, -1)
     if not causal:
-        txt_mask = key_mask.bool()[:, None, :].expand(-1, num_queries, -1)
-        return txt_mask, visual_mask.bool()[:, None, :].expand(-1, num_queries, -1)
+        return key_mask.bool()[:, None, :].expand(-1, num_queries, -1), segments
     if causal_visual:
-        full = causal_mask(torch.cat([visual_mask, key_mask], dim=1), num_queries, window)
+        full = causal_mask(torch.cat([visual_mask.bool(), key_mask.bool()], dim=1), num_queries, window)
         num_visual = visual_mask.shape[1]
-        return full[..., num_visual:], full[..., :num_visual]
-    return causal_mask(key_mask, num_queries, window), visual_mask.bool()[:, None, :].expand(-1, num_queries, -1)
+        return full[..., num_visual:], segments * full[..., :num_visual]
+    return causal_mask(key_mask, num_queries, window), segments
 
 
 def segment_shares(
@@ -163,34 +189,20 @@ def segment_shares(
     softcap: float | None,
     window: int | None,
     causal_visual: bool,
+    num_contexts: int = 1,
     text_split: Tensor | None = None,
-    contexts: tuple[tuple[Tensor, Tensor], ...] = (),
 ) -> Tensor:
-    """Per head and query, the share of one softmax over [visual ; text] keys (the op contract's masks) that
-    falls on each segment: (B, Hq, T, 2) as [visual, text], or with `text_split` (S,) bool over the text keys
-    (B, Hq, T, 3) as [visual, text where split, text elsewhere]. `contexts`: more context segments (keys
-    (B, Hkv, A, D), mask (B, A)) that `q_vis` reads like the visual one (a video model's audio), each a share
-    after the visual one. For the alpha merge and conventional attention this is the attention mass on each segment
-    (visual: sigmoid(S_V - S_T)); for the sum merge the share one softmax would give; a query that sees no key
-    gets 0."""
-    num_queries = q.shape[2]
-    txt_mask, vis_mask = segment_masks(key_mask, visual_mask, num_queries, window, causal_visual, causal=True)
-    context_logits = [
-        _logits(q_vis, keys, mask.bool()[:, None, :].expand(-1, num_queries, -1), scale, softcap)
-        for keys, mask in contexts
-    ]
-    s = torch.cat(
-        [_logits(q_vis, k_vis, vis_mask, scale, softcap), *context_logits, _logits(q, k, txt_mask, scale, softcap)],
-        dim=-1,
+    """Per head and query, the share of one softmax over [context ; text] keys (the op contract's masks) that
+    falls on each segment: (B, Hq, T, N + 1) as [context segment 1, ..., N, text], or with `text_split` (S,) bool
+    over the text keys (B, Hq, T, N + 2) as [..., text where split, text elsewhere]. For the alpha merge and
+    conventional attention this is the attention mass on each segment (one visual segment: sigmoid(S_V - S_T));
+    for the sum merge the share one softmax would give; a query that sees no key gets 0."""
+    txt_mask, segments = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual, causal=True)
+    s_vis = _masked(_logits(q_vis, k_vis, scale, softcap), segments != 0)
+    p = _softmax(torch.cat([s_vis, _masked(_logits(q, k, scale, softcap), txt_mask)], dim=-1))
+    p_vis, p_text = p.split([k_vis.shape[2], k.shape[2]], dim=-1)
+    shares = [(p_vis * (segments == index)[:, None, None]).sum(-1) for index in range(1, num_contexts + 1)]
+    shares += (
+        [p_text.sum(-1)] if text_split is None else [p_text[..., text_split].sum(-1), p_text[..., ~text_split].sum(-1)]
     )
-    p = _softmax(s)
-    sizes = [keys.shape[2] for keys, _ in contexts]
-    p_contexts = p[..., k_vis.shape[2] : k_vis.shape[2] + sum(sizes)].split(sizes, dim=-1)
-    p_text = p[..., k_vis.shape[2] + sum(sizes) :]
-    text, context_shares = p_text.sum(-1), [part.sum(-1) for part in p_contexts]
-    visual = p.sum(-1) - text  # not a sum over the visual keys: that axis may be empty
-    for share in context_shares:
-        visual = visual - share
-    shares = [visual, *context_shares]
-    shares += [text] if text_split is None else [p_text[..., text_split].sum(-1), p_text[..., ~text_split].sum(-1)]
     return torch.stack(shares, dim=-1).flatten(1, 2)

@@ -106,6 +106,12 @@ class DAttnFields:
         return self.mm_input_type == "video"
 
     @property
+    def num_contexts(self) -> int:
+        """The context segments text attends to, each under its own softmax with the sum merge: frames and audio
+        for a video model, the visual tokens otherwise."""
+        return 2 if self.is_video else 1
+
+    @property
     def is_anyres(self) -> bool:
         """Images as a thumbnail plus the tiles of the best of mm_image_grid_points (image models)."""
         return self.mm_image_aspect_ratio == "anyres" and not self.is_video

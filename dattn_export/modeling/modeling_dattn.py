@@ -217,6 +217,7 @@ class DAttnAttention(nn.Module):
         self.merge = config.merge
         self.window = config.sliding_window_of(layer_idx)
         self.causal_visual = not config.use_debias
+        self.num_contexts = config.num_contexts
         # the one seam to the op: the ONNX exporter swaps in a fused-node emitter, analyze a recorder
         self.op = dattn_op
 
@@ -261,6 +262,7 @@ class DAttnAttention(nn.Module):
             merge=self.merge,
             causal_visual=self.causal_visual,
             causal=causal,
+            num_contexts=self.num_contexts,
         )
 
     def no_visual(self, like: Tensor) -> tuple[KV, Tensor]:
@@ -373,11 +375,10 @@ class DAttnDecoderLayer(nn.Module):
         visual: KV,
         key_mask: Tensor,
         visual_mask: Tensor,
-        audio: KV | None = None,
-        audio_mask: Tensor | None = None,
     ) -> tuple[Tensor, KV]:
-        """One layer of the text stream; returns its output and the text K/V cache (past + new). Video models add
-        T2A: the audio keys (unrotated, unmasked inside a sample) under their own softmax, summed."""
+        """One layer of the text stream; returns its output and the text K/V cache (past + new). `visual`: the
+        context K/V, `visual_mask` (B, V) each key's context segment (a video model's frames 1, audio 2; 0: none),
+        every segment under its own softmax with the sum merge."""
         attn = self.self_attn
         x = self.input_layernorm(h)
         q = attn.heads(attn.q_proj, x)
@@ -387,11 +388,6 @@ class DAttnDecoderLayer(nn.Module):
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         q_vis = q if self.debias else q_rot
         heads_out = attn.attend(q_rot, k, v, key_mask, q_vis, visual[:2], visual_mask)
-        if audio is not None:
-            audio_keys = audio_mask.bool()[:, None, :].expand(-1, q.shape[2], -1)
-            heads_out = heads_out + decomposed_attention(
-                q_vis, *audio[:2], audio_keys, scale=attn.scale, softcap=attn.softcap, merge="sum"
-            )
         attn_out = attn.output(heads_out)
         if not self.wings:
             return self.residual_mlp(h, attn_out), (k, v)
@@ -661,7 +657,7 @@ class DAttnModel(DAttnPreTrainedModel):
         text_valid = (
             torch.ones(batch, num_past + num_new, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         )
-        visual_valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask.bool()
+        visual_valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask
         # Debiased: text positions count text tokens only. Otherwise the visual tokens come first.
         offset = 0 if self.config.use_debias else num_visual
         if position_ids is None:
@@ -675,10 +671,18 @@ class DAttnModel(DAttnPreTrainedModel):
                 visual, layer_visual_valid = layer.no_visual(h)
             else:
                 visual, layer_visual_valid = visual_key_values[i], visual_valid
-            audio = None if audio_key_values is None else audio_key_values[i]
-            h, kv = layer.text_forward(h, rope, past, visual, text_valid, layer_visual_valid, audio, audio_mask)
+            if audio_key_values is not None:  # the second context segment
+                visual, layer_visual_valid = join_contexts(visual, layer_visual_valid, audio_key_values[i], audio_mask)
+            h, kv = layer.text_forward(h, rope, past, visual, text_valid, layer_visual_valid)
             present.append(kv)
         return self.norm(h), present
+
+
+def join_contexts(visual: KV, visual_mask: Tensor, audio: KV, audio_mask: Tensor) -> tuple[KV, Tensor]:
+    """One layer's context as the op takes it: [visual ; audio] keys and values, and each key's segment (visual 1,
+    audio 2, 0: none)."""
+    kv = tuple(torch.cat([a, b], dim=2) for a, b in zip(visual[:2], audio[:2]))
+    return kv, torch.cat([visual_mask.bool().long(), 2 * audio_mask.bool().long()], dim=1)
 
 
 @dataclass

@@ -4,10 +4,15 @@ Every backend imports this instead of restating it: the ONNX node and its functi
 Triton kernel (`triton_kernel.py`), the TensorRT plugin (`tensorrt_plugin.py`) and the torch.library op
 (`torch_op.py`). The math itself is `modeling.attention.dattn_op`, which all of them are tested against.
 
-Inputs (B batch, Hq query heads, Hkv KV heads, T queries, S text keys, V visual keys, D head dim):
+Inputs (B batch, Hq query heads, Hkv KV heads, T queries, S text keys, V context keys, D head dim):
   q (B, Hq, T, D) rotated text queries; k, v (B, Hkv, S, D) text keys and values, the queries being the last T
-  of the S slots; key_mask (B, S) real text keys; q_vis (B, Hq, T, D) the queries for the visual keys (unrotated
-  when debiased); k_vis, v_vis (B, Hkv, V, D); visual_mask (B, V) real visual keys. Output shaped like q.
+  of the S slots; key_mask (B, S) real text keys; q_vis (B, Hq, T, D) the queries for the context keys (unrotated
+  when debiased); k_vis, v_vis (B, Hkv, V, D) the context keys: `num_contexts` segments end to end (an image
+  model's visual tokens; a video model's frames, then its audio); visual_mask (B, V) integer, each key's segment
+  1..num_contexts, 0 for no key (a bool mask: one segment). Output shaped like q.
+
+Version 1 throughout: `num_contexts` defaults to 1 and a 0/1 mask means what it meant with one segment, so the
+graphs exported before N segments keep their meaning.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ DOMAIN, TYPE, VERSION = "dattn", "DecomposedAttention", 1
 ID = f"{DOMAIN}::{TYPE}"
 INPUTS = ("q", "k", "v", "key_mask", "q_vis", "k_vis", "v_vis", "visual_mask")
 SHAPE_ATTRIBUTES = ("num_heads", "num_kv_heads", "head_dim")  # the node states them: TensorRT plugins need them
+MAX_CONTEXTS = 3  # the kernels unroll one pass per segment
 PLUGIN_ATTRIBUTES = {"plugin_namespace": DOMAIN, "plugin_version": str(VERSION)}  # how TensorRT's parser finds it
 
 
@@ -40,12 +46,15 @@ class Attributes:
     merge: str = "alpha"  # alpha: one softmax over [visual ; text]; sum: one per segment, outputs added
     causal_visual: int = 0  # visual keys take slots [0, V) before the text, under the causal and window rule
     causal: int = 1  # 0: every real text key is visible (attention within an image)
+    num_contexts: int = 1  # context segments the visual mask names; with sum, each has its own softmax
 
     def __post_init__(self):
         if self.merge not in MERGE_MODES:
             raise ValueError(f"{ID}: merge {self.merge!r} is not one of {MERGE_MODES}")
         if self.softcap < 0 or self.window < 0 or self.scale <= 0:
             raise ValueError(f"{ID}: scale must be > 0, softcap and window >= 0 (0 = off)")
+        if not 1 <= self.num_contexts <= MAX_CONTEXTS or (self.causal_visual and self.num_contexts != 1):
+            raise ValueError(f"{ID}: num_contexts {self.num_contexts}: 1 to {MAX_CONTEXTS}, 1 with causal_visual")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -70,6 +79,7 @@ class Attributes:
             merge=self.merge,
             causal_visual=bool(self.causal_visual),
             causal=bool(self.causal),
+            num_contexts=self.num_contexts,
         )
 
     def node_attributes(self, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:

@@ -34,11 +34,18 @@ class Variant:
     softcap: bool
     causal_visual: bool
     compute_cast: bool  # inputs are fp16/bf16: compute in fp32 like the reference
+    num_contexts: int = 1  # with the sum merge, one softmax per context segment
 
     @classmethod
     def of_node(cls, node: onnx.NodeProto, compute_cast: bool) -> Variant:
         attributes = contract.from_node(node)
-        return cls(attributes.merge, attributes.softcap > 0, bool(attributes.causal_visual), compute_cast)
+        return cls(
+            attributes.merge,
+            attributes.softcap > 0,
+            bool(attributes.causal_visual),
+            compute_cast,
+            attributes.num_contexts,
+        )
 
 
 def emit_node(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords) -> torch.Tensor:
@@ -136,11 +143,13 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
     s_txt = logits(q, k, keys)
     s_txt = b.op("Where", visible(b.op("Range", scalar(offset), scalar(key_slots_end), one), key_mask), s_txt, neg_inf)
     s_vis = logits(q_vis, k_vis, num_visual)
-    if variant.causal_visual:
-        vis_ok = visible(b.op("Range", zero, scalar(num_visual), one), visual_mask)
-    else:
-        vis_ok = b.op("Unsqueeze", b.op("Cast", visual_mask, to=TensorProto.BOOL), b.const([1, 2, 3]))
-    s_vis = b.op("Where", vis_ok, s_vis, neg_inf)
+    segment = b.op("Unsqueeze", b.op("Cast", visual_mask, to=TensorProto.INT64), b.const([1, 2, 3]))  # (B,1,1,1,V)
+
+    def context_logits(index: int | None) -> str:  # s_vis where the query sees a key of segment `index` (None: any)
+        ok = b.op("Not", b.op("Equal", segment, zero)) if index is None else b.op("Equal", segment, b.const(index))
+        if variant.causal_visual:
+            ok = b.op("And", ok, visible(b.op("Range", zero, scalar(num_visual), one), visual_mask))
+        return b.op("Where", ok, s_vis, neg_inf)
 
     def reduce(op: str, x: str, pad: float) -> str:
         """Reduce the last axis over x plus one column of `pad`: defined when the axis is empty (no image),
@@ -165,19 +174,20 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
     def grouped_sum(total: str) -> str:  # (B, Hkv, G, T, 1) -> (B, Hkv, G*T, 1)
         return reshape(total, batch, kv_heads, group_queries, b.const([1]))
 
-    max_txt, max_vis = reduce("ReduceMax", s_txt, FLOAT_MIN), reduce("ReduceMax", s_vis, FLOAT_MIN)
-    if variant.merge == "alpha":  # one softmax over [visual ; text]: shared max and sum
-        row_max = b.op("Max", max_txt, max_vis)
+    max_txt = reduce("ReduceMax", s_txt, FLOAT_MIN)
+    if variant.merge == "alpha":  # one softmax over [context ; text]: shared max and sum
+        s_vis = context_logits(None)
+        row_max = b.op("Max", max_txt, reduce("ReduceMax", s_vis, FLOAT_MIN))
         (p_txt, sum_txt), (p_vis, sum_vis) = weights(s_txt, row_max), weights(s_vis, row_max)
         total = grouped_sum(safe(b.op("Add", sum_txt, sum_vis)))
         out = b.op("Div", b.op("Add", values(p_txt, v), values(p_vis, v_vis)), total)
-    else:  # two softmaxes, summed
-        (p_txt, sum_txt), (p_vis, sum_vis) = weights(s_txt, max_txt), weights(s_vis, max_vis)
-        out = b.op(
-            "Add",
-            b.op("Div", values(p_txt, v), grouped_sum(safe(sum_txt))),
-            b.op("Div", values(p_vis, v_vis), grouped_sum(safe(sum_vis))),
-        )
+    else:  # one softmax per segment (text, then each context segment), summed
+        p_txt, sum_txt = weights(s_txt, max_txt)
+        out = b.op("Div", values(p_txt, v), grouped_sum(safe(sum_txt)))
+        for index in range(1, variant.num_contexts + 1):
+            s_segment = context_logits(index)
+            p_vis, sum_vis = weights(s_segment, reduce("ReduceMax", s_segment, FLOAT_MIN))
+            out = b.op("Add", out, b.op("Div", values(p_vis, v_vis), grouped_sum(safe(sum_vis))))
     out = b.op("Reshape", out, b.op("Shape", "q"))  # (B, Hkv, G*T, D) -> (B, Hq, T, D)
     if variant.compute_cast:
         out = b.op("CastLike", out, "q")

@@ -1,13 +1,15 @@
 """The DecomposedAttention op (`contract.py`) as one Triton kernel.
 
-Flash-attention style: a program owns BLOCK_M queries of one query head and streams two key segments in
+Flash-attention style: a program owns BLOCK_M queries of one query head and streams key segments in
 BLOCK_N tiles, never materialising the logits:
-  * visual keys with the unrotated queries `q_vis` (all visible, or causal by slot when `CAUSAL_VISUAL`);
-  * text keys with the rotated queries `q`, causal by slot, optionally windowed.
+  * text keys with the rotated queries `q`, causal by slot, optionally windowed;
+  * context keys with the unrotated queries `q_vis` (all visible, or causal by slot when `CAUSAL_VISUAL`): one
+    pass over all of them (alpha), or one pass per context segment (sum), each pass loading only the tiles that
+    hold a key of its segment (the segment ids are read first: a pass reads its own keys and one byte per other).
 Each segment keeps a running max, sum and accumulator; at the end
 merge alpha: both are rescaled to their common max and normalised by the common sum: exactly one softmax over
-             [visual ; text] (the shared running max/sum, merged once instead of per tile);
-merge sum:   each is normalised by its own sum and the two outputs are added.
+             [context ; text] (the shared running max/sum, merged once instead of per tile);
+merge sum:   each is normalised by its own sum and the outputs are added.
 Grouped-query attention reads kv head h // G; logits and accumulation are fp32 whatever the input dtype.
 Optionally writes the per-query log-sum-exp of each segment (S_V, S_T): sigmoid(S_V - S_T) is the
 attention mass on the image.
@@ -62,9 +64,6 @@ def _tile_update(m, l, acc, s, value):
 
 @triton.jit
 def _segment(
-    m,
-    l,
-    acc,
     q,
     K,
     V,
@@ -79,30 +78,55 @@ def _segment(
     window: tl.constexpr,
     offs_d,
     HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
+    SEGMENT: tl.constexpr,
 ):
-    """Stream one key segment (K, V at the kv head, MASK at the batch row) through the running state."""
+    """Stream the keys of one segment (K, V at the kv head, MASK at the batch row: the keys whose mask is SEGMENT,
+    or any non-zero one when SEGMENT is 0) through a fresh running state; returns it (max, sum, accumulator)."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start in range(0, num_keys, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < num_keys
-        k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        v = tl.load(V + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
-        if SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        valid = in_range & (tl.load(MASK + mask_b + offs_n, mask=in_range, other=0) != 0)
-        visible = valid[None, :]
-        if CAUSAL:
-            distance = query_slot[:, None] - (key_slot0 + offs_n)[None, :]
-            visible = visible & (distance >= 0) & ((window == 0) | (distance < window))
-        s = tl.where(visible, s, float("-inf"))
-        m, l, acc = _tile_update(m, l, acc, s, v)
+        segment = tl.load(MASK + mask_b + offs_n, mask=in_range, other=0)
+        if SEGMENT == 0:
+            valid = in_range & (segment != 0)
+        else:
+            valid = in_range & (segment == SEGMENT)
+        if tl.max(valid.to(tl.int32), 0) > 0:  # a tile without a key of this segment is never loaded
+            k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            v = tl.load(V + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            if UPCAST:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
+            if SOFTCAP:
+                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+            visible = valid[None, :]
+            if CAUSAL:
+                distance = query_slot[:, None] - (key_slot0 + offs_n)[None, :]
+                visible = visible & (distance >= 0) & ((window == 0) | (distance < window))
+            s = tl.where(visible, s, float("-inf"))
+            m, l, acc = _tile_update(m, l, acc, s, v)
     return m, l, acc
+
+
+@triton.jit
+def _normalized(l, acc):
+    """A segment's softmax output: its accumulator over its sum (0 where the row saw no key)."""
+    return acc / tl.where(l == 0.0, 1.0, l)[:, None]
+
+
+@triton.jit
+def _lse_union(m_a, l_a, m_b, l_b):
+    """The running (max, sum) of two disjoint key sets as one."""
+    m = tl.maximum(m_a, m_b)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return m, l_a * tl.exp2((m_a - m_safe) * LOG2E_) + l_b * tl.exp2((m_b - m_safe) * LOG2E_)
 
 
 @triton.jit
@@ -143,6 +167,7 @@ def dattn_kernel(
     WRITE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
     CAUSAL: tl.constexpr,
+    NUM_CONTEXTS: tl.constexpr,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // num_heads, pid_bh % num_heads
@@ -157,31 +182,36 @@ def dattn_kernel(
         q, q_vis = q.to(tl.float32), q_vis.to(tl.float32)
     text_slot = num_keys - num_queries + offs_m  # the queries are the last text slots
 
-    m_v = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_v = tl.zeros([BLOCK_M], tl.float32)
-    acc_v = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m_t, l_t, acc_t = m_v, l_v, acc_v
-    # visual keys: slots [0, V) before the text when causal, so the queries sit at V + their text slot
-    m_v, l_v, acc_v = _segment(
-        m_v, l_v, acc_v, q_vis, KV + b * stride_vb + kv_head * stride_vh, VV + b * stride_vb + kv_head * stride_vh,
-        VIS_MASK, num_visual, stride_vn, b * num_visual, num_visual + text_slot, 0, scale, softcap, window, offs_d,
-        HEAD_DIM, BLOCK_N, SOFTCAP, CAUSAL_VISUAL, UPCAST,
-    )  # fmt: skip
     m_t, l_t, acc_t = _segment(
-        m_t, l_t, acc_t, q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_kb + kv_head * stride_kh,
+        q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_kb + kv_head * stride_kh,
         KEY_MASK, num_keys, stride_kn, b * num_keys, text_slot, 0, scale, softcap, window, offs_d,
-        HEAD_DIM, BLOCK_N, SOFTCAP, CAUSAL, UPCAST,
+        HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL, UPCAST, 0,
     )  # fmt: skip
-    if MERGE_SUM:  # two softmaxes, added
-        out = acc_v / tl.where(l_v == 0.0, 1.0, l_v)[:, None] + acc_t / tl.where(l_t == 0.0, 1.0, l_t)[:, None]
-    else:  # one softmax over [visual ; text]: rescale both running states to their common max
+    # context keys: slots [0, V) before the text when causal, so the queries sit at V + their text slot
+    K_context, V_context = KV + b * stride_vb + kv_head * stride_vh, VV + b * stride_vb + kv_head * stride_vh
+    if MERGE_SUM:  # one softmax per segment, added
+        out = _normalized(l_t, acc_t)
+        m_v = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_v = tl.zeros([BLOCK_M], tl.float32)
+        for segment in tl.static_range(1, NUM_CONTEXTS + 1):
+            m_s, l_s, acc_s = _segment(
+                q_vis, K_context, V_context, VIS_MASK, num_visual, stride_vn, b * num_visual, num_visual + text_slot,
+                0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL_VISUAL, UPCAST, segment,
+            )  # fmt: skip
+            out += _normalized(l_s, acc_s)
+            m_v, l_v = _lse_union(m_v, l_v, m_s, l_s)
+    else:  # one softmax over [context ; text]: rescale both running states to their common max
+        m_v, l_v, acc_v = _segment(
+            q_vis, K_context, V_context, VIS_MASK, num_visual, stride_vn, b * num_visual, num_visual + text_slot,
+            0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL_VISUAL, UPCAST, 0,
+        )  # fmt: skip
         m = tl.maximum(m_v, m_t)
         m = tl.where(m == float("-inf"), 0.0, m)
         w_v, w_t = tl.exp2((m_v - m) * LOG2E_), tl.exp2((m_t - m) * LOG2E_)
         total = l_v * w_v + l_t * w_t
         out = (acc_v * w_v[:, None] + acc_t * w_t[:, None]) / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(OUT + q_offsets, out.to(OUT.dtype.element_ty), mask=rows[:, None])
-    if WRITE_LSE:  # LSE: (2, B, Hq, T) fp32, S_V then S_T; -inf for a segment with nothing visible
+    if WRITE_LSE:  # LSE: (2, B, Hq, T) fp32, S_V (all context keys) then S_T; -inf for a segment with nothing visible
         lse_offsets = pid_bh * num_queries + offs_m
         tl.store(LSE + lse_offsets, m_v + tl.log(l_v), mask=rows)
         tl.store(LSE + tl.num_programs(1) * num_queries + lse_offsets, m_t + tl.log(l_t), mask=rows)
@@ -217,6 +247,7 @@ def constants(attributes: Attributes, head_dim: int, block_m: int, block_n: int,
         SOFTCAP=attributes.softcap > 0,
         CAUSAL_VISUAL=bool(attributes.causal_visual),
         CAUSAL=bool(attributes.causal),
+        NUM_CONTEXTS=attributes.num_contexts,
         **flags,
     )
 

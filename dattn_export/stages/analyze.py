@@ -42,9 +42,9 @@ class AttentionReport:
     audio_mass: list[list[float]] | None = None  # [layer][token]; None: no audio stream
 
 
-def layer_masses(call: dict, attention, image_after: int, audio: tuple | None) -> torch.Tensor:
-    """(3, T), or (4, T) with `audio` (the layer's audio keys and mask): mean over heads of the softmax mass on
-    [visual, (audio,) text before the image, text after it]."""
+def layer_masses(call: dict, attention, image_after: int) -> torch.Tensor:
+    """(N + 2, T): mean over heads of the softmax mass on [visual, (a video model's audio,) text before the image,
+    text after it]."""
     q, k = call["q"], call["k"]
     before = torch.arange(k.shape[2]) < image_after + (k.shape[2] - q.shape[2])
     shares = segment_shares(
@@ -58,8 +58,8 @@ def layer_masses(call: dict, attention, image_after: int, audio: tuple | None) -
         softcap=attention.softcap,
         window=attention.window,
         causal_visual=attention.causal_visual,
+        num_contexts=attention.num_contexts,
         text_split=before,
-        contexts=() if audio is None else (audio,),
     )
     return shares.mean(dim=1)[0].T  # batch of one
 
@@ -96,9 +96,8 @@ def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool 
     with using_op(model, recording_op):
         model(torch.tensor([ids]), **streams)
     attentions = [layer.self_attn for layer in model.model.layers]
-    audio = [None] * len(calls) if audio_kv is None else [(kv[0], streams["audio_mask"]) for kv in audio_kv]
     masses = torch.stack(
-        [layer_masses(call, a, image_after, aud) for call, a, aud in zip(calls, attentions, audio, strict=True)]
+        [layer_masses(call, attention, image_after) for call, attention in zip(calls, attentions, strict=True)]
     )  # (L, 3 or 4, T): visual, (audio,) before, after
     after = masses[:, :, image_after:].mean(dim=2).numpy()  # the tokens after the image, averaged
     shift = pearson(after[:, -2], after[:, -1])

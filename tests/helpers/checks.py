@@ -37,3 +37,19 @@ def run_case(model, runtime, batch, new, past, num_images, seed):
     assert error <= ATOL, f"batch {batch}, {new} new, {past} past, {num_images} images: max abs error {error:.2e}"
     assert present[0].shape[2] == past + new
     return error
+
+
+def context_segments(batch: int, lengths: list[int], generator: torch.Generator | None = None) -> torch.Tensor:
+    """(batch, sum(lengths)) int64 segment ids of context keys laid end to end, as a video model's [frames ; audio]:
+    segment i+1 over lengths[i] keys. The last row pads the end of each segment (0) and, with two segments or more,
+    has no keys of segment 2 (a sample without audio); with a `generator` the order of the keys is shuffled (the
+    contract does not assume segments are contiguous)."""
+    ids = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)]).repeat(batch, 1)
+    ends = torch.tensor(lengths).cumsum(0)
+    for end, n in zip(ends.tolist(), lengths):
+        ids[-1, end - min(2, n - 1) : end] = 0
+    if len(lengths) >= 2:
+        ids[-1][ids[-1] == 2] = 0
+    if generator is not None:
+        ids = ids[:, torch.randperm(ids.shape[1], generator=generator)]
+    return ids
