@@ -206,7 +206,12 @@ class ExportedModel:
     visual_tokens_per_image: int
     text_positions: str
     wings: Wings | None
-    audio_tower: str | None = None  # a checkpoint's audio tower, and why it has no graph
+    audio_tower: str | None = None  # a checkpoint's audio tower: what it does (audio.onnx), or why it has no graph
+    input_type: str = "image"  # image | video (mm_input_type)
+    num_contexts: int = 1  # context streams the decoder's visual_attention_mask names: video: 1 frames, 2 audio
+    visual_tokens_per_frame: int | None = None
+    max_video_frames: int | None = None  # past it the released pool resizes its grids, which vision.onnx does not
+    mel_frames_per_audio_token: int | None = None  # a sample's audio tokens: its log-mel frames // this
 
 
 @dataclass

@@ -79,13 +79,22 @@ def print_prompt_result(
 @main.command()
 @click.argument("directory", default="dattn-demo", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--family", type=click.Choice(FAMILIES), default=FAMILIES[0], show_default=True)
+@click.option(
+    "--input",
+    "input_type",
+    type=click.Choice(["image", "video"]),
+    default="image",
+    show_default=True,
+    help="image: a D-Attn image model and a picture; video: a video model (frames and audio, the released "
+    "Vidi layout) and a short video file with a sound track.",
+)
 @click.option("--max-new-tokens", default=12, show_default=True)
-def demo(directory: Path, family: str, max_new_tokens: int):
+def demo(directory: Path, family: str, input_type: str, max_new_tokens: int):
     """The main job end to end on a tiny random-weight D-Attn checkpoint written to DIRECTORY/checkpoint:
     reference generation, convert + verify, ONNX export + validation on ONNX Runtime."""
     from .artifacts import atomic_dir
     from .stages.convert import convert as run_convert
-    from .stages.demo import DEMO_PROMPT, write_demo_checkpoint
+    from .stages.demo import DEMO_PROMPT, DEMO_VIDEO_PROMPT, write_demo_checkpoint
     from .stages.generate import Media, run_prompt
     from .stages.onnx_export import export_onnx
     from .stages.validate import validate as run_validate
@@ -94,21 +103,26 @@ def demo(directory: Path, family: str, max_new_tokens: int):
 
     checkpoint, converted, exported = directory / "checkpoint", directory / "converted", directory / "onnx"
     seconds: dict[str, float] = {}
-    with stage(f"write a tiny {family} D-Attn checkpoint", seconds), atomic_dir(checkpoint, overwrite=True) as tmp:
-        write_demo_checkpoint(tmp, family)
-    result = run_prompt(checkpoint, DEMO_PROMPT, Media(images=[checkpoint / "demo.png"]), max_new_tokens)
+    video = input_type == "video"
+    with stage(f"write a tiny {family} D-Attn {input_type} checkpoint", seconds):
+        with atomic_dir(checkpoint, overwrite=True) as tmp:
+            write_demo_checkpoint(tmp, family, video=video)
+    media = Media(video=checkpoint / "demo.mov") if video else Media(images=[checkpoint / "demo.png"])
+    prompt = DEMO_VIDEO_PROMPT if video else DEMO_PROMPT
+    result = run_prompt(checkpoint, prompt, media, max_new_tokens)
     with stage("convert to safetensors + manifest, verify against the source", seconds):
         run_convert(checkpoint, converted, force=True)
         checks = run_verify(converted, against=checkpoint)
-    with stage("export vision / visual_kv / decoder ONNX graphs (fused attention)", seconds):
+    graphs = "vision / audio / visual_kv / decoder" if video else "vision / visual_kv / decoder"
+    with stage(f"export {graphs} ONNX graphs (fused attention)", seconds):
         export_onnx(converted, exported, force=True)
     with stage("validate the graphs on ONNX Runtime against PyTorch", seconds):
-        report = run_validate(exported, against=checkpoint, steps=max_new_tokens)
+        report = run_validate(exported, against=checkpoint, steps=max_new_tokens, prompt=prompt, media=media)
     err.print()
     print_validation(report, exported)
     seconds.update(result.seconds)
     rows = [
-        ("checkpoint", f"{checkpoint} ({family})"),
+        ("checkpoint", f"{checkpoint} ({family}, {input_type})"),
         ("verify", f"{converted}: " + ("; ".join(c.detail for c in checks) if all(c.ok for c in checks) else "FAILED")),
         ("onnx", f"{exported}: validation {'passed' if report.passed else 'FAILED'}"),
     ]
@@ -117,13 +131,25 @@ def demo(directory: Path, family: str, max_new_tokens: int):
         raise SystemExit(1)
 
 
+def video_options(command):
+    """--video, --frames and --audio: a video model's inputs."""
+    for name, text in reversed(VIDEO_OPTIONS):
+        command = click.option(f"--{name}", type=click.Path(path_type=Path), help=text)(command)
+    return command
+
+
+VIDEO_OPTIONS = [
+    ("video", "Video model: a video file (1 frame/s, its audio)."),
+    ("frames", "Video model: a folder of frame images, in name order."),
+    ("audio", "Video model: an audio file (instead of the video's)."),
+]
+
+
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="Text prompt.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="Image file (repeatable).")
-@click.option("--video", type=click.Path(path_type=Path), help="Video model: a video file (1 frame/s, its audio).")
-@click.option("--frames", type=click.Path(path_type=Path), help="Video model: a folder of frame images, in name order.")
-@click.option("--audio", type=click.Path(path_type=Path), help="Video model: an audio file (instead of the video's).")
+@video_options
 @click.option("--max-new-tokens", default=20, show_default=True)
 def generate(
     checkpoint: Path,
@@ -311,7 +337,8 @@ def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset:
         )
         for name, graph in manifest.graphs.items()
     ]
-    rows += [("audio tower", f"no graph: {manifest.model.audio_tower}")] if manifest.model.audio_tower else []
+    if manifest.model.audio_tower and "audio" not in manifest.graphs:
+        rows.append(("audio tower", f"no graph: {manifest.model.audio_tower}"))
     rows += [
         (
             "attention",
@@ -336,12 +363,17 @@ def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset:
 @click.option("--steps", default=20, show_default=True, help="Greedy tokens to generate and compare.")
 @click.option("--prompt", default=None, help="Prompt (default: the demo's).")
 @click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
-def validate(out: Path, against: Path | None, backend: str, steps: int, prompt: str | None, image: Path | None):
-    """Run the exported graphs and compare them with the PyTorch reference; exit 1 beyond tolerance."""
-    from .stages.demo import DEMO_PROMPT
+@video_options
+def validate(
+    out: Path, against: Path | None, backend: str, steps: int, prompt: str | None, image, video, frames, audio
+):
+    """Run the exported graphs and compare them with the PyTorch reference; exit 1 beyond tolerance. A video model
+    takes --video, --frames or --audio (default: the demo video's frames and sound)."""
+    from .stages.generate import Media
     from .stages.validate import validate as run_validate
 
-    report = run_validate(out, against, backend, steps, prompt or DEMO_PROMPT, image)
+    media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
+    report = run_validate(out, against, backend, steps, prompt, media)
     print_validation(report, out)
     if not report.passed:
         raise SystemExit(1)
@@ -483,9 +515,7 @@ def trt(
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--image", type=click.Path(path_type=Path), help="Image file.")
-@click.option("--video", type=click.Path(path_type=Path), help="Video model: a video file (1 frame/s, its audio).")
-@click.option("--frames", type=click.Path(path_type=Path), help="Video model: a folder of frame images, in name order.")
-@click.option("--audio", type=click.Path(path_type=Path), help="Video model: an audio file (instead of the video's).")
+@video_options
 @click.option("--prompt", required=True, help="Prompt; mark where the image sits with <image> for the LAWS curves.")
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Replace the report folder if it exists.")

@@ -22,8 +22,19 @@ from dattn_export.stages.trt_build import Limits, profile_shapes
     importlib.util.find_spec("tensorrt_rtx_bindings") is None,
     reason="the tensorrt-rtx-cu13-libs/-bindings wheels are not installed (pip install '.[test]' on Linux x86-64)",
 )
-@pytest.mark.parametrize("family, overrides", [("mistral", {}), ("gemma2", {}), ("mistral", {"wings_rank": 8})])
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("mistral", {}),
+        ("gemma2", {}),
+        ("mistral", {"wings_rank": 8}),
+        ("mistral", {"video": True}),
+        ("gemma2", {"video": True}),
+    ],
+)
 def test_tensorrt_rtx_parses_and_builds_every_graph(tmp_path, family, overrides):
+    """Image models' three graphs; video models' four (frames, audio, the context streams' K/V, the decoder whose
+    fused nodes take two context segments)."""
     export_onnx(write_demo_checkpoint(tmp_path / "ckpt", family, **overrides), tmp_path / "onnx")
     script = Path(__file__).parent / "helpers" / "trt_engines.py"
     result = subprocess.run(
@@ -34,7 +45,10 @@ def test_tensorrt_rtx_parses_and_builds_every_graph(tmp_path, family, overrides)
     )
     assert result.returncode == 0, result.stderr[-2000:]
     sizes = json.loads(result.stdout)
-    assert set(sizes) == {"vision", "visual_kv", "decoder"} and all(size > 10_000 for size in sizes.values())
+    graphs = (
+        {"vision", "audio", "visual_kv", "decoder"} if overrides.get("video") else {"vision", "visual_kv", "decoder"}
+    )
+    assert set(sizes) == graphs and all(size > 10_000 for size in sizes.values())
 
 
 def test_profiles_cover_prefill_decode_and_no_image():

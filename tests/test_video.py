@@ -8,7 +8,6 @@ import subprocess
 import sys
 import wave
 
-import av
 import numpy as np
 import pytest
 import torch
@@ -20,10 +19,14 @@ from safetensors import safe_open
 from transformers import WhisperFeatureExtractor
 
 from dattn_export.checkpoints.source import load_model
+from dattn_export.errors import InputError
 from dattn_export.processing import load_image_processor, load_tokenizer
-from dattn_export.stages.demo import write_demo_checkpoint
+from dattn_export.runtime import graph as graph_runtime
+from dattn_export.runtime.ort import OrtModel
+from dattn_export.stages.demo import write_demo_checkpoint, write_video
 from dattn_export.stages.generate import Media, run_prompt
 from dattn_export.stages.info import describe
+from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.push import usage_snippet
 from dattn_export.stages.verify import probe_logits
 
@@ -86,7 +89,7 @@ def test_long_videos_are_resized_before_pooling():
     model = video_model("gemma2")
     features = torch.randn(3751, 48, 7, 7)  # 3751 x 8 x 8 > 240000
     with torch.no_grad():
-        got = model.model.mm_rand_img_pool(features)
+        got = model.model.mm_rand_img_pool(features, len(features))
     expected = pool_frames(model, features)
     assert got.shape == expected.shape == (3751, 192, 5, 5)  # side 8 x sqrt(240000 / 240064) -> 7 -> 10 (the floor)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
@@ -118,8 +121,8 @@ def test_incremental_decoding_and_cached_streams(family):
 
 
 def test_released_video_folder_through_the_commands(tmp_path, family):
-    """A folder as the released code saves a video model converts untouched and verifies; the commands that run
-    image models only say so in one line."""
+    """A folder as the released code saves a video model converts untouched, verifies, exports to ONNX and validates
+    on ONNX Runtime with the demo video file."""
     folder = write_demo_checkpoint(tmp_path / "video", family, video=True)
     saved = json.loads((folder / "config.json").read_text())
     assert saved["mm_input_type"] == "video" and not {"mm_pool_rule", "vision_config", "dattn_mode"} & set(saved)
@@ -135,10 +138,62 @@ def test_released_video_folder_through_the_commands(tmp_path, family):
     assert (pool in names) == (family == "mistral") and "model.mm_rand_aud_pool.weight" in names
     verified = run_cli("verify", converted, "--against", folder)
     assert verified.returncode == 0, verified.stdout + verified.stderr
-    refused = run_cli("onnx", converted, "-o", tmp_path / "onnx")
-    lines = refused.stderr.strip().splitlines()
-    assert refused.returncode == 2 and len(lines) == 1 and "is a video model" in lines[0], refused.stderr
-    assert not (tmp_path / "onnx").exists()
+    assert run_cli("onnx", converted, "-o", tmp_path / "onnx").returncode == 0
+    validated = run_cli("validate", tmp_path / "onnx", "--video", folder / "demo.mov", "--steps", "6")
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+    report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
+    assert report["passed"] and report["visual_tokens"] == 6 * architecture["visual_tokens_per_frame"]
+    assert report["audio_tokens"] == 3  # 6 s of sound: 300 of the 60-frame chunk's mel frames / 2 / pool 2 / 25
+    graphs = json.loads((tmp_path / "onnx" / "onnx_manifest.json").read_text())["graphs"]
+    assert set(graphs) == {"vision", "audio", "visual_kv", "decoder"}
+    assert graphs["decoder"]["fused_attention_nodes"] == 3  # one per layer, over both context streams
+
+
+@pytest.fixture
+def exported_video(tmp_path, family):
+    folder = write_demo_checkpoint(tmp_path / "video", family, video=True)
+    export_onnx(folder, tmp_path / "onnx")
+    return load_model(folder), OrtModel(tmp_path / "onnx")
+
+
+def padded_batch(contexts: list[tuple[list[np.ndarray], np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Samples' context caches and masks (batch 1 each) right-padded to one batch (mask 0 on the padding)."""
+    length = max(mask.shape[1] for _, mask in contexts)
+    pad = lambda t, axis: np.pad(t, [(0, length - t.shape[axis]) if a == axis else (0, 0) for a in range(t.ndim)])  # noqa: E731
+    caches = [np.concatenate([pad(c, 2) for c in parts]) for parts in zip(*(kv for kv, _ in contexts))]
+    return caches, np.concatenate([pad(mask, 1) for _, mask in contexts])
+
+
+def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
+    """The four graphs on ONNX Runtime against the released forward written out (fp32, <= 1e-4): each sample's
+    frames and audio built part by part (2 frames, 1 audio chunk a run), a batch whose second sample has no audio,
+    incremental decoding equal to the full forward, and the context caches reused for a second prompt."""
+    model, runtime = exported_video
+    monkeypatch.setattr(graph_runtime, "FRAME_CHUNK", 2)
+    monkeypatch.setattr(graph_runtime, "AUDIO_CHUNK", 1)
+    ids, frames, mels, mel_frames = inputs()
+    mels[1] = torch.zeros_like(mels[1])
+    contexts = [
+        runtime.encode_video(frames[0].numpy(), (mels[0].numpy(), mel_frames[0])),
+        runtime.encode_video(frames[1].numpy(), None),
+    ]
+    caches, mask = padded_batch(contexts)
+    with torch.no_grad():
+        streams = [video_stream(model, frames), audio_stream(model, mels, mel_frames)]
+        expected = [vidi_logits(model, prompt, streams).numpy() for prompt in (ids, ids.flip(1))]
+    ones = np.ones(ids.shape, np.int64)
+    full, _ = runtime.decode(ids.numpy(), ones, runtime.empty_kv(2), caches, mask)
+    assert np.abs(full - expected[0]).max() <= 1e-4
+    logits, past = runtime.decode(ids[:, :5].numpy(), ones[:, :5], runtime.empty_kv(2), caches, mask)
+    pieces = [logits]
+    for t in range(5, 9):
+        logits, past = runtime.decode(ids[:, t : t + 1].numpy(), ones[:, : t + 1], past, caches, mask)
+        pieces.append(logits)
+    assert np.abs(np.concatenate(pieces, 1) - full).max() <= 1e-5
+    second, _ = runtime.decode(ids.flip(1).numpy(), ones, runtime.empty_kv(2), caches, mask)
+    assert np.abs(second - expected[1]).max() <= 1e-4
+    with pytest.raises(InputError, match=r"of shape \[2, 3, 20, 20\]: vision.onnx takes \[frames, 3, 28, 28\]"):
+        runtime.encode_video(np.zeros((2, 3, 20, 20), np.float32), None)
 
 
 # --- generate with video and audio files -------------------------------------------------------------------------
@@ -146,23 +201,10 @@ def test_released_video_folder_through_the_commands(tmp_path, family):
 COLORS = [(20 * i, 255 - 20 * i, 90) for i in range(12)]  # one colour a frame
 
 
-def write_video(path, fps=4, audio_seconds=40):
-    """12 frames at `fps` (lossless PNG frames) and `audio_seconds` of 16 kHz 16-bit audio (PCM) in a QuickTime file;
-    returns the samples as floats."""
+def write_test_video(path, fps=4, audio_seconds=40):
+    """12 frames at `fps`, one colour each, and `audio_seconds` of 16 kHz audio; returns the samples as floats."""
     samples = (np.sin(np.arange(16000 * audio_seconds) / 7.0) * 8000).astype(np.int16)
-    with av.open(str(path), "w") as container:
-        video = container.add_stream("png", rate=fps)
-        video.width, video.height, video.pix_fmt = 64, 48, "rgb24"
-        audio = container.add_stream("pcm_s16le", rate=16000)
-        audio.layout = "mono"
-        for color in COLORS:
-            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), color, np.uint8), format="rgb24")
-            container.mux(video.encode(frame))
-        container.mux(video.encode())
-        frame = av.AudioFrame.from_ndarray(samples[None], format="s16", layout="mono")
-        frame.sample_rate = 16000
-        container.mux(audio.encode(frame))
-        container.mux(audio.encode())
+    write_video(path, [np.full((48, 64, 3), color, np.uint8) for color in COLORS], fps, samples)
     return samples.astype(np.float32) / 32768
 
 
@@ -171,7 +213,7 @@ def test_generate_reads_a_video_file(tmp_path, family):
     tower's square and preprocessed; the audio track in 30 s chunks of log-mel; the same tokens as the model
     given exactly those inputs."""
     folder = write_demo_checkpoint(tmp_path / "video", family, video=True)
-    samples = write_video(tmp_path / "clip.mov")
+    samples = write_test_video(tmp_path / "clip.mov")
     result = run_prompt(folder, "what happens", Media(video=tmp_path / "clip.mov"), max_new_tokens=6)
 
     model = load_model(folder)
@@ -241,7 +283,7 @@ def test_bad_media_is_one_line(tmp_path, case):
 
 def test_video_for_an_image_model_is_one_line(tmp_path):
     folder = write_demo_checkpoint(tmp_path / "image", "mistral")
-    write_video(tmp_path / "clip.mov", audio_seconds=1)
+    write_test_video(tmp_path / "clip.mov", audio_seconds=1)
     result = run_cli("generate", folder, "--prompt", "hi", "--video", tmp_path / "clip.mov")
     assert result.returncode == 2 and "is video or audio, but the model is an image model" in result.stderr
 

@@ -73,19 +73,14 @@ class Source:
         if found := processor_folder(self.reader.config_dir, self.config):
             carry_files(found, destination, (PROCESSOR_FILE,))
 
-    def refuse_beyond_images(self, command: str) -> None:
-        """Commands that run single-tile image models only, so far, stop a video or anyres model with one line."""
-        if self.config.is_video:
-            kind = "a video model (mm_input_type 'video')"
-        elif self.config.is_anyres:
-            kind = "an anyres model (mm_image_aspect_ratio 'anyres')"
-        else:
-            return
-        raise InputError(
-            self.config_path,
-            f"is {kind}: `{command}` runs single-tile image models only so far "
-            "(info, convert, verify, push, generate and analyze take it)",
-        )
+    def refuse_anyres(self, command: str) -> None:
+        """Commands that do not take anyres image models yet stop them with one line."""
+        if self.config.is_anyres:
+            raise InputError(
+                self.config_path,
+                f"is an anyres model (mm_image_aspect_ratio 'anyres'): `{command}` does not take it yet "
+                "(info, convert, verify, push, generate and analyze do)",
+            )
 
     def raise_first_problem(self) -> None:
         if self.problems:

@@ -106,6 +106,12 @@ class DAttnFields:
         return self.mm_input_type == "video"
 
     @property
+    def mel_frames_per_audio_token(self) -> int:
+        """A video model's log-mel frames per audio token: Whisper's encoder halves them (3000 a 30 s chunk -> 1500
+        positions), then mm_audio_pool_size positions pool into one token."""
+        return 2 * self.mm_audio_pool_size
+
+    @property
     def num_contexts(self) -> int:
         """The context segments text attends to, each under its own softmax with the sum merge: frames and audio
         for a video model, the visual tokens otherwise."""

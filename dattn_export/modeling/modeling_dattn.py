@@ -103,8 +103,13 @@ class LearnablePositionEmbedding(nn.Module):
 
     def forward(self, length: int, dtype: torch.dtype) -> Tensor:
         """(length, hidden) in `dtype`."""
+        return self.at(torch.arange(length, device=self.mlp[0].weight.device), length, dtype)
+
+    def at(self, index: Tensor, length: int | Tensor, dtype: torch.dtype) -> Tensor:
+        """(N, hidden): the embeddings of positions `index` (N,) out of `length` (an int, or a 0-d tensor in a
+        graph that embeds part of a stream)."""
         device, hidden = self.mlp[0].weight.device, self.mlp[0].in_features
-        position = torch.arange(length, dtype=torch.float32, device=device) / max(length - 1, 1)
+        position = index.float() / torch.clamp(torch.as_tensor(length, device=device) - 1, min=1).float()
         position = position * (self.num_positions - 1)
         channel = torch.arange(0, hidden, 2, dtype=torch.float32, device=device)
         frequency = torch.exp(channel * (-math.log(1e4) / hidden))
@@ -176,15 +181,20 @@ class FramePool(nn.Module):
             self.conv = nn.Conv2d(channels, channels, kernel_size=math.ceil(config.patch_grid / self.pool), bias=False)
         self.out_channels = channels if self.rule == "conv-interpolate" else channels * self.pool**2
 
-    def forward(self, x: Tensor, total_frames: int | None = None) -> Tensor:
+    def max_frames(self, grid: int) -> int | None:
+        """The most frames a video may have before the space-to-depth rule resizes its grids (None: no limit)."""
+        return None if self.rule == "conv-interpolate" else self.MAX_TOKENS * self.pool**2 // (grid + 1) ** 2
+
+    def forward(self, x: Tensor, total_frames: int | None) -> Tensor:
         """`total_frames`: how many frames the video has in all (the resize budget counts them), when `x` is a
-        chunk of them."""
+        chunk of them; None: within the budget, never resized (graphs, whose runtime checks `max_frames`)."""
         if self.rule == "conv-interpolate":  # mm_vision/pool.py (Vidi_7B)
             return F.interpolate(self.conv(x), size=self.pool, mode="bilinear", align_corners=True)
         x = F.pad(x, (0, 1, 0, 1))  # mm_vision/pool.py (Vidi1.5_9B), with the size multimodal.py chooses
         frames, channels, height, width = x.shape
         size = (self.PADDED_SIDE, self.PADDED_SIDE)
-        budget, counted = self.MAX_TOKENS * self.pool**2, (total_frames or frames) * height * width
+        budget = self.MAX_TOKENS * self.pool**2
+        counted = 0 if total_frames is None else total_frames * height * width
         if counted > budget:  # utils.resize_by_tokens: even sides, at least 10
             ratio = math.sqrt(budget / counted)
             size = tuple(max(10, int(n * ratio) - int(n * ratio) % 2) for n in (height, width))
@@ -541,7 +551,14 @@ class DAttnModel(DAttnPreTrainedModel):
 
     FRAME_CHUNK = 16  # frames through the tower at once
 
-    def frame_tokens(self, pixels: Tensor, total_frames: int) -> Tensor:
+    def frame_stream(self, pixels: Tensor, frame_index: Tensor, num_frames: Tensor) -> Tensor:
+        """Part of one video as its stream tokens (the frames graph; a video within the resize budget): frames
+        (N, 3, H, W) at `frame_index` (N,) of the video's `num_frames` -> (1, N * tokens per frame, hidden)."""
+        x = self.frame_tokens(pixels, None)
+        x = x + self.mm_rand_pos_t.at(frame_index, num_frames, x.dtype)[:, None, None]
+        return self.stream_tokens(x.flatten(0, 2))[None]
+
+    def frame_tokens(self, pixels: Tensor, total_frames: int | None) -> Tensor:
         """(N, 3, H, W) frames -> (N, rows, columns, hidden): tower, pool (sized for `total_frames` in all),
         projector, norm, + row and column embeddings."""
         grid, size = self.config.patch_grid, self.config.vision_config["image_size"]
@@ -563,19 +580,42 @@ class DAttnModel(DAttnPreTrainedModel):
         lengths = [math.floor(n * per_frame) for n in mel_frames]
         chunks = features.split([len(m) for m in mels])
         x = nn.utils.rnn.pad_sequence([f.flatten(0, 1)[:n] for f, n in zip(chunks, lengths)], batch_first=True)
-        x = self.mm_rand_aud_pool(x.transpose(1, 2)).transpose(1, 2)
+        x = self.audio_tokens(x)
         lengths = [n // self.config.mm_audio_pool_size for n in lengths]
         x = torch.cat([row[:n] for row, n in zip(x, lengths)])
-        x = self.mm_rand_aud_norm(self.mm_rand_aud_projector(x))
         samples = [f + self.mm_rand_pos_t(len(f), x.dtype) for f in x.split(lengths)]
         return self.context_stream(samples, [m.abs().sum() != 0 for m in mels])
+
+    def audio_tokens(self, features: Tensor) -> Tensor:
+        """Whisper's features (B, L, d) -> (B, L // pool, hidden): mm_rand_aud_pool (a strided conv), projector,
+        norm."""
+        x = self.mm_rand_aud_pool(features.transpose(1, 2)).transpose(1, 2)
+        return self.mm_rand_aud_norm(self.mm_rand_aud_projector(x))
+
+    def audio_stream(self, mels: Tensor, first_chunk: Tensor, mel_frames: Tensor) -> tuple[Tensor, Tensor]:
+        """Part of one sample's audio as its stream tokens (the audio graph): 30 s chunks `first_chunk`, ... of
+        log-mel features (C, mel bins, chunk frames) of a sample `mel_frames` long -> (1, C * tokens per chunk,
+        hidden) and (1, C * tokens per chunk) int64, 1 for the tokens within the sample (the runtime keeps those).
+        Equals `embed_audio` when the pool divides a chunk's encoder positions: no pooling window spans two
+        chunks."""
+        features = self.mm_aud.encoder(mels.to(self.dtype)).last_hidden_state
+        x = self.audio_tokens(features.flatten(0, 1)[None])[0]
+        per_chunk = features.shape[1] // self.config.mm_audio_pool_size
+        index = first_chunk * per_chunk + torch.arange(x.shape[0], device=x.device)
+        num_tokens = mel_frames // self.config.mel_frames_per_audio_token
+        x = self.stream_tokens(x + self.mm_rand_pos_t.at(index, num_tokens, x.dtype))
+        return x[None], (index < num_tokens).long()[None]
 
     def context_stream(self, samples: list[Tensor], present: list[Tensor]) -> tuple[Tensor, Tensor]:
         """Per-sample token embeddings -> padded to the longest (B, L, hidden), LLM-normed and zeroed outside the
         mask: the tokens that are not padding, of the samples that are `present`."""
         x = nn.utils.rnn.pad_sequence(samples, batch_first=True)
         mask = (x.abs().sum(-1) != 0) & torch.stack(present)[:, None]
-        return self.scaled(self.mm_rand_llm_norm(x) * mask[..., None]), mask
+        return self.stream_tokens(x) * mask[..., None], mask
+
+    def stream_tokens(self, x: Tensor) -> Tensor:
+        """Context tokens as the decoder takes them: LLM-normed (token by token), scaled with mm_scale_streams."""
+        return self.scaled(self.mm_rand_llm_norm(x))
 
     def encode_video(self, frames: list[Tensor]) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for each sample's frames, and the visual mask."""

@@ -1,17 +1,22 @@
-"""Run exported graphs, driven by their manifest: image -> visual K/V (once), then prefill and decode steps
-through the one decoder graph with the text KV cache. `GraphRuntime` holds the logic; a backend only says how to
-run one graph: ONNX Runtime (`ort.py`) or TensorRT (`tensorrt.py`)."""
+"""Run exported graphs, driven by their manifest: image (or a video's frames and audio) -> context K/V (once),
+then prefill and decode steps through the one decoder graph with the text KV cache. `GraphRuntime` holds the
+logic; a backend only says how to run one graph: ONNX Runtime (`ort.py`) or TensorRT (`tensorrt.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
 
 from ..artifacts import DTYPES, OnnxManifest
+from ..errors import InputError
 
 NUMPY_DTYPES = {d.onnx: d.numpy for d in DTYPES.values()}  # graph values' ONNX types
-VISUAL_CHUNK = 2048  # visual tokens per visual_kv run (diagonal models)
+VISUAL_CHUNK = 2048  # context tokens per visual_kv run (diagonal models)
+FRAME_CHUNK = 16  # a video's frames per vision run
+AUDIO_CHUNK = 16  # 30 s audio chunks per audio run
 
 
 class GraphRuntime:
@@ -31,9 +36,9 @@ class GraphRuntime:
         """One graph's outputs, in the manifest's order."""
         raise NotImplementedError
 
-    def empty_kv(self, batch: int) -> list[np.ndarray]:
-        """An empty text cache: (batch, heads, 0, head_dim) per input."""
-        return [np.zeros((batch, spec.shape[1], 0, spec.shape[3]), self.dtype) for spec in self.past_inputs]
+    def empty_kv(self, batch: int, length: int = 0) -> list[np.ndarray]:
+        """A cache to fill (batch, heads, length, head_dim) per input; an empty text cache by default."""
+        return [np.empty((batch, spec.shape[1], length, spec.shape[3]), self.dtype) for spec in self.past_inputs]
 
     def embed_images(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(visual embeddings (B, V, hidden), visual mask (B, V): 0 for the tokens of an image that means "none")."""
@@ -55,17 +60,72 @@ class GraphRuntime:
             visual_mask = np.ones(visual_embeds.shape[:2], np.int64)
         if not self.manifest.model.diagonal or visual_embeds.shape[1] <= chunk:
             return self._run("visual_kv", {"visual_embeds": visual_embeds, "visual_attention_mask": visual_mask})
-        parts = [
-            self._run(
-                "visual_kv",
-                {
-                    "visual_embeds": visual_embeds[:, i : i + chunk],
-                    "visual_attention_mask": visual_mask[:, i : i + chunk],
-                },
+        return self.fill_caches(iter([visual_embeds]), visual_mask, chunk)
+
+    def fill_caches(self, parts: Iterator[np.ndarray], mask: np.ndarray, chunk: int = VISUAL_CHUNK) -> list[np.ndarray]:
+        """Context caches (B, heads, V, D) built part by part: each part's tokens (B, n, hidden), in order, go
+        through visual_kv `chunk` tokens at a time straight into preallocated caches, so memory beyond the caches
+        is that of one part; `mask` (B, V): the whole context's."""
+        caches, offset = self.empty_kv(mask.shape[0], mask.shape[1]), 0
+        for part in parts:
+            for start in range(0, part.shape[1], chunk):
+                embeds = part[:, start : start + chunk]
+                end = offset + embeds.shape[1]
+                feeds = {"visual_embeds": embeds, "visual_attention_mask": mask[:, offset:end]}
+                for cache, piece in zip(caches, self._run("visual_kv", feeds), strict=True):
+                    cache[:, :, offset:end] = piece
+                offset = end
+        if offset != mask.shape[1]:
+            raise ValueError(f"the context's parts hold {offset} tokens, its mask {mask.shape[1]}")
+        return caches
+
+    def encode_video(
+        self, frames: np.ndarray | None, audio: tuple[np.ndarray, int] | None
+    ) -> tuple[list[np.ndarray], np.ndarray]:
+        """A video model's context: its frames (F, 3, H, W) and audio (log-mel 30 s chunks (C, bins, frames) and
+        its length in mel frames), either may be None, -> every layer's K/V over [frames ; audio] and the (1, V + A)
+        mask giving each key its stream (1 frames, 2 audio). Built part by part (FRAME_CHUNK frames, AUDIO_CHUNK
+        audio chunks a run): memory beyond the caches does not grow with the length."""
+        model = self.manifest.model
+        num_frames = 0 if frames is None else len(frames)
+        if model.max_video_frames is not None and num_frames > model.max_video_frames:
+            raise InputError(
+                "frames",
+                f"{num_frames} frames: past {model.max_video_frames} the released pool resizes each frame's grid, "
+                "which vision.onnx does not (run it with the PyTorch reference: generate without --backend)",
             )
-            for i in range(0, visual_embeds.shape[1], chunk)
-        ]
-        return [np.concatenate(outputs, axis=2) for outputs in zip(*parts)]
+        num_audio = 0 if audio is None else audio[1] // model.mel_frames_per_audio_token
+        mask = np.concatenate(
+            [np.ones(num_frames * model.visual_tokens_per_frame, np.int64), np.full(num_audio, 2, np.int64)]
+        )[None]
+        parts = chain(
+            () if frames is None else self.frame_parts(frames), () if audio is None else self.audio_parts(*audio)
+        )
+        return self.fill_caches(parts, mask), mask
+
+    def frame_parts(self, frames: np.ndarray) -> Iterator[np.ndarray]:
+        """One video's stream tokens, FRAME_CHUNK frames at a time: (1, n * tokens per frame, hidden) each."""
+        size = self.manifest.model.image_size
+        if frames.ndim != 4 or frames.shape[1:] != (3, size, size):
+            raise InputError("frames", f"of shape {list(frames.shape)}: vision.onnx takes [frames, 3, {size}, {size}]")
+        for start in range(0, len(frames), FRAME_CHUNK):
+            pixels = frames[start : start + FRAME_CHUNK].astype(self.dtype)
+            index = np.arange(start, start + len(pixels), dtype=np.int64)
+            (embeds,) = self._run(
+                "vision", {"pixel_values": pixels, "frame_index": index, "num_frames": np.array(len(frames))}
+            )
+            yield embeds
+
+    def audio_parts(self, features: np.ndarray, mel_frames: int) -> Iterator[np.ndarray]:
+        """One sample's audio stream tokens, AUDIO_CHUNK 30 s chunks at a time, cut to the sample's length."""
+        for start in range(0, len(features), AUDIO_CHUNK):
+            feeds = {
+                "input_features": features[start : start + AUDIO_CHUNK].astype(self.dtype),
+                "first_chunk": np.array(start, np.int64),
+                "mel_frames": np.array(mel_frames, np.int64),
+            }
+            embeds, within = self._run("audio", feeds)
+            yield embeds[:, within[0] == 1]
 
     def positions(self, attention_mask: np.ndarray, num_new: int, num_visual: int) -> np.ndarray:
         """As the reference model: text positions count text tokens (after the visual ones when not debiased)."""

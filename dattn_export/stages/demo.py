@@ -15,9 +15,11 @@ from ..checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_s
 from ..checkpoints.source import saved_state_dict
 from ..modeling.modeling_dattn import MODEL_CLASSES
 from ..presets import randomize_weights, tiny_config
-from ..processing import IMAGE_PROCESSORS, default_audio_processor
+from ..processing import AUDIO_RATE, IMAGE_PROCESSORS, default_audio_processor
 
 DEMO_PROMPT = "USER: Describe the image in one sentence.\nASSISTANT:"
+DEMO_VIDEO_PROMPT = "USER: What happens in the video, and what do you hear?\nASSISTANT:"
+DEMO_VIDEO_FPS = 2  # the file's rate: generate takes one frame a second
 SHARD_BYTES = 256 * 1024  # small, so the demo checkpoint has several shards like a real one
 
 CORPUS = [
@@ -53,6 +55,45 @@ def demo_image(size: int = 64) -> Image.Image:
     image = Image.fromarray((pixels * 255).astype(np.uint8))
     ImageDraw.Draw(image).ellipse([size // 4, size // 4, 3 * size // 4, 3 * size // 4], fill=(220, 30, 30))
     return image
+
+
+def demo_frames(count: int = 12, size: int = 64) -> list[np.ndarray]:
+    """(size, size, 3) uint8 frames: the demo picture's circle crossing it from left to right."""
+    frames = []
+    for i in range(count):
+        image = demo_image(size)
+        draw, left = ImageDraw.Draw(image), i * (size - size // 3) // max(count - 1, 1)
+        draw.rectangle([0, 0, size, size], fill=(30, 60 + 10 * i, 200))
+        draw.ellipse([left, size // 3, left + size // 3, 2 * size // 3], fill=(220, 30, 30))
+        frames.append(np.asarray(image))
+    return frames
+
+
+def demo_audio(seconds: float, rate: int = AUDIO_RATE) -> np.ndarray:
+    """16-bit mono samples: a tone rising from 200 Hz to 2 kHz."""
+    t = np.arange(int(seconds * rate)) / rate
+    frequency = 200 + 1800 * t / seconds
+    return (np.sin(2 * np.pi * np.cumsum(frequency) / rate) * 9000).astype(np.int16)
+
+
+def write_video(path: Path, frames: list[np.ndarray], fps: int, samples: np.ndarray | None, rate: int = AUDIO_RATE):
+    """A QuickTime file of lossless frames (PNG) and, unless None, 16-bit mono PCM samples: what PyAV decodes exactly,
+    so a test can know every pixel and sample the reader gets."""
+    import av
+
+    height, width = frames[0].shape[:2]
+    with av.open(str(path), "w", format="mov") as container:
+        video = container.add_stream("png", rate=fps)
+        video.width, video.height, video.pix_fmt = width, height, "rgb24"
+        audio = None if samples is None else container.add_stream("pcm_s16le", rate=rate, layout="mono")
+        for frame in frames:
+            container.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(video.encode())
+        if audio is not None:
+            frame = av.AudioFrame.from_ndarray(samples[None], format="s16", layout="mono")
+            frame.sample_rate = rate
+            container.mux(audio.encode(frame))
+            container.mux(audio.encode())
 
 
 def write_towers(folder: Path, config) -> tuple[Path, Path]:
@@ -94,5 +135,8 @@ def write_demo_checkpoint(
     build_tokenizer(config.vocab_size).save_pretrained(out)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 16, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    demo_image().save(out / "demo.png")
+    demo_image().save(out / "demo.png")  # video models: a demo.mov beside
+    if video:
+        frames = demo_frames()
+        write_video(out / "demo.mov", frames, DEMO_VIDEO_FPS, demo_audio(len(frames) / DEMO_VIDEO_FPS))
     return out

@@ -100,16 +100,26 @@ def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, fl
         with stage(f"encode {len(media.images)} image(s): visual K/V for every layer", seconds):
             pixels = image_pixels(media.images, load_image_processor(folder, config))
             streams["visual_key_values"], streams["visual_mask"] = model.model.encode_images(pixels)
-    if media.frames:
-        with stage(f"encode {len(media.frames)} frame(s): visual K/V for every layer", seconds):
-            size = config.vision_config["image_size"]
-            pixels = preprocess_frames(media.frames, load_image_processor(folder, config), size)
+    pixels, audio = video_inputs(folder, config, media)
+    if pixels is not None:
+        with stage(f"encode {len(pixels)} frame(s): visual K/V for every layer", seconds):
             streams["visual_key_values"], streams["visual_mask"] = model.model.encode_video([pixels])
-    if media.samples is not None:
+    if audio is not None:
         with stage(f"encode {len(media.samples) / AUDIO_RATE:.1f} s of audio: audio K/V for every layer", seconds):
-            mels, mel_frames = audio_features(media.samples, load_audio_processor(folder, config))
-            streams["audio_key_values"], streams["audio_mask"] = model.model.encode_audio([mels], [mel_frames])
+            streams["audio_key_values"], streams["audio_mask"] = model.model.encode_audio([audio[0]], [audio[1]])
     return streams
+
+
+def video_inputs(folder: Path, config, media: DecodedMedia) -> tuple[torch.Tensor | None, tuple | None]:
+    """A video model's tower inputs: frames (F, 3, H, W) and audio (log-mel 30 s chunks, its length in mel frames),
+    each None when absent."""
+    pixels = audio = None
+    if media.frames:
+        size = config.vision_config["image_size"]
+        pixels = preprocess_frames(media.frames, load_image_processor(folder, config), size)
+    if media.samples is not None:
+        audio = audio_features(media.samples, load_audio_processor(folder, config))
+    return pixels, audio
 
 
 @torch.no_grad()

@@ -8,6 +8,13 @@
                   -> logits, present.{i}.key/.value; one graph for prefill and decode
 A layer with WINGS learners also caches `.wings_key/.wings_value` (B, hidden / D, S, D) in each of these.
 
+A video model (mm_input_type "video") has two context streams, frames and audio, each run through its own graph
+in parts (so memory does not grow with the length), then through visual_kv, and laid end to end as the decoder's
+context, `visual_attention_mask` giving each key its stream (1 frames, 2 audio, 0 none):
+  vision.onnx     pixel_values (N, 3, H, W) frames, frame_index (N,), num_frames () -> visual_embeds (1, N * t, hidden)
+  audio.onnx      input_features (C, mel bins, chunk frames) 30 s chunks, first_chunk (), mel_frames () ->
+                  audio_embeds (1, C * a, hidden), audio_attention_mask (1, C * a): tokens within the sample
+
 With `--attention fused` every attention is one `dattn::DecomposedAttention` node (attributes: heads, KV
 heads, head dim, scale, soft-cap, window, merge, TensorRT plugin namespace/version) with a model-local
 function of standard ops attached; with `standard` the reference math is exported as plain ONNX ops.
@@ -39,7 +46,7 @@ from ..artifacts import (
     atomic_dir,
     dtype_name,
 )
-from ..checkpoints.names import AUDIO_TOWER_NOT_RUN
+from ..checkpoints.names import audio_tower_role
 from ..checkpoints.source import build_model, open_source
 from ..errors import InputError
 from ..plugins import contract
@@ -72,6 +79,24 @@ class VisionGraph(nn.Module):
 
     def forward(self, pixel_values):
         return self.model.model.embed_images(pixel_values), self.model.model.image_mask(pixel_values).long()
+
+
+class VideoFramesGraph(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values, frame_index, num_frames):
+        return self.model.model.frame_stream(pixel_values, frame_index, num_frames)
+
+
+class AudioGraph(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_features, first_chunk, mel_frames):
+        return self.model.model.audio_stream(input_features, first_chunk, mel_frames)
 
 
 class VisualKVGraph(nn.Module):
@@ -115,7 +140,7 @@ def graph_specs(model, dtype: torch.dtype) -> dict:
     v = n_img * per_image
     parts = [part for i in range(config.num_hidden_layers) for part in config.cache_parts(i)]
     kv = lambda n: [torch.randn(b, heads[part], n, config.head_dim, dtype=dtype) for part in parts]  # noqa: E731
-    return {
+    streams = video_specs(model, dtype) if config.is_video else {
         "vision": dict(
             module=VisionGraph(model),
             args=(torch.randn(b, n_img, 3, size, size, dtype=dtype),),
@@ -123,6 +148,8 @@ def graph_specs(model, dtype: torch.dtype) -> dict:
             inputs=["pixel_values"],
             outputs=["visual_embeds", "visual_attention_mask"],
         ),
+    }  # fmt: skip
+    return streams | {
         "visual_kv": dict(
             module=VisualKVGraph(model),
             args=(torch.randn(b, v, config.hidden_size, dtype=dtype), torch.ones(b, v, dtype=torch.int64)),
@@ -157,6 +184,35 @@ def graph_specs(model, dtype: torch.dtype) -> dict:
                 *kv_names("visual_key_values", config),
             ],
             outputs=["logits", *kv_names("present", config)],
+        ),
+    }
+
+
+def video_specs(model, dtype: torch.dtype) -> dict:
+    """A video model's stream graphs: frames and audio, each taking part of one sample's stream."""
+    config = model.config
+    size, audio = config.vision_config["image_size"], config.audio_config
+    chunk_frames = 2 * audio["max_source_positions"]  # Whisper's 30 s of log-mel frames
+    frames, chunks = Dim("frames"), Dim("chunks")
+    scalar = lambda n: torch.tensor(n)  # noqa: E731
+    return {
+        "vision": dict(
+            module=VideoFramesGraph(model),
+            args=(torch.randn(3, 3, size, size, dtype=dtype), torch.arange(2, 5), scalar(9)),
+            dynamic=({0: frames}, {0: frames}, None),
+            inputs=["pixel_values", "frame_index", "num_frames"],
+            outputs=["visual_embeds"],
+        ),
+        "audio": dict(
+            module=AudioGraph(model),
+            args=(
+                torch.randn(2, audio["num_mel_bins"], chunk_frames, dtype=dtype),
+                scalar(1),
+                scalar(3 * chunk_frames),
+            ),
+            dynamic=({0: chunks}, None, None),
+            inputs=["input_features", "first_chunk", "mel_frames"],
+            outputs=["audio_embeds", "audio_attention_mask"],
         ),
     }
 
@@ -204,7 +260,7 @@ def describe_values(values) -> list[GraphValue]:
 def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int, out: Path) -> OnnxManifest:
     config = model.config
     graphs = {}
-    for name in ("vision", "visual_kv", "decoder"):
+    for name in ("vision", "audio", "visual_kv", "decoder") if config.is_video else ("vision", "visual_kv", "decoder"):
         graph = onnx.load(out / f"{name}.onnx", load_external_data=False).graph
         fused = sum(1 for n in graph.node if n.domain == contract.DOMAIN)
         graphs[name] = Graph(f"{name}.onnx", fused, describe_values(graph.input), describe_values(graph.output))
@@ -231,7 +287,12 @@ def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int
             wings=Wings(config.wings_rank, config.wings_layer_indices, config.wings_heads)
             if config.wings_rank
             else None,
-            audio_tower=None if config.audio_config is None else AUDIO_TOWER_NOT_RUN,
+            audio_tower=None if config.audio_config is None else audio_tower_role(config),
+            input_type=config.mm_input_type,
+            num_contexts=config.num_contexts,
+            visual_tokens_per_frame=config.tokens_per_frame if config.is_video else None,
+            max_video_frames=model.model.mm_rand_img_pool.max_frames(config.patch_grid) if config.is_video else None,
+            mel_frames_per_audio_token=config.mel_frames_per_audio_token if config.is_video else None,
         ),
         attention=AttentionExport(attention, op if attention == "fused" else None),
         dtype=dtype_name(dtype),
@@ -262,7 +323,15 @@ def export_onnx(
             "--dtype bf16", f"needs --opset 22 or later: ONNX's Conv accepts bfloat16 from opset 22 (asked {opset})"
         )
     source = open_source(checkpoint, base, vision_heads)
-    source.refuse_beyond_images("onnx")
+    source.refuse_anyres("onnx")
+    config = source.config
+    if config.is_video and config.audio_config["max_source_positions"] % config.mm_audio_pool_size:
+        positions = config.audio_config["max_source_positions"]
+        raise InputError(
+            source.config_path,
+            f"mm_audio_pool_size {config.mm_audio_pool_size} does not divide the {positions} encoder positions of a "
+            "30 s chunk: audio.onnx pools chunk by chunk",
+        )
     torch_dtype = DTYPES[dtype].torch
     model = build_model(source, torch_dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

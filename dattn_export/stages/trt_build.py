@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..artifacts import CARRIED_FILES, GraphValue, OnnxManifest, TrtManifest, atomic_dir, carry_files
 from ..errors import InputError
+from ..runtime.graph import AUDIO_CHUNK, FRAME_CHUNK
 from ..runtime.tensorrt import require_tensorrt_gpu
 
 
@@ -35,6 +36,9 @@ class Limits:
             "past_sequence": past,
             "total_sequence": (1, text[1] + past[1], self.max_text_tokens),
             "visual_sequence": (0, self.max_visual_tokens // 2, self.max_visual_tokens),
+            # a video model's stream graphs: the runtime runs at most this many frames / 30 s chunks at once
+            "frames": (1, FRAME_CHUNK, FRAME_CHUNK),
+            "chunks": (1, 1, AUDIO_CHUNK),
         }
         if name not in axes:
             raise InputError(name, "is not an axis of the exported graphs (see onnx_manifest.json)")

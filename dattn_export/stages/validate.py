@@ -1,4 +1,5 @@
-"""`validate`: the exported graphs against the PyTorch reference, on an image and a prompt.
+"""`validate`: the exported graphs against the PyTorch reference, on an image (a video model: frames and audio)
+and a prompt.
 
 Every graph's outputs are compared with the reference model's (fp32), then greedy generation runs through
 the ONNX graphs with the text KV cache and is compared token by token; each decode step's logits are also
@@ -13,13 +14,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from ..artifacts import VALIDATION_REPORT, from_json
 from ..checkpoints.source import load_model
 from ..errors import InputError
-from ..processing import load_image_processor, load_images, load_tokenizer
+from ..processing import (
+    load_image_processor,
+    load_images,
+    load_tokenizer,
+)
+from ..runtime.graph import GraphRuntime
 from ..runtime.ort import OrtModel
-from .demo import DEMO_PROMPT, demo_image
+from .demo import DEMO_PROMPT, DEMO_VIDEO_FPS, DEMO_VIDEO_PROMPT, demo_audio, demo_frames, demo_image
+from .generate import DecodedMedia, Media, decode_media, encode_media, video_inputs
 
 # max abs error allowed on logits: fp32 as in the ecosystem's exporters; fp16 keeps ~3 significant digits
 # through a whole network, so its bound is relative to the logits' scale
@@ -49,6 +57,7 @@ class ValidationReport:
     tolerance: float
     prompt_tokens: int
     visual_tokens: int
+    audio_tokens: int | None = None  # None: an image model
     comparisons: list[Comparison] = field(default_factory=list)
     reference_tokens: list[int] = field(default_factory=list)
     backend_tokens: list[int] = field(default_factory=list)
@@ -85,10 +94,12 @@ def validate(
     against: Path | None = None,
     backend: str = "ort",
     steps: int = 20,
-    prompt: str = DEMO_PROMPT,
-    image: Path | None = None,
+    prompt: str | None = None,
+    media: Media | None = None,
     threads: int | None = None,
 ) -> ValidationReport:
+    """`media`: an image (default: the demo's picture), or a video model's frames and audio (default: the demo
+    video's); `prompt` defaults to the demo's."""
     folder = Path(folder)
     if backend == "trt":
         from ..runtime.tensorrt import TrtModel
@@ -102,31 +113,22 @@ def validate(
         raise InputError(against, "does not exist: pass --against with the checkpoint the graphs were exported from")
     reference = load_model(against)
     config = reference.config
+    media = media or Media()
+    media.check(config)
+    prompt = prompt or (DEMO_VIDEO_PROMPT if config.is_video else DEMO_PROMPT)
     tokenizer = load_tokenizer(folder if (folder / "tokenizer_config.json").is_file() else against, config)
-    processor = load_image_processor(folder, config)
-    if image is None:  # the demo's picture
-        pixels = processor([demo_image()], return_tensors="pt")["pixel_values"][None]
-    else:
-        pixels = load_images([image], processor)
     inputs = tokenizer(prompt, return_tensors="pt")
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     dtype = manifest.dtype
     report = ValidationReport(str(folder), str(against), backend, dtype, TOLERANCES.get(dtype, 2e-2), ids.shape[1], 0)
+    if config.is_video:
+        visual, got_kv, got_mask = video_context(runtime, reference, folder, media, report)
+    else:
+        visual, got_kv, got_mask = image_context(runtime, reference, folder, media, report)
 
     with torch.no_grad():
-        visual_embeds, visual_mask = reference.model.embed_images(pixels), reference.model.image_mask(pixels)
-        visual_kv = reference.model.encode_visual(visual_embeds, visual_mask)
-        visual = dict(visual_key_values=visual_kv, visual_mask=visual_mask)
         expected = reference(ids, attention_mask=mask, **visual)
         expected_tokens = reference.generate(ids, attention_mask=mask, max_new_tokens=steps, **visual)[0]
-    report.visual_tokens = visual_embeds.shape[1]
-    got_embeds, got_mask = runtime.embed_images(pixels.numpy())
-    report.comparisons.append(Comparison.of("vision", "visual_embeds", got_embeds, visual_embeds))
-    report.comparisons.append(Comparison.of("vision", "visual_attention_mask", got_mask, visual_mask.long()))
-    got_kv = runtime.encode_visual(got_embeds, got_mask)
-    expected_kv = [t for layer in visual_kv for t in layer]
-    for name, got, expected_part in zip(runtime.visual_names, got_kv, expected_kv, strict=True):
-        report.comparisons.append(Comparison.of("visual_kv", name, got, expected_part))
     logits, past = runtime.decode(ids.numpy(), mask.numpy(), runtime.empty_kv(1), got_kv, got_mask)
     report.comparisons.append(Comparison.of("decoder", "logits (prefill)", logits, expected.logits))
 
@@ -148,3 +150,55 @@ def validate(
     report.backend_tokens = runtime.generate(ids.numpy(), mask.numpy(), got_kv, steps, visual_mask=got_mask)[0].tolist()
     (folder / VALIDATION_REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     return report
+
+
+@torch.no_grad()
+def image_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
+    """The image through vision and visual_kv, compared: (the reference's streams, the graphs' K/V and mask)."""
+    processor = load_image_processor(folder, reference.config)
+    if not media.images:  # the demo's picture
+        pixels = processor([demo_image()], return_tensors="pt")["pixel_values"][None]
+    else:
+        pixels = load_images(media.images, processor)
+    visual_embeds, visual_mask = reference.model.embed_images(pixels), reference.model.image_mask(pixels)
+    visual_kv = reference.model.encode_visual(visual_embeds, visual_mask)
+    report.visual_tokens = visual_embeds.shape[1]
+    got_embeds, got_mask = runtime.embed_images(pixels.numpy())
+    report.comparisons.append(Comparison.of("vision", "visual_embeds", got_embeds, visual_embeds))
+    report.comparisons.append(Comparison.of("vision", "visual_attention_mask", got_mask, visual_mask.long()))
+    got_kv = runtime.encode_visual(got_embeds, got_mask)
+    expected_kv = [t for layer in visual_kv for t in layer]
+    for name, got, expected_part in zip(runtime.visual_names, got_kv, expected_kv, strict=True):
+        report.comparisons.append(Comparison.of("visual_kv", name, got, expected_part))
+    return dict(visual_key_values=visual_kv, visual_mask=visual_mask), got_kv, got_mask
+
+
+@torch.no_grad()
+def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
+    """A video model's frames and audio through vision, audio and visual_kv, each stream's K/V compared with the
+    reference's (worst of every layer's): (the reference's streams, the graphs' context K/V and mask)."""
+    if media.video or media.frames or media.audio:
+        decoded = decode_media(media)
+    else:  # the demo video's frames (one a second) and sound
+        frames = demo_frames()[::DEMO_VIDEO_FPS]
+        decoded = DecodedMedia([], [Image.fromarray(f) for f in frames], demo_audio(len(frames)) / 32768)
+    streams = encode_media(reference, folder, decoded, {})
+    pixels, audio = video_inputs(folder, reference.config, decoded)
+    got_kv, got_mask = runtime.encode_video(
+        None if pixels is None else pixels.numpy(), None if audio is None else (audio[0].numpy(), audio[1])
+    )
+    report.visual_tokens = int((got_mask == 1).sum())
+    report.audio_tokens = int((got_mask == 2).sum())
+    start = 0
+    for graph, name in (("vision", "visual"), ("audio", "audio")):
+        if f"{name}_key_values" in streams:
+            expected = [t for layer in streams[f"{name}_key_values"] for t in layer]
+            end = start + expected[0].shape[2]
+            worst = max(
+                (Comparison.of(f"{graph} + visual_kv", f"{name} K/V", got[:, :, start:end], part)
+                 for got, part in zip(got_kv, expected, strict=True)),
+                key=lambda c: c.max_abs,
+            )  # fmt: skip
+            report.comparisons.append(worst)
+            start = end
+    return streams, got_kv, got_mask
