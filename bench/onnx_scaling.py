@@ -17,6 +17,15 @@ Targets (issue 5): t_prefill(9216) / t_prefill(2304) <= 4.5; D-Attn >= 2.5x fast
 |V| = 9216 under 4 GB RSS; 2nd prompt >= 10x faster than the first at 9216; decode t(9216)/t(576) <= 3.0.
 
     pip install matplotlib && python bench/onnx_scaling.py
+
+Long video (`--long-video`, issue 17): the same mid-size decoder as a video model (Vidi_7B's layout: frames through
+a tiny SigLIP, 49 tokens a frame; audio through a tiny Whisper; text attends to each stream with its own softmax),
+exported with `dattn-export onnx`. At 4k, 16k and 64k context tokens (3/4 frames, 1/4 audio), each in its own
+process: the time to build the context caches (vision.onnx and audio.onnx part by part, visual_kv into
+preallocated caches), a decode step's time (16-token prompt, then one token) and the peak RSS after each; the
+caches' own bytes are subtracted. Target: peak RSS beyond the caches within 10% from 4k to 64k.
+
+    python bench/onnx_scaling.py --long-video
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ MEMORY_CAP = 20 << 30  # a measurement past this fails cleanly (S-Attn's |V|^2 l
 
 
 def write_checkpoint(mode: str, work: Path, layers: int = 8) -> tuple[Path, int]:
-    """The random mid-size checkpoint; returns its folder and its weights' size in bytes."""
+    """The random mid-size checkpoint; returns its folder and its weights' size in bytes. `mode` video: a video
+    model (the released Vidi_7B's layout) with tiny towers, 49 tokens a frame, 15 audio tokens a 30 s chunk."""
     from safetensors.torch import save_file
 
     from dattn_export.checkpoints.source import saved_state_dict
@@ -59,16 +69,86 @@ def write_checkpoint(mode: str, work: Path, layers: int = 8) -> tuple[Path, int]
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         vocab_size=32000,
-        dattn_mode=mode,
+        **(dict(video=True, mm_image_pool_size=7) if mode == "video" else dict(dattn_mode=mode)),
     )
     model = randomize_weights(MODEL_CLASSES[config.model_type](config).eval())
-    checkpoint = write_demo_checkpoint(work / f"{mode}-{layers}-checkpoint")
+    checkpoint = write_demo_checkpoint(work / f"{mode}-{layers}-checkpoint", video=mode == "video")
     for shard in checkpoint.glob("model*.safetensors*"):
         shard.unlink()
     tensors = saved_state_dict(model)
     save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(checkpoint)
     return checkpoint, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+CONTEXT_TOKENS = (4096, 16384, 65536)
+VIDEO_PROMPT_TOKENS = 16
+
+
+def measure_video(folder: Path, context_tokens: int) -> dict:
+    """Runs in its own process: a video's context caches at `context_tokens` (3/4 frames, 1/4 audio), then a
+    decode step; peak RSS after each (the kernel's high-water mark, this process's own)."""
+    from dattn_export.runtime.ort import OrtModel
+
+    runtime = OrtModel(folder, threads=2)
+    model, rng = runtime.manifest.model, np.random.default_rng(0)
+    size = model.image_size
+    frames = rng.standard_normal((3 * context_tokens // 4 // model.visual_tokens_per_frame, 3, size, size), np.float32)
+    audio_session = runtime.sessions["audio"].get_inputs()[0]
+    bins, chunk_frames = audio_session.shape[1], audio_session.shape[2]
+    per_chunk = chunk_frames // model.mel_frames_per_audio_token
+    chunks = -(-(context_tokens // 4) // per_chunk)
+    features = rng.standard_normal((chunks, bins, chunk_frames), np.float32)
+    start = time.perf_counter()
+    caches, mask = runtime.encode_video(frames, (features, context_tokens // 4 * model.mel_frames_per_audio_token))
+    build_s = time.perf_counter() - start
+    build_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    prompt = rng.integers(3, 32000, (1, VIDEO_PROMPT_TOKENS))
+    _, past = runtime.decode(prompt, np.ones(prompt.shape, np.int64), runtime.empty_kv(1), caches, mask)
+    step_mask = np.ones((1, VIDEO_PROMPT_TOKENS + 1), np.int64)
+    decode_s = best_of(5, lambda: runtime.decode(np.array([[5]]), step_mask, past, caches, mask))
+    return {
+        "tokens": int(mask.shape[1]),
+        "frames": len(frames),
+        "audio_tokens": int((mask == 2).sum()),
+        "build_s": build_s,
+        "decode_ms": 1000 * decode_s,
+        "cache_bytes": sum(c.nbytes for c in caches),
+        "build_rss": build_rss,
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def long_video(work: Path) -> None:
+    print("exporting the mid-size video model ...", file=sys.stderr, flush=True)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        checkpoint, _ = pool.apply(write_checkpoint, ("video", work))
+    seconds, _ = export(checkpoint, work / "video-onnx", "fused")
+    print(f"export: {seconds:.1f} s")
+    rows = {}
+    for tokens in CONTEXT_TOKENS:
+        print(f"  context {tokens} ...", file=sys.stderr, flush=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--measure-video", str(work / "video-onnx"), str(tokens)],
+            capture_output=True,
+            text=True,
+        )
+        if child.returncode != 0:
+            sys.exit(f"context {tokens} failed: {child.stderr[-2000:]}")
+        rows[tokens] = json.loads(child.stdout.strip().splitlines()[-1])
+    print(
+        f"{'context':>8}{'frames':>8}{'audio':>7}{'build caches s':>16}{'decode ms':>11}{'caches':>9}"
+        f"{'peak RSS':>10}{'beyond caches':>15}"
+    )
+    for r in rows.values():
+        print(
+            f"{r['tokens']:>8}{r['frames']:>8}{r['audio_tokens']:>7}{r['build_s']:>16.1f}{r['decode_ms']:>11.1f}"
+            f"{r['cache_bytes'] / 1e9:>8.2f}G{r['rss'] / 1e9:>9.2f}G{(r['rss'] - r['cache_bytes']) / 1e9:>14.2f}G"
+        )
+    small, large = rows[CONTEXT_TOKENS[0]], rows[CONTEXT_TOKENS[-1]]
+    for name, key in (("building the caches", "build_rss"), ("after a decode step", "rss")):
+        ratio = (large[key] - large["cache_bytes"]) / (small[key] - small["cache_bytes"])
+        print(f"peak RSS beyond the caches, {name}, 64k / 4k: {ratio:.3f}  {'ok' if ratio <= 1.10 else 'MISSED'}")
 
 
 def export(checkpoint: Path, folder: Path, attention: str) -> tuple[float, int]:
@@ -185,13 +265,24 @@ def measured(folder: Path, num_visual: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measure", nargs=2, metavar=("FOLDER", "VISUAL"), help=argparse.SUPPRESS)
+    parser.add_argument("--measure-video", nargs=2, metavar=("FOLDER", "TOKENS"), help=argparse.SUPPRESS)
+    parser.add_argument("--long-video", action="store_true", help="Only the long-video measurements.")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=Path("onnx_scaling.png"))
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(Path(args.measure[0]), int(args.measure[1]))))
         return
+    if args.measure_video:
+        print(json.dumps(measure_video(Path(args.measure_video[0]), int(args.measure_video[1]))))
+        return
     work = Path(tempfile.mkdtemp(prefix="dattn-onnx-bench-", dir=args.workdir))
+    if args.long_video:
+        try:
+            long_video(work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     results, exports = {}, []
     try:
         for mode, layers in (("dattn", 24), ("dattn", 8), ("sattn", 8)):  # 24 layers: export memory only

@@ -10,6 +10,7 @@ from helpers.builders import build_model, checkpoint_of, images, left_padded_bat
 from helpers.checks import ATOL, SHAPES, run_case
 from helpers.cli import run_cli
 
+from dattn_export.runtime import graph as graph_runtime
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.demo import write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
@@ -42,8 +43,9 @@ def test_onnx_runtime_matches_reference(tmp_path, family, mode):
         np.testing.assert_allclose(logits, scratch, atol=ATOL, rtol=0)
 
 
-def test_chunked_visual_encoding_equals_one_run(tmp_path):
-    """Diagonal V2V: visual tokens never mix, so the runtime may encode a long image sequence in chunks."""
+def test_chunked_visual_encoding_and_prompt_pieces_equal_one_run(tmp_path, monkeypatch):
+    """Diagonal V2V: visual tokens never mix, so the runtime may encode a long image sequence in chunks; a prompt
+    past the attention budget runs in pieces of tokens (left-padded batch), the same logits and cache."""
     model = build_model("gemma2")
     export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
     runtime = OrtModel(tmp_path / "onnx")
@@ -54,6 +56,13 @@ def test_chunked_visual_encoding_equals_one_run(tmp_path):
     with torch.no_grad():
         reference = model.model.encode_visual(torch.from_numpy(embeds))
     np.testing.assert_allclose(chunked[-1], reference[-1][1].numpy(), atol=1e-5, rtol=0)
+    ids, mask = (t.numpy() for t in left_padded_batch([9, 6]))
+    whole_logits, whole_past = runtime.decode(ids, mask, runtime.empty_kv(2), whole)
+    monkeypatch.setattr(graph_runtime, "ATTENTION_BUDGET", 120)  # 48 visual + 9 text keys: two tokens a run
+    logits, past = runtime.decode(ids, mask, runtime.empty_kv(2), whole)
+    np.testing.assert_allclose(logits, whole_logits, atol=1e-5, rtol=0)
+    for a, b in zip(past, whole_past, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
 def test_large_graphs_keep_weights_in_external_data(tmp_path, monkeypatch):

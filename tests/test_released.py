@@ -199,7 +199,7 @@ def test_anyres_tiling_choice_equals_released():
 def test_generate_tiles_an_image_for_anyres_models(tmp_path):
     """generate --image on an anyres checkpoint: a thumbnail and the best tiling's tiles (process_anyres_image:
     resize to the tiling's resolution, cut row by row), the same tokens as the model given exactly those tiles;
-    onnx says in one line that it does not take anyres models yet."""
+    onnx exports it and validate passes on that image."""
     folder = write_demo_checkpoint(
         tmp_path / "anyres", "gemma2", mm_image_aspect_ratio="anyres", mm_image_grid_points=GRID_POINTS
     )
@@ -222,5 +222,28 @@ def test_generate_tiles_an_image_for_anyres_models(tmp_path):
         )
     assert (width, height) == (64, 64) and result.visual_tokens == 16 + 64  # 90 x 50 keeps most in 2 x 2 tiles
     assert result.generated_ids == expected[0].tolist()
-    refused = run_cli("onnx", folder, "-o", tmp_path / "onnx")
-    assert refused.returncode == 2 and "is an anyres model" in refused.stderr and not (tmp_path / "onnx").exists()
+    assert run_cli("onnx", folder, "-o", tmp_path / "onnx").returncode == 0
+    validated = run_cli("validate", tmp_path / "onnx", "--image", tmp_path / "wide.png", "--steps", "5")
+    assert validated.returncode == 0, validated.stdout
+    report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
+    assert report["passed"] and report["visual_tokens"] == 16 + 64
+    assert any(c["output"] == "visual K/V (2 x 2 tiles)" for c in report["comparisons"])
+
+
+def test_anyres_onnx_equals_released_forward(tmp_path, family):
+    """The anyres vision graph (thumbnail, tiles as rows x columns) and the decoder on ONNX Runtime against the
+    released forward written out (fp32, <= 1e-4): a wide image and a tall one, batched."""
+    folder = write_demo_checkpoint(
+        tmp_path / "anyres", family, mm_image_aspect_ratio="anyres", mm_image_grid_points=GRID_POINTS
+    )
+    export_onnx(folder, tmp_path / "onnx")
+    model, runtime = load_model(folder), OrtModel(tmp_path / "onnx")
+    ids, _ = prompts()
+    tiles, sizes = anyres_inputs()
+    grids = [anyres_grid(size, GRID_POINTS, 32) for size in sizes]
+    assert grids == [(2, 1), (1, 2)]
+    caches, mask = runtime.batch_contexts([runtime.encode_anyres(t.numpy(), *g) for t, g in zip(tiles, grids)])
+    with torch.no_grad():
+        expected = vidi_logits(model, ids, [anyres_stream(model, tiles, sizes)]).numpy()
+    logits, _ = runtime.decode(ids.numpy(), np.ones(ids.shape, np.int64), runtime.empty_kv(len(ids)), caches, mask)
+    assert np.abs(logits - expected).max() <= 1e-4

@@ -156,14 +156,6 @@ def exported_video(tmp_path, family):
     return load_model(folder), OrtModel(tmp_path / "onnx")
 
 
-def padded_batch(contexts: list[tuple[list[np.ndarray], np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
-    """Samples' context caches and masks (batch 1 each) right-padded to one batch (mask 0 on the padding)."""
-    length = max(mask.shape[1] for _, mask in contexts)
-    pad = lambda t, axis: np.pad(t, [(0, length - t.shape[axis]) if a == axis else (0, 0) for a in range(t.ndim)])  # noqa: E731
-    caches = [np.concatenate([pad(c, 2) for c in parts]) for parts in zip(*(kv for kv, _ in contexts))]
-    return caches, np.concatenate([pad(mask, 1) for _, mask in contexts])
-
-
 def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
     """The four graphs on ONNX Runtime against the released forward written out (fp32, <= 1e-4): each sample's
     frames and audio built part by part (2 frames, 1 audio chunk a run), a batch whose second sample has no audio,
@@ -177,7 +169,7 @@ def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
         runtime.encode_video(frames[0].numpy(), (mels[0].numpy(), mel_frames[0])),
         runtime.encode_video(frames[1].numpy(), None),
     ]
-    caches, mask = padded_batch(contexts)
+    caches, mask = runtime.batch_contexts(contexts)
     with torch.no_grad():
         streams = [video_stream(model, frames), audio_stream(model, mels, mel_frames)]
         expected = [vidi_logits(model, prompt, streams).numpy() for prompt in (ids, ids.flip(1))]

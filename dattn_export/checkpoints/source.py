@@ -73,15 +73,6 @@ class Source:
         if found := processor_folder(self.reader.config_dir, self.config):
             carry_files(found, destination, (PROCESSOR_FILE,))
 
-    def refuse_anyres(self, command: str) -> None:
-        """Commands that do not take anyres image models yet stop them with one line."""
-        if self.config.is_anyres:
-            raise InputError(
-                self.config_path,
-                f"is an anyres model (mm_image_aspect_ratio 'anyres'): `{command}` does not take it yet "
-                "(info, convert, verify, push, generate and analyze do)",
-            )
-
     def raise_first_problem(self) -> None:
         if self.problems:
             first = self.problems[0]

@@ -103,7 +103,8 @@ class LearnablePositionEmbedding(nn.Module):
 
     def forward(self, length: int, dtype: torch.dtype) -> Tensor:
         """(length, hidden) in `dtype`."""
-        return self.at(torch.arange(length, device=self.mlp[0].weight.device), length, dtype)
+        index = torch.arange(length, device=self.mlp[0].weight.device)
+        return self.at(index, torch.ones_like(index).sum(), dtype)  # the length as a tensor: graphs keep it dynamic
 
     def at(self, index: Tensor, length: int | Tensor, dtype: torch.dtype) -> Tensor:
         """(N, hidden): the embeddings of positions `index` (N,) out of `length` (an int, or a 0-d tensor in a
@@ -265,7 +266,7 @@ class DAttnAttention(nn.Module):
             key_mask,
             q_vis,
             *visual,
-            visual_mask,
+            visual_mask.to(torch.int32),  # each context key's segment (the kernels read int32 ids)
             scale=self.scale,
             softcap=self.softcap,
             window=self.window if causal else None,
@@ -516,19 +517,30 @@ class DAttnModel(DAttnPreTrainedModel):
     def embed_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
         """Anyres images (multimodal.py encode_images, its list branch): each sample's thumbnail and tiles
         (1 + columns x rows, 3, H, W) and its image's (width, height) -> (B, L, hidden) visual embeddings and their
-        mask. Tower features -> projector (no mm_rand_norm on this path) -> the thumbnail's grid, and the tiles
-        joined into one (rows x grid, columns x grid) grid, each + row, + column embeddings -> end to end."""
-        grid = self.config.patch_grid
+        mask. Tower features -> projector (no mm_rand_norm on this path) -> `anyres_tokens` -> end to end."""
+        grid, tile = self.config.patch_grid, self.config.vision_config["image_size"]
         features = self.mm_rand_projector(self.mm_vis(torch.cat(tiles).to(self.dtype)))
         samples = []
         for feature, size in zip(features.split([len(t) for t in tiles]), image_sizes):
-            columns, rows = anyres_grid(size, self.config.mm_image_grid_points, self.config.vision_config["image_size"])
-            thumbnail = self.with_positions(feature[0].unflatten(0, (grid, grid)))
-            joined = feature[1:].reshape(rows, columns, grid, grid, -1).permute(0, 2, 1, 3, 4)
-            joined = self.with_positions(joined.flatten(0, 1).flatten(1, 2))
-            samples.append(torch.cat([thumbnail.flatten(0, 1), joined.flatten(0, 1)]))
+            columns, rows = anyres_grid(size, self.config.mm_image_grid_points, tile)
+            samples.append(self.anyres_tokens(feature[0], feature[1:].reshape(rows, columns, grid * grid, -1)))
         # the released path leaves masked tokens unzeroed; they are never read, so the shared stream ending serves
         return self.context_stream(samples, [t.abs().sum() != 0 for t in tiles])
+
+    def anyres_tokens(self, thumbnail: Tensor, tiles: Tensor) -> Tensor:
+        """One image's projected features, its thumbnail's (grid^2, hidden) and its tiles' (rows, columns, grid^2,
+        hidden) -> (grid^2 + rows x columns x grid^2, hidden): the thumbnail's grid, then the tiles joined into one
+        (rows x grid, columns x grid) grid, each + row, + column embeddings."""
+        grid = self.config.patch_grid
+        thumbnail = self.with_positions(thumbnail.unflatten(0, (grid, grid)))
+        joined = tiles.unflatten(2, (grid, grid)).permute(0, 2, 1, 3, 4).flatten(0, 1).flatten(1, 2)
+        return torch.cat([thumbnail.flatten(0, 1), self.with_positions(joined).flatten(0, 1)])
+
+    def anyres_stream(self, thumbnail: Tensor, tiles: Tensor) -> Tensor:
+        """One anyres image as its stream tokens (the anyres vision graph): its thumbnail (1, 3, H, W) and tiles
+        (rows, columns, 3, H, W) -> (1, L, hidden)."""
+        features = self.mm_rand_projector(self.mm_vis(torch.cat([thumbnail, tiles.flatten(0, 1)]).to(self.dtype)))
+        return self.stream_tokens(self.anyres_tokens(features[0], features[1:].unflatten(0, tiles.shape[:2])))[None]
 
     def with_positions(self, x: Tensor) -> Tensor:
         """(..., rows, columns, hidden) + row embeddings, then + column embeddings."""

@@ -9,7 +9,8 @@ Inputs (B batch, Hq query heads, Hkv KV heads, T queries, S text keys, V context
   of the S slots; key_mask (B, S) real text keys; q_vis (B, Hq, T, D) the queries for the context keys (unrotated
   when debiased); k_vis, v_vis (B, Hkv, V, D) the context keys: `num_contexts` segments end to end (an image
   model's visual tokens; a video model's frames, then its audio); visual_mask (B, V) integer, each key's segment
-  1..num_contexts, 0 for no key (a bool mask: one segment). Output shaped like q.
+  1..num_contexts, 0 for no key (a bool mask: one segment; the exported graphs feed int32, which the TensorRT
+  plugin's kernel reads). Output shaped like q.
 
 Version 1 throughout: `num_contexts` defaults to 1 and a 0/1 mask means what it meant with one segment, so the
 graphs exported before N segments keep their meaning.

@@ -5,7 +5,7 @@ BLOCK_N tiles, never materialising the logits:
   * text keys with the rotated queries `q`, causal by slot, optionally windowed;
   * context keys with the unrotated queries `q_vis` (all visible, or causal by slot when `CAUSAL_VISUAL`): one
     pass over all of them (alpha), or one pass per context segment (sum), each pass loading only the tiles that
-    hold a key of its segment (the segment ids are read first: a pass reads its own keys and one byte per other).
+    hold a key of its segment (the int32 segment ids are read first: a pass reads its own keys and the ids).
 Each segment keeps a running max, sum and accumulator; at the end
 merge alpha: both are rescaled to their common max and normalised by the common sum: exactly one softmax over
              [context ; text] (the shared running max/sum, merged once instead of per tile);
@@ -274,7 +274,7 @@ def launch(
     batch, heads, queries, head_dim = q.shape
     contract.check_shapes(heads, k.shape[1], head_dim)
     q, k, v, q_vis, k_vis, v_vis = (t.contiguous() for t in (q, k, v, q_vis, k_vis, v_vis))
-    key_mask, visual_mask = key_mask.to(torch.int8).contiguous(), visual_mask.to(torch.int8).contiguous()
+    key_mask, visual_mask = key_mask.to(torch.int8).contiguous(), visual_mask.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     lse = torch.empty((2, batch, heads, queries), dtype=torch.float32, device=q.device)
     # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot (loads are exact): there, and only there,
@@ -322,7 +322,7 @@ def compile_ptx(
         "QV": element,
         "KV": element,
         "VV": element,
-        "VIS_MASK": "i8",
+        "VIS_MASK": "i32",  # segment ids: int32, what TensorRT carries without quantization
     }
     fixed = dict(LSE=None, **constants(attributes, head_dim, block_m, block_n, WRITE_LSE=False, UPCAST=False))
     signature = {name: f"*{kind}" for name, kind in pointers.items()}

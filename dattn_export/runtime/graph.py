@@ -17,6 +17,7 @@ NUMPY_DTYPES = {d.onnx: d.numpy for d in DTYPES.values()}  # graph values' ONNX 
 VISUAL_CHUNK = 2048  # context tokens per visual_kv run (diagonal models)
 FRAME_CHUNK = 16  # a video's frames per vision run
 AUDIO_CHUNK = 16  # 30 s audio chunks per audio run
+ATTENTION_BUDGET = 1 << 18  # new tokens x keys per decoder run (about 16 MB of fp32 logits a head group)
 
 
 class GraphRuntime:
@@ -103,6 +104,26 @@ class GraphRuntime:
         )
         return self.fill_caches(parts, mask), mask
 
+    def encode_anyres(self, tiles: np.ndarray, columns: int, rows: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """An anyres image's context: its thumbnail and tiles (1 + columns x rows, 3, H, W), the tiling chosen for
+        it -> every layer's K/V and the (1, V) mask."""
+        feeds = {"thumbnail": tiles[:1], "tiles": tiles[1:].reshape(rows, columns, *tiles.shape[1:])}
+        (embeds,) = self._run("vision", {name: t.astype(self.dtype) for name, t in feeds.items()})
+        mask = np.ones(embeds.shape[:2], np.int64)
+        return self.encode_visual(embeds, mask), mask
+
+    @staticmethod
+    def batch_contexts(contexts: list[tuple[list[np.ndarray], np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Samples' contexts (each `encode_video`'s caches and mask, batch 1) as one batch: right-padded to the
+        longest, the padding masked out."""
+        length = max(mask.shape[1] for _, mask in contexts)
+
+        def padded(t: np.ndarray, axis: int) -> np.ndarray:
+            return np.pad(t, [(0, length - t.shape[axis]) if a == axis else (0, 0) for a in range(t.ndim)])
+
+        caches = [np.concatenate([padded(c, 2) for c in parts]) for parts in zip(*(kv for kv, _ in contexts))]
+        return caches, np.concatenate([padded(mask, 1) for _, mask in contexts])
+
     def frame_parts(self, frames: np.ndarray) -> Iterator[np.ndarray]:
         """One video's stream tokens, FRAME_CHUNK frames at a time: (1, n * tokens per frame, hidden) each."""
         size = self.manifest.model.image_size
@@ -140,7 +161,25 @@ class GraphRuntime:
         visual: list[np.ndarray],
         visual_mask: np.ndarray | None = None,
     ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """One decoder call (prefill when `past` is empty, a decode step when input_ids has one column)."""
+        """The decoder on new tokens (prefill when `past` is empty, a decode step when input_ids has one column).
+        A prompt whose queries times keys pass ATTENTION_BUDGET runs in pieces of tokens, each with the cache the
+        last one left: the graphs' attention holds its logits, so this bounds that memory however long the
+        context (a long video) is."""
+        num_new, num_keys = input_ids.shape[1], attention_mask.shape[1] + visual[0].shape[2]
+        step = max(1, ATTENTION_BUDGET // num_keys)
+        if num_new <= step:
+            return self.decoder_call(input_ids, attention_mask, past, visual, visual_mask)
+        pieces, num_past = [], attention_mask.shape[1] - num_new
+        for start in range(0, num_new, step):
+            end = min(start + step, num_new)
+            logits, past = self.decoder_call(
+                input_ids[:, start:end], attention_mask[:, : num_past + end], past, visual, visual_mask
+            )
+            pieces.append(logits)
+        return np.concatenate(pieces, axis=1), past
+
+    def decoder_call(self, input_ids, attention_mask, past, visual, visual_mask) -> tuple[np.ndarray, list]:
+        """One run of decoder.onnx."""
         batch, num_new = input_ids.shape
         num_visual = visual[0].shape[2]
         if visual_mask is None:

@@ -81,22 +81,16 @@ class VisionGraph(nn.Module):
         return self.model.model.embed_images(pixel_values), self.model.model.image_mask(pixel_values).long()
 
 
-class VideoFramesGraph(nn.Module):
-    def __init__(self, model):
+class StreamGraph(nn.Module):
+    """One of the model's methods that embed (part of) one sample's context stream: frame_stream, audio_stream,
+    anyres_stream."""
+
+    def __init__(self, model, method: str):
         super().__init__()
-        self.model = model
+        self.model, self.method = model, method
 
-    def forward(self, pixel_values, frame_index, num_frames):
-        return self.model.model.frame_stream(pixel_values, frame_index, num_frames)
-
-
-class AudioGraph(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_features, first_chunk, mel_frames):
-        return self.model.model.audio_stream(input_features, first_chunk, mel_frames)
+    def forward(self, *inputs):
+        return getattr(self.model.model, self.method)(*inputs)
 
 
 class VisualKVGraph(nn.Module):
@@ -140,15 +134,20 @@ def graph_specs(model, dtype: torch.dtype) -> dict:
     v = n_img * per_image
     parts = [part for i in range(config.num_hidden_layers) for part in config.cache_parts(i)]
     kv = lambda n: [torch.randn(b, heads[part], n, config.head_dim, dtype=dtype) for part in parts]  # noqa: E731
-    streams = video_specs(model, dtype) if config.is_video else {
-        "vision": dict(
-            module=VisionGraph(model),
-            args=(torch.randn(b, n_img, 3, size, size, dtype=dtype),),
-            dynamic=({0: batch, 1: images},),
-            inputs=["pixel_values"],
-            outputs=["visual_embeds", "visual_attention_mask"],
-        ),
-    }  # fmt: skip
+    if config.is_video:
+        streams = video_specs(model, dtype)
+    elif config.is_anyres:
+        streams = {"vision": anyres_spec(model, dtype)}
+    else:
+        streams = {
+            "vision": dict(
+                module=VisionGraph(model),
+                args=(torch.randn(b, n_img, 3, size, size, dtype=dtype),),
+                dynamic=({0: batch, 1: images},),
+                inputs=["pixel_values"],
+                outputs=["visual_embeds", "visual_attention_mask"],
+            ),
+        }
     return streams | {
         "visual_kv": dict(
             module=VisualKVGraph(model),
@@ -188,6 +187,18 @@ def graph_specs(model, dtype: torch.dtype) -> dict:
     }
 
 
+def anyres_spec(model, dtype: torch.dtype) -> dict:
+    """An anyres model's vision graph: one image's thumbnail and its tiles, rows x columns of them."""
+    size = model.config.vision_config["image_size"]
+    return dict(
+        module=StreamGraph(model, "anyres_stream"),
+        args=(torch.randn(1, 3, size, size, dtype=dtype), torch.randn(2, 3, 3, size, size, dtype=dtype)),
+        dynamic=((None, {0: Dim("tile_rows"), 1: Dim("tile_columns")}),),
+        inputs=["thumbnail", "tiles"],
+        outputs=["visual_embeds"],
+    )
+
+
 def video_specs(model, dtype: torch.dtype) -> dict:
     """A video model's stream graphs: frames and audio, each taking part of one sample's stream."""
     config = model.config
@@ -197,20 +208,20 @@ def video_specs(model, dtype: torch.dtype) -> dict:
     scalar = lambda n: torch.tensor(n)  # noqa: E731
     return {
         "vision": dict(
-            module=VideoFramesGraph(model),
+            module=StreamGraph(model, "frame_stream"),
             args=(torch.randn(3, 3, size, size, dtype=dtype), torch.arange(2, 5), scalar(9)),
-            dynamic=({0: frames}, {0: frames}, None),
+            dynamic=(({0: frames}, {0: frames}, None),),  # the graph module's *inputs
             inputs=["pixel_values", "frame_index", "num_frames"],
             outputs=["visual_embeds"],
         ),
         "audio": dict(
-            module=AudioGraph(model),
+            module=StreamGraph(model, "audio_stream"),
             args=(
                 torch.randn(2, audio["num_mel_bins"], chunk_frames, dtype=dtype),
                 scalar(1),
                 scalar(3 * chunk_frames),
             ),
-            dynamic=({0: chunks}, None, None),
+            dynamic=(({0: chunks}, None, None),),
             inputs=["input_features", "first_chunk", "mel_frames"],
             outputs=["audio_embeds", "audio_attention_mask"],
         ),
@@ -323,7 +334,6 @@ def export_onnx(
             "--dtype bf16", f"needs --opset 22 or later: ONNX's Conv accepts bfloat16 from opset 22 (asked {opset})"
         )
     source = open_source(checkpoint, base, vision_heads)
-    source.refuse_anyres("onnx")
     config = source.config
     if config.is_video and config.audio_config["max_source_positions"] % config.mm_audio_pool_size:
         positions = config.audio_config["max_source_positions"]

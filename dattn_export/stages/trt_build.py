@@ -25,6 +25,7 @@ class Limits:
     max_text_tokens: int = 256
     max_visual_tokens: int = 2304
     max_images: int = 4
+    max_tile_side: int = 6  # anyres: the most tiles in a row or a column (mm_image_grid_points)
 
     def axis(self, name: str) -> tuple[int, int, int]:
         past = (0, self.max_text_tokens // 2, self.max_text_tokens)
@@ -39,6 +40,9 @@ class Limits:
             # a video model's stream graphs: the runtime runs at most this many frames / 30 s chunks at once
             "frames": (1, FRAME_CHUNK, FRAME_CHUNK),
             "chunks": (1, 1, AUDIO_CHUNK),
+            # an anyres model's vision graph: the tiling of one image
+            "tile_rows": (1, 2, self.max_tile_side),
+            "tile_columns": (1, 2, self.max_tile_side),
         }
         if name not in axes:
             raise InputError(name, "is not an axis of the exported graphs (see onnx_manifest.json)")

@@ -19,11 +19,8 @@ from PIL import Image
 from ..artifacts import VALIDATION_REPORT, from_json
 from ..checkpoints.source import load_model
 from ..errors import InputError
-from ..processing import (
-    load_image_processor,
-    load_images,
-    load_tokenizer,
-)
+from ..modeling.modeling_dattn import anyres_grid
+from ..processing import anyres_tiles, load_image_processor, load_images, load_tokenizer, open_image
 from ..runtime.graph import GraphRuntime
 from ..runtime.ort import OrtModel
 from .demo import DEMO_PROMPT, DEMO_VIDEO_FPS, DEMO_VIDEO_PROMPT, demo_audio, demo_frames, demo_image
@@ -123,6 +120,8 @@ def validate(
     report = ValidationReport(str(folder), str(against), backend, dtype, TOLERANCES.get(dtype, 2e-2), ids.shape[1], 0)
     if config.is_video:
         visual, got_kv, got_mask = video_context(runtime, reference, folder, media, report)
+    elif config.is_anyres:
+        visual, got_kv, got_mask = anyres_context(runtime, reference, folder, media, report)
     else:
         visual, got_kv, got_mask = image_context(runtime, reference, folder, media, report)
 
@@ -192,13 +191,34 @@ def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, 
     start = 0
     for graph, name in (("vision", "visual"), ("audio", "audio")):
         if f"{name}_key_values" in streams:
-            expected = [t for layer in streams[f"{name}_key_values"] for t in layer]
-            end = start + expected[0].shape[2]
-            worst = max(
-                (Comparison.of(f"{graph} + visual_kv", f"{name} K/V", got[:, :, start:end], part)
-                 for got, part in zip(got_kv, expected, strict=True)),
-                key=lambda c: c.max_abs,
-            )  # fmt: skip
-            report.comparisons.append(worst)
-            start = end
+            kv = streams[f"{name}_key_values"]
+            start = compare_stream(report, f"{graph} + visual_kv", f"{name} K/V", got_kv, start, kv)
     return streams, got_kv, got_mask
+
+
+@torch.no_grad()
+def anyres_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
+    """An anyres image's thumbnail and tiles (the demo's picture by default) through vision and visual_kv, its K/V
+    compared with the reference's (worst of every layer's)."""
+    config = reference.config
+    image = open_image(media.images[0]) if media.images else demo_image()
+    tile, points = config.vision_config["image_size"], config.mm_image_grid_points
+    tiles = anyres_tiles(image, load_image_processor(folder, config), points, tile)
+    visual_kv, visual_mask = reference.model.encode_anyres([tiles], [image.size])
+    columns, rows = anyres_grid(image.size, points, tile)
+    got_kv, got_mask = runtime.encode_anyres(tiles.numpy(), columns, rows)
+    report.visual_tokens = got_mask.shape[1]
+    compare_stream(report, "vision + visual_kv", f"visual K/V ({columns} x {rows} tiles)", got_kv, 0, visual_kv)
+    return dict(visual_key_values=visual_kv, visual_mask=visual_mask), got_kv, got_mask
+
+
+def compare_stream(report: ValidationReport, graph: str, output: str, got_kv: list, start: int, expected: list) -> int:
+    """Adds the worst over every layer's K/V of one context stream, which the graphs' context holds from key
+    `start`; returns where the next stream starts."""
+    expected = [t for layer in expected for t in layer]
+    end = start + expected[0].shape[2]
+    comparisons = [
+        Comparison.of(graph, output, got[:, :, start:end], part) for got, part in zip(got_kv, expected, strict=True)
+    ]
+    report.comparisons.append(max(comparisons, key=lambda c: c.max_abs))
+    return end

@@ -14,12 +14,12 @@ from dattn_export.runtime.ort import OrtModel
 root = Path(sys.argv[1])
 ckpt, conv, onnx_dir = root / "checkpoint", root / "converted", root / "onnx"
 oracle = torch.load(root / "oracle.pt", weights_only=False)
-video, anyres = oracle.get("video", False), oracle.get("anyres", False)  # no ONNX export for these yet
+video, anyres = oracle.get("video", False), oracle.get("anyres", False)  # no ONNX export for anyres yet
 for args in (
     ["info", ckpt],
     ["convert", ckpt, "-o", conv, "--force"],
     ["verify", conv, "--against", ckpt],
-    *([] if video or anyres else [["onnx", conv, "-o", onnx_dir, "--force"], ["validate", onnx_dir]]),
+    *([] if anyres else [["onnx", conv, "-o", onnx_dir, "--force"], ["validate", onnx_dir]]),
     ["push", conv, "--repo-id", "me/vidi-tiny", "--dry-run"],
 ):
     r = subprocess.run(["dattn-export", *map(str, args)], capture_output=True, text=True)
@@ -35,6 +35,7 @@ if anyres:
             got = model(ids, visual_key_values=visual, visual_mask=visual_mask)
         print(f"{name:20s} torch max abs logits error {float((got.logits - expected).abs().max()):.2e}")
     sys.exit()
+runtime = OrtModel(onnx_dir)
 if video:
     for name, (ids, frames, mels, mel_frames, expected) in oracle["cases"].items():
         with torch.no_grad():
@@ -43,9 +44,17 @@ if video:
             got = model(
                 ids, visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask
             )
-        print(f"{name:20s} torch max abs logits error {float((got.logits - expected).abs().max()):.2e}")
+        contexts = [  # a sample whose frames or audio are all zero has none
+            runtime.encode_video(f.numpy() if f.abs().sum() else None, (m.numpy(), n) if m.abs().sum() else None)
+            for f, m, n in zip(frames, mels, mel_frames)
+        ]
+        caches, mask = runtime.batch_contexts(contexts)
+        logits, _ = runtime.decode(ids.numpy(), np.ones_like(ids.numpy()), runtime.empty_kv(len(ids)), caches, mask)
+        print(
+            f"{name:20s} torch max abs logits error {float((got.logits - expected).abs().max()):.2e}"
+            f"   ORT {float(np.abs(logits - expected.numpy()).max()):.2e}"
+        )
     sys.exit()
-runtime = OrtModel(onnx_dir)
 for name, (ids, pixels, expected) in oracle["cases"].items():
     with torch.no_grad():
         got = model(ids, None if pixels is None else pixels[:, None], torch.ones_like(ids)).logits
