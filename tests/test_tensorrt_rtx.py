@@ -17,6 +17,8 @@ from dattn_export.stages.demo import write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.trt_build import Limits, profile_shapes
 
+ANYRES = {"mm_image_aspect_ratio": "anyres", "mm_image_grid_points": [[1, 2], [2, 1], [2, 2]]}
+
 
 @pytest.mark.skipif(
     importlib.util.find_spec("tensorrt_rtx_bindings") is None,
@@ -30,11 +32,13 @@ from dattn_export.stages.trt_build import Limits, profile_shapes
         ("mistral", {"wings_rank": 8}),
         ("mistral", {"video": True}),
         ("gemma2", {"video": True}),
+        ("gemma2", ANYRES),
     ],
 )
 def test_tensorrt_rtx_parses_and_builds_every_graph(tmp_path, family, overrides):
-    """Image models' three graphs; video models' four (frames, audio, the context streams' K/V, the decoder whose
-    fused nodes take two context segments)."""
+    """Image models' three graphs (an anyres model's vision graph takes a thumbnail and rows x columns of tiles);
+    video models' four (frames, audio, the context streams' K/V, the decoder whose fused nodes take two context
+    segments)."""
     export_onnx(write_demo_checkpoint(tmp_path / "ckpt", family, **overrides), tmp_path / "onnx")
     script = Path(__file__).parent / "helpers" / "trt_engines.py"
     result = subprocess.run(

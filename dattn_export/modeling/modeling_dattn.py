@@ -6,7 +6,8 @@ Whisper tower; the audio stream runs the layers as the visual one does and text 
 softmax, summed); the LLM's decoder layers (Mistral or Gemma 2 weights and names) run two streams:
   * visual: V2V is diagonal (each token attends only to itself) so a layer's visual K/V depend on the
     image alone: `encode_visual` computes them once per image and any prompt reuses them;
-  * text: one `decomposed_attention` call per layer over [visual K/V (unrotated) ; text K/V (causal)].
+  * text: one op call (`dattn_op`) per layer over [context K/V (unrotated) ; text K/V (causal)]; a video model's
+    context is [frames ; audio], each key's segment given by its mask.
 `dattn_mode="sattn"` turns the decomposition off (full causal V2V, RoPE everywhere, positions shared):
 conventional self-attention over [visual ; text].
 

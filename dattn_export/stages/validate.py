@@ -54,10 +54,10 @@ class ValidationReport:
     tolerance: float
     prompt_tokens: int
     visual_tokens: int
-    audio_tokens: int | None = None  # None: an image model
     comparisons: list[Comparison] = field(default_factory=list)
     reference_tokens: list[int] = field(default_factory=list)
     backend_tokens: list[int] = field(default_factory=list)
+    audio_tokens: int | None = None  # None: an image model
 
     @property
     def agreement(self) -> int:
