@@ -235,6 +235,7 @@ class OnnxManifest(Manifest):
     graphs: dict[str, Graph]
     generation: dict
     files: list[str]
+    quantization: dict | None = None  # decoder.onnx's weight-only quantization (stages/quantize.py)
 
 
 @dataclass

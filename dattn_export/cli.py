@@ -310,8 +310,30 @@ def verify(out: Path, against: Path | None, base, vision_heads):
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18-23; TensorRT 10/11 read 18).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option(
+    "--quantize",
+    type=click.Choice(["int4", "int8"]),
+    help="Weight-only quantization of decoder.onnx's MatMuls (ONNX Runtime's MatMulNBits); validate then applies "
+    "the accuracy gate instead of the fp32 tolerance.",
+)
+@click.option("--block-size", default=32, show_default=True, help="--quantize: weights per scale.")
+@click.option("--asymmetric", is_flag=True, help="--quantize: a zero point per block (default: symmetric).")
+@click.option("--quantize-lm-head", is_flag=True, help="--quantize: the lm_head too (default: kept fp32).")
 @source_options
-def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset: int, force: bool, base, vision_heads):
+def onnx_command(
+    checkpoint: Path,
+    out: Path,
+    attention: str,
+    dtype: str,
+    opset: int,
+    force: bool,
+    quantize: str | None,
+    block_size: int,
+    asymmetric: bool,
+    quantize_lm_head: bool,
+    base,
+    vision_heads,
+):
     """Export vision.onnx, visual_kv.onnx and decoder.onnx (+ onnx_manifest.json) from any checkpoint convert reads."""
     from .stages.onnx_export import export_onnx
     from .ui import err, summary_table
@@ -328,6 +350,10 @@ def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset:
             base,
             vision_heads,
             on_graph=lambda name: status.update(f"exported {name}.onnx"),
+            quantize=quantize,
+            block_size=block_size,
+            symmetric=not asymmetric,
+            quantize_lm_head=quantize_lm_head,
         )
     rows = [
         (
@@ -345,6 +371,7 @@ def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset:
             f"{manifest.attention.implementation} ({manifest.model.dattn_mode}, merge {manifest.model.merge})",
         ),
         ("dtype / opset", f"{manifest.dtype} / {manifest.opset}"),
+        *quantization_rows(manifest.quantization),
         ("output", str(out)),
     ]
     stdout.print(summary_table("dattn-export onnx", rows))
@@ -364,19 +391,48 @@ def onnx_command(checkpoint: Path, out: Path, attention: str, dtype: str, opset:
 @click.option("--prompt", default=None, help="Prompt (default: the demo's).")
 @click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
 @video_options
+@click.option(
+    "--save-polygraphy",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write every compared graph run's inputs and the reference's outputs here in polygraphy's JSON format, "
+    "and print the `polygraphy run` commands that check them.",
+)
 def validate(
-    out: Path, against: Path | None, backend: str, steps: int, prompt: str | None, image, video, frames, audio
+    out: Path,
+    against: Path | None,
+    backend: str,
+    steps: int,
+    prompt: str | None,
+    image,
+    video,
+    frames,
+    audio,
+    save_polygraphy: Path | None,
 ):
     """Run the exported graphs and compare them with the PyTorch reference; exit 1 beyond tolerance. A video model
     takes --video, --frames or --audio (default: the demo video's frames and sound)."""
     from .stages.generate import Media
     from .stages.validate import validate as run_validate
+    from .ui import out as stdout
 
     media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
-    report = run_validate(out, against, backend, steps, prompt, media)
+    report = run_validate(out, against, backend, steps, prompt, media, save_polygraphy=save_polygraphy)
     print_validation(report, out)
+    if report.polygraphy_commands:
+        stdout.print(f"polygraphy data in {save_polygraphy}; check it (--trt instead of --onnxrt for TensorRT):")
+        for command in report.polygraphy_commands:
+            stdout.print(command, markup=False, soft_wrap=True)
     if not report.passed:
         raise SystemExit(1)
+
+
+def quantization_rows(quantization: dict | None) -> list[tuple[str, str]]:
+    if not quantization:
+        return []
+    q = quantization
+    detail = f"{q['scheme']}, block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}"
+    head = "lm_head quantized" if q["lm_head"] else "lm_head kept fp32"
+    return [("quantization", f"decoder.onnx: {q['matmuls']} MatMuls -> MatMulNBits ({detail}; {head})")]
 
 
 def print_validation(report, folder: Path) -> None:
@@ -390,11 +446,20 @@ def print_validation(report, folder: Path) -> None:
         f"logits tolerance {report.tolerance:g})",
         title_justify="left",
     )
-    for column in ("graph", "output", "max abs error", "max rel error"):
+    for column in ("graph", "output", "max abs error", "max rel error", "p90 / p95 / p99 abs"):
         table.add_column(column)
     for c in report.comparisons:
-        table.add_row(c.graph, c.output, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}")
+        table.add_row(
+            c.graph, c.output, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}", f"{c.p90:.1e} / {c.p95:.1e} / {c.p99:.1e}"
+        )
     out.print(table)
+    if report.gate:
+        g, t = report.gate, report.gate["thresholds"]
+        out.print(
+            f"accuracy gate ({g['scheme']} weights; {g['prompts']} prompts, {g['positions']} positions): greedy "
+            f"agreement {g['agreement']:.3f} (>= {t['agreement']}), top-5 overlap {g['top5_overlap']:.3f} "
+            f"(>= {t['top5_overlap']}), mean KL {g['mean_kl']:.4f} (<= {t['mean_kl']}), max KL {g['max_kl']:.4f}"
+        )
     verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
     out.print(
         f"greedy tokens: {report.agreement}/{len(report.reference_tokens)} agree; {verdict} "

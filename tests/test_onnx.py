@@ -1,6 +1,8 @@
 """ONNX export: the graphs, run by ONNX Runtime, against the PyTorch reference."""
 
 import json
+import shlex
+import subprocess
 
 import numpy as np
 import onnx
@@ -9,12 +11,13 @@ import torch
 from helpers.builders import build_model, checkpoint_of, images, left_padded_batch
 from helpers.checks import ATOL, SHAPES, run_case
 from helpers.cli import run_cli
+from polygraphy.comparator import RunResults
 
 from dattn_export.runtime import graph as graph_runtime
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.demo import write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
-from dattn_export.stages.validate import validate
+from dattn_export.stages.validate import Comparison, validate
 
 
 @pytest.mark.parametrize("mode", ["dattn", "dattn-sum", "sattn", "mmca"])
@@ -122,6 +125,37 @@ def test_validate_command_writes_report(tmp_path):
     report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
     assert report["passed"] and report["agreement"] == 6 and report["reference"] == str(checkpoint.absolute())
     assert "decode steps" in result.stdout and "6/6 agree" in result.stdout
+
+
+def test_polygraphy_checks_the_saved_data(tmp_path):
+    """validate --save-polygraphy: polygraphy's own CLI reads every graph's inputs and reference outputs and passes
+    on ONNX Runtime (prefill and each decode step); with the reference's logits nudged by 1e-3 it fails."""
+    checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
+    export_onnx(checkpoint, tmp_path / "onnx")
+    report = validate(tmp_path / "onnx", steps=4, save_polygraphy=tmp_path / "poly")
+    assert report.passed and len(report.polygraphy_commands) == 3
+    for command in report.polygraphy_commands:
+        result = subprocess.run(shlex.split(command), capture_output=True, text=True)
+        assert result.returncode == 0 and "PASSED" in result.stdout + result.stderr, result.stdout + result.stderr
+    saved = RunResults.load(str(tmp_path / "poly" / "decoder.outputs.json"))
+    assert len(saved[0][1]) == 4  # the prefill and 3 decode steps
+    for iteration in saved[0][1]:
+        iteration["logits"] = iteration["logits"] + 1e-3
+    saved.save(str(tmp_path / "poly" / "decoder.outputs.json"))
+    decoder = next(c for c in report.polygraphy_commands if "decoder.onnx" in c)
+    result = subprocess.run(shlex.split(decoder), capture_output=True, text=True)
+    assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
+
+
+def test_error_percentiles_are_numpys():
+    """The report's p90/p95/p99 of the abs error, as polygraphy prints them."""
+    got, expected = np.zeros(200, np.float32), torch.linspace(-1, 1, 200)
+    comparison = Comparison.of("g", "o", got, expected)
+    error = np.abs(expected.numpy())
+    assert (comparison.p90, comparison.p95, comparison.p99) == tuple(
+        pytest.approx(float(np.percentile(error, q))) for q in (90, 95, 99)
+    )
+    assert comparison.max_abs == 1.0 and comparison.max_rel == 1.0
 
 
 @pytest.mark.parametrize(

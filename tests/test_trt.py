@@ -1,7 +1,6 @@
 """TensorRT: the plugin's TensorRT-free parts on CPU; engines, TRT-vs-PyTorch and timings on a GPU only."""
 
 import importlib.util
-import json
 import subprocess
 import sys
 
@@ -12,6 +11,8 @@ from dattn_export.plugins import contract
 from dattn_export.plugins.contract import Attributes
 from dattn_export.plugins.tensorrt_plugin import signature
 from dattn_export.plugins.triton_kernel import int_arguments, launch_grid
+from dattn_export.stages.demo import write_demo_checkpoint
+from dattn_export.stages.onnx_export import export_onnx
 
 HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 gpu = pytest.mark.skipif(
@@ -56,8 +57,7 @@ def test_launch_grid_and_scalar_arguments():
 
 
 def test_trt_command_says_what_is_missing(tmp_path):
-    (tmp_path / "onnx").mkdir()
-    (tmp_path / "onnx" / "onnx_manifest.json").write_text(json.dumps({"graphs": {}}))
+    export_onnx(write_demo_checkpoint(tmp_path / "ckpt"), tmp_path / "onnx")
     result = subprocess.run(
         [sys.executable, "-m", "dattn_export", "trt", tmp_path / "onnx", "-o", tmp_path / "engines"],
         capture_output=True,

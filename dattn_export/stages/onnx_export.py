@@ -22,6 +22,7 @@ function of standard ops attached; with `standard` the reference math is exporte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from contextlib import nullcontext
@@ -51,6 +52,7 @@ from ..checkpoints.source import build_model, open_source
 from ..errors import InputError
 from ..plugins import contract
 from ..plugins.onnx_node import attach_function, fused_nodes
+from .quantize import SCHEMES, quantize_decoder
 
 DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
 SUPPORTED_OPSETS = range(18, 24)
@@ -324,11 +326,18 @@ def export_onnx(
     base: Path | None = None,
     vision_heads: int | None = None,
     on_graph=None,
+    quantize: str | None = None,
+    block_size: int = 32,
+    symmetric: bool = True,
+    quantize_lm_head: bool = False,
 ) -> OnnxManifest:
+    """`quantize` (int4 | int8): decoder.onnx's MatMuls weight-only quantized by ONNX Runtime's quantizer."""
     if opset not in SUPPORTED_OPSETS:
         raise InputError(
             "--opset", f"{opset} is not supported (choose {SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1})"
         )
+    if quantize and (quantize not in SCHEMES or dtype != "fp32"):
+        raise InputError("--quantize", f"{quantize}: int4 or int8 weights of an fp32 export (--dtype fp32)")
     if dtype == "bf16" and opset < 22:
         raise InputError(
             "--dtype bf16", f"needs --opset 22 or later: ONNX's Conv accepts bfloat16 from opset 22 (asked {opset})"
@@ -358,8 +367,21 @@ def export_onnx(
             )
             if on_graph:
                 on_graph(name)
+        quantization = None
+        if quantize:
+            quantization = quantize_decoder(
+                tmp / "decoder.onnx",
+                quantize,
+                block_size,
+                symmetric,
+                quantize_lm_head,
+                model.config.hidden_size,
+                model.config.vocab_size,
+                external=weight_bytes > EXTERNAL_DATA_BYTES,
+            )
         source.carry_files(tmp)
         (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")
         manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
+        manifest.quantization = None if quantization is None else dataclasses.asdict(quantization)
         manifest.write(tmp)
     return manifest

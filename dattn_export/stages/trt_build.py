@@ -114,8 +114,14 @@ def build_engines(
     plugin, or with `use_plugin=False` their ONNX function (standard TensorRT layers)."""
     from ..plugins.tensorrt_plugin import register
 
-    trt = require_tensorrt_gpu()
     manifest = OnnxManifest.read(onnx_dir, "a folder written by dattn-export onnx: build engines from one")
+    if manifest.quantization:
+        raise InputError(
+            onnx_dir,
+            "holds a decoder quantized to ONNX Runtime's MatMulNBits (a com.microsoft op TensorRT's parser does not "
+            "read): build engines from an export without --quantize (and --fp16/--bf16 for smaller weights)",
+        )
+    trt = require_tensorrt_gpu()
     register()
     fused = use_plugin and manifest.attention.implementation == "fused"
     with atomic_dir(out, overwrite=force) as tmp:

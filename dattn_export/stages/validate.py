@@ -8,6 +8,8 @@ compared with the reference on the same tokens.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,8 +25,11 @@ from ..modeling.modeling_dattn import anyres_grid
 from ..processing import anyres_tiles, load_image_processor, load_images, load_tokenizer, open_image
 from ..runtime.graph import GraphRuntime
 from ..runtime.ort import OrtModel
+from . import polygraphy_data, quantize
 from .demo import DEMO_PROMPT, DEMO_VIDEO_FPS, DEMO_VIDEO_PROMPT, demo_audio, demo_frames, demo_image
 from .generate import DecodedMedia, Media, decode_media, encode_media, video_inputs
+from .onnx_export import layer_caches
+from .polygraphy_data import recording
 
 # max abs error allowed on logits: fp32 as in the ecosystem's exporters; fp16 keeps ~3 significant digits
 # through a whole network, so its bound is relative to the logits' scale
@@ -37,12 +42,19 @@ class Comparison:
     output: str
     max_abs: float
     max_rel: float  # max abs error / max |reference|
+    p90: float = 0.0  # percentiles of the abs error, as polygraphy reports them
+    p95: float = 0.0
+    p99: float = 0.0
 
     @classmethod
     def of(cls, graph: str, output: str, got: np.ndarray, expected: torch.Tensor) -> Comparison:
         expected = expected.float().numpy()
-        error = float(np.abs(got.astype(np.float32) - expected).max()) if expected.size else 0.0
-        return cls(graph, output, error, error / max(float(np.abs(expected).max()) if expected.size else 0.0, 1e-12))
+        if not expected.size:
+            return cls(graph, output, 0.0, 0.0)
+        error = np.abs(got.astype(np.float32) - expected)
+        p90, p95, p99 = (float(q) for q in np.percentile(error, [90, 95, 99]))
+        worst = float(error.max())
+        return cls(graph, output, worst, worst / max(float(np.abs(expected).max()), 1e-12), p90, p95, p99)
 
 
 @dataclass
@@ -58,6 +70,8 @@ class ValidationReport:
     reference_tokens: list[int] = field(default_factory=list)
     backend_tokens: list[int] = field(default_factory=list)
     audio_tokens: int | None = None  # None: an image model
+    polygraphy_commands: list[str] = field(default_factory=list)  # with --save-polygraphy: what checks its data
+    gate: dict | None = None  # a quantized decoder: the accuracy gate (quantize.GateResult, with "passed")
 
     @property
     def agreement(self) -> int:
@@ -71,6 +85,8 @@ class ValidationReport:
 
     @property
     def passed(self) -> bool:
+        if self.gate is not None:  # quantized weights: the gate, not the fp tolerance or exact tokens
+            return self.gate["passed"]
         logits_ok = all(c.max_abs <= self.tolerance for c in self.comparisons if c.output.startswith("logits"))
         return logits_ok and self.reference_tokens == self.backend_tokens
 
@@ -94,9 +110,11 @@ def validate(
     prompt: str | None = None,
     media: Media | None = None,
     threads: int | None = None,
+    save_polygraphy: Path | None = None,
 ) -> ValidationReport:
     """`media`: an image (default: the demo's picture), or a video model's frames and audio (default: the demo
-    video's); `prompt` defaults to the demo's."""
+    video's); `prompt` defaults to the demo's. `save_polygraphy`: a folder for every compared graph run's inputs and
+    reference outputs in polygraphy's format (`polygraphy_data`)."""
     folder = Path(folder)
     if backend == "trt":
         from ..runtime.tensorrt import TrtModel
@@ -118,6 +136,51 @@ def validate(
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     dtype = manifest.dtype
     report = ValidationReport(str(folder), str(against), backend, dtype, TOLERANCES.get(dtype, 2e-2), ids.shape[1], 0)
+    with recording(runtime) if save_polygraphy else contextlib.nullcontext() as calls:
+        got_kv, got_mask, expected_tokens = compare_runs(runtime, reference, folder, media, report, inputs, steps)
+    if save_polygraphy:
+        report.polygraphy_commands = polygraphy_data.save(calls, reference, folder, save_polygraphy, report.tolerance)
+    if manifest.quantization:
+        result = accuracy_gate(
+            runtime, reference, tokenizer, manifest.quantization["scheme"], prompt, steps, got_kv, got_mask
+        )
+        report.gate = {**dataclasses.asdict(result), "passed": result.passed}
+    report.reference_tokens = expected_tokens.tolist()
+    report.backend_tokens = runtime.generate(ids.numpy(), mask.numpy(), got_kv, steps, visual_mask=got_mask)[0].tolist()
+    (folder / VALIDATION_REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    return report
+
+
+GATE_PROMPTS = [
+    "USER: What is in the picture?\nASSISTANT:",
+    "USER: How many objects are there?\nASSISTANT:",
+    "USER: Describe the colours, one by one.\nASSISTANT:",
+]
+
+
+@torch.no_grad()
+def accuracy_gate(runtime, reference, tokenizer, scheme: str, prompt: str, steps: int, got_kv, got_mask):
+    """The quantized decoder against the reference over the prompt and GATE_PROMPTS, with the same context:
+    next-token distributions at every position of the reference's greedy continuation (teacher-forced)."""
+    layers = [tuple(torch.from_numpy(t) for t in layer) for layer in layer_caches(got_kv, reference.config)]
+    visual = dict(visual_key_values=layers, visual_mask=torch.from_numpy(got_mask))  # both sides: the same context
+    expected, got = [], []
+    for text in [prompt, *GATE_PROMPTS]:
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        continuation = reference.generate(ids, max_new_tokens=steps, **visual)
+        full = torch.cat([ids, continuation], dim=1)[:, :-1]
+        start = ids.shape[1] - 1
+        expected.append(reference(full, **visual).logits[0, start:].numpy())
+        ones = np.ones(full.shape, np.int64)
+        logits, _ = runtime.decode(full.numpy(), ones, runtime.empty_kv(1), got_kv, got_mask)
+        got.append(logits[0, start:])
+    return quantize.gate(scheme, expected, got)
+
+
+def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport, inputs, steps):
+    """The context graphs, the prefill and every decode step on the reference's tokens, compared with the
+    reference: (the graphs' context K/V and mask, the reference's greedy tokens)."""
+    config, ids, mask = reference.config, inputs["input_ids"], inputs["attention_mask"]
     if config.is_video:
         visual, got_kv, got_mask = video_context(runtime, reference, folder, media, report)
     elif config.is_anyres:
@@ -145,10 +208,7 @@ def validate(
         worst = comparison if worst is None or comparison.max_abs > worst.max_abs else worst
     if worst is not None:
         report.comparisons.append(worst)
-    report.reference_tokens = expected_tokens.tolist()
-    report.backend_tokens = runtime.generate(ids.numpy(), mask.numpy(), got_kv, steps, visual_mask=got_mask)[0].tolist()
-    (folder / VALIDATION_REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    return report
+    return got_kv, got_mask, expected_tokens
 
 
 @torch.no_grad()
