@@ -236,6 +236,7 @@ class OnnxManifest(Manifest):
     generation: dict
     files: list[str]
     quantization: dict | None = None  # decoder.onnx's weight-only quantization (stages/quantize.py)
+    genai: str | None = None  # genai_config.json (onnxruntime-genai drives the decoder), or why it cannot
 
 
 @dataclass

@@ -151,6 +151,14 @@ VIDEO_OPTIONS = [
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="Image file (repeatable).")
 @video_options
 @click.option("--max-new-tokens", default=20, show_default=True)
+@click.option(
+    "--backend",
+    type=click.Choice(["torch", "genai"]),
+    default="torch",
+    show_default=True,
+    help="torch: the PyTorch reference on a checkpoint; genai: onnxruntime-genai on an `onnx` export folder (the "
+    "context by our graphs on ONNX Runtime, once).",
+)
 def generate(
     checkpoint: Path,
     prompt: str,
@@ -159,12 +167,14 @@ def generate(
     frames: Path | None,
     audio: Path | None,
     max_new_tokens: int,
+    backend: str,
 ):
-    """Greedy generation with the PyTorch reference model: a smoke test for a checkpoint folder."""
-    from .stages.generate import Media, run_prompt
+    """Greedy generation with the PyTorch reference model (a smoke test for a checkpoint folder), or with
+    onnxruntime-genai on an ONNX export."""
+    from .stages.generate import Media, run_prompt, run_prompt_genai
 
     media = Media(images=list(images), video=video, frames=frames, audio=audio)
-    result = run_prompt(checkpoint, prompt, media, max_new_tokens)
+    result = (run_prompt_genai if backend == "genai" else run_prompt)(checkpoint, prompt, media, max_new_tokens)
     print_prompt_result("dattn-export generate", result, [("checkpoint", str(checkpoint))])
 
 
@@ -372,6 +382,7 @@ def onnx_command(
         ),
         ("dtype / opset", f"{manifest.dtype} / {manifest.opset}"),
         *quantization_rows(manifest.quantization),
+        ("onnxruntime-genai", manifest.genai),
         ("output", str(out)),
     ]
     stdout.print(summary_table("dattn-export onnx", rows))

@@ -124,7 +124,7 @@ def test_validate_command_writes_report(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
     assert report["passed"] and report["agreement"] == 6 and report["reference"] == str(checkpoint.absolute())
-    assert "decode steps" in result.stdout and "6/6 agree" in result.stdout
+    assert "logits (decode steps)" in [c["output"] for c in report["comparisons"]] and "6/6 agree" in result.stdout
 
 
 def test_polygraphy_checks_the_saved_data(tmp_path):

@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from ..checkpoints.names import parameter_counts
-from ..checkpoints.source import build_model, open_source
+from ..checkpoints.source import build_model, config_from_dict, open_source
 from ..errors import InputError
+from ..modeling.modeling_dattn import anyres_grid
 from ..processing import (
     AUDIO_RATE,
     anyres_tiles,
@@ -120,6 +121,50 @@ def video_inputs(folder: Path, config, media: DecodedMedia) -> tuple[torch.Tenso
     if media.samples is not None:
         audio = audio_features(media.samples, load_audio_processor(folder, config))
     return pixels, audio
+
+
+def run_prompt_genai(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> PromptResult:
+    """The same prompt through an ONNX export: the context by our graphs on ONNX Runtime (once), the decoding by
+    onnxruntime-genai (`runtime.genai`)."""
+    from ..runtime.genai import GenaiRuntime
+
+    seconds: dict[str, float] = {}
+    folder = Path(folder)
+    config = config_from_dict(json.loads((folder / "config.json").read_text()), folder / "config.json")
+    media.check(config)
+    decoded = decode_media(media)
+    with stage("load the graphs and genai's model", seconds):
+        runtime = GenaiRuntime(folder)
+        tokenizer = load_tokenizer(folder, config)
+    graphs, ids = runtime.graphs, tokenizer(prompt, return_tensors="np")["input_ids"]
+    with stage("encode the context: K/V for every layer (our graphs on ONNX Runtime)", seconds):
+        if config.is_video:
+            pixels, audio = video_inputs(folder, config, decoded)
+            context = graphs.encode_video(
+                None if pixels is None else pixels.numpy(), None if audio is None else (audio[0].numpy(), audio[1])
+            )
+        elif decoded.images and config.is_anyres:
+            image, tile = decoded.images[0], config.vision_config["image_size"]
+            tiles = anyres_tiles(image, load_image_processor(folder, config), config.mm_image_grid_points, tile)
+            context = graphs.encode_anyres(tiles.numpy(), *anyres_grid(image.size, config.mm_image_grid_points, tile))
+        elif decoded.images:
+            context = graphs.encode_images(image_pixels(decoded.images, load_image_processor(folder, config)).numpy())
+        else:
+            context = (graphs.empty_kv(1), np.zeros((1, 0), np.int64))
+    with stage(f"generate up to {max_new_tokens} tokens with onnxruntime-genai (greedy)", seconds):
+        generated, _ = runtime.generate(ids, context, max_new_tokens)
+    eos = eos_token_id(folder, config)
+    generated = generated[: generated.index(eos) + 1] if eos in generated else generated
+    caches, mask = context
+    return PromptResult(
+        prompt_ids=ids[0].tolist(),
+        generated_ids=generated,
+        text=tokenizer.decode(generated, skip_special_tokens=True),
+        visual_tokens=int((mask == 1).sum()),
+        parameters={},
+        seconds=seconds,
+        audio_tokens=int((mask == 2).sum()) if config.is_video else None,
+    )
 
 
 @torch.no_grad()

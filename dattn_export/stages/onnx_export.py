@@ -52,6 +52,7 @@ from ..checkpoints.source import build_model, open_source
 from ..errors import InputError
 from ..plugins import contract
 from ..plugins.onnx_node import attach_function, fused_nodes
+from ..runtime.genai import GENAI_CONFIG, write_genai_config
 from .quantize import SCHEMES, quantize_decoder
 
 DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
@@ -383,5 +384,8 @@ def export_onnx(
         (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")
         manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
         manifest.quantization = None if quantization is None else dataclasses.asdict(quantization)
+        unsupported = write_genai_config(tmp, manifest, model.config)
+        manifest.genai = f"cannot drive these graphs: {unsupported}" if unsupported else GENAI_CONFIG
+        manifest.files = sorted(p.name for p in tmp.iterdir())
         manifest.write(tmp)
     return manifest

@@ -1,0 +1,204 @@
+"""Serving figures on this CPU: our ONNX Runtime runtime and onnxruntime-genai, fp32 and int4 weights, side by side.
+
+The mid-size random model of `onnx_scaling.py` (hidden 1024, 8 layers, vocab 32000) is exported twice with
+`dattn-export onnx`: fp32, and `--quantize int4` (ONNX Runtime's MatMulNBits, block 32, lm_head kept fp32 as by
+default). Each (runtime, weights) pair runs in its own process (2 threads), its peak RSS read from the kernel, at
+|V| = 2304 visual tokens and a 64-token prompt:
+  TTFT cold     the image's K/V (visual_kv.onnx) + the prompt's prefill, to the first token
+  TTFT cached   the prefill alone, the image's K/V reused
+  TPOT          each of 32 decode steps: p50 and p99; tokens/s from their mean
+Prints the table and the targets, writes serving.png.
+
+Targets (issue 14): int4 decode step >= 2.5x faster than fp32; the int4 decoder's weights <= 0.3x fp32's bytes;
+genai within 1.2x of our runtime per token; cached-image TTFT >= 10x faster than cold at |V| = 2304.
+
+    pip install matplotlib onnxruntime-genai && python bench/serving.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from onnx_scaling import export, write_checkpoint
+
+VISUAL_TOKENS, PROMPT_TOKENS, STEPS = 2304, 64, 32
+RUNS = [("ours", "fp32"), ("ours", "int4"), ("genai", "fp32"), ("genai", "int4")]
+
+
+def decoder_weight_bytes(folder: Path) -> int:
+    import onnx
+
+    model = onnx.load(folder / "decoder.onnx")
+    return sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+
+def measure(folder: Path, runtime_name: str) -> dict:
+    """Runs in its own process."""
+    from dattn_export.runtime.genai import GenaiRuntime
+    from dattn_export.runtime.ort import OrtModel
+
+    graphs = OrtModel(folder, threads=2)
+    genai = GenaiRuntime(folder) if runtime_name == "genai" else None
+    rng = np.random.default_rng(0)
+    embeds = rng.standard_normal((1, VISUAL_TOKENS, graphs.manifest.model.hidden_size), dtype=np.float32)
+    prompt = rng.integers(3, 32000, (1, PROMPT_TOKENS))
+    mask = np.ones(prompt.shape, np.int64)
+
+    def first_token(context) -> None:
+        if genai is None:
+            graphs.decode(prompt, mask, graphs.empty_kv(1), *context)
+        else:
+            genai.generate(prompt, context, 1)
+
+    def context() -> tuple:
+        return graphs.encode_visual(embeds), np.ones((1, VISUAL_TOKENS), np.int64)
+
+    first_token(context())  # warm-up
+    start = time.perf_counter()
+    cached = context()
+    first_token(cached)
+    cold_s = time.perf_counter() - start
+    start = time.perf_counter()
+    first_token(cached)
+    cached_s = time.perf_counter() - start
+    if genai is None:
+        _, past = graphs.decode(prompt, mask, graphs.empty_kv(1), *cached)
+        steps, step_mask = [], mask
+        for _ in range(STEPS):
+            step_mask = np.concatenate([step_mask, np.ones((1, 1), np.int64)], axis=1)
+            start = time.perf_counter()
+            _, past = graphs.decode(np.array([[5]]), step_mask, past, *cached)
+            steps.append(time.perf_counter() - start)
+    else:
+        steps = genai_steps(genai, prompt, cached)
+    steps = np.array(steps) * 1000
+    return {
+        "ttft_cold_s": cold_s,
+        "ttft_cached_s": cached_s,
+        "tpot_p50_ms": float(np.percentile(steps, 50)),
+        "tpot_p99_ms": float(np.percentile(steps, 99)),
+        "tokens_per_s": float(1000 / steps.mean()),
+    }
+
+
+def genai_steps(genai, prompt: np.ndarray, context: tuple) -> list[float]:
+    """genai's decode steps, timed one by one after the prompt's prefill."""
+    og = genai.og
+    params = og.GeneratorParams(genai.model)
+    params.set_search_options(max_length=PROMPT_TOKENS + STEPS + 1, do_sample=False)
+    generator = og.Generator(genai.model, params)
+    caches, mask = context
+    generator.set_model_input("visual_attention_mask", mask.view(np.int64))
+    for name, cache in zip(genai.graphs.visual_names, caches, strict=True):
+        generator.set_model_input(name, np.ascontiguousarray(cache))
+    generator.append_tokens(prompt.astype(np.int32))
+    generator.generate_next_token()
+    steps = []
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        generator.generate_next_token()
+        steps.append(time.perf_counter() - start)
+    return steps
+
+
+def measured(folder: Path, runtime_name: str) -> dict:
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--measure", str(folder), runtime_name], stdout=subprocess.PIPE, close_fds=False
+    )
+    out = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"{runtime_name} on {folder} failed")
+    return {**json.loads(out.decode().strip().splitlines()[-1]), "rss": usage.ru_maxrss * 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--measure", nargs=2, metavar=("FOLDER", "RUNTIME"), help=argparse.SUPPRESS)
+    parser.add_argument("--plot", type=Path, default=Path("serving.png"))
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(Path(args.measure[0]), args.measure[1])))
+        return
+    work = Path(tempfile.mkdtemp(prefix="dattn-serving-bench-"))
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            checkpoint, _ = pool.apply(write_checkpoint, ("dattn", work))
+        folders = {"fp32": work / "fp32", "int4": work / "int4"}
+        export(checkpoint, folders["fp32"], "fused")
+        subprocess.run(
+            ["dattn-export", "onnx", str(checkpoint), "-o", str(folders["int4"]), "--quantize", "int4"],
+            check=True,
+            capture_output=True,
+        )
+        weights = {name: decoder_weight_bytes(folder) for name, folder in folders.items()}
+        results = {}
+        for runtime_name, scheme in RUNS:
+            print(f"  {runtime_name} {scheme} ...", file=sys.stderr, flush=True)
+            results[runtime_name, scheme] = measured(folders[scheme], runtime_name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(results, weights, args.plot)
+
+
+def report(results: dict, weights: dict, plot: Path) -> None:
+    print(
+        f"{'runtime':<8}{'weights':<8}{'TTFT cold s':>12}{'TTFT cached s':>15}{'TPOT p50 ms':>13}{'TPOT p99 ms':>13}"
+        f"{'tokens/s':>10}{'peak RSS':>10}"
+    )
+    for (runtime_name, scheme), r in results.items():
+        print(
+            f"{runtime_name:<8}{scheme:<8}{r['ttft_cold_s']:>12.3f}{r['ttft_cached_s']:>15.3f}{r['tpot_p50_ms']:>13.1f}"
+            f"{r['tpot_p99_ms']:>13.1f}{r['tokens_per_s']:>10.1f}{r['rss'] / 1e9:>9.2f}G"
+        )
+    ours32, ours4 = results["ours", "fp32"], results["ours", "int4"]
+    per_token = lambda runtime_name, scheme: results[runtime_name, scheme]["tpot_p50_ms"]  # noqa: E731
+    checks = [
+        ("int4 decode step speed-up over fp32 >= 2.5", ours32["tpot_p50_ms"] / ours4["tpot_p50_ms"], 2.5, ">="),
+        ("int4 decoder weights / fp32's <= 0.3", weights["int4"] / weights["fp32"], 0.3, "<="),
+        *(
+            (f"genai / ours per token ({s}) <= 1.2", per_token("genai", s) / per_token("ours", s), 1.2, "<=")
+            for s in ("fp32", "int4")
+        ),
+        ("TTFT cold / cached at 2304 (fp32) >= 10", ours32["ttft_cold_s"] / ours32["ttft_cached_s"], 10.0, ">="),
+    ]  # fmt: skip
+    for name, value, bound, op in checks:
+        ok = value >= bound if op == ">=" else value <= bound
+        print(f"{name:<44}{value:>8.2f}  {'ok' if ok else 'MISSED'}")
+    print(f"decoder weights: fp32 {weights['fp32'] / 1e6:.0f} MB, int4 {weights['int4'] / 1e6:.0f} MB")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        return
+    labels = [f"{r}\n{s}" for r, s in results]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    axes[0].bar(labels, [r["tpot_p50_ms"] for r in results.values()])
+    axes[0].set(ylabel="ms", title="decode step (p50)")
+    axes[1].bar(labels, [r["ttft_cold_s"] for r in results.values()], label="cold image")
+    axes[1].bar(labels, [r["ttft_cached_s"] for r in results.values()], label="cached image")
+    axes[1].set(ylabel="s", title=f"time to first token, |V| = {VISUAL_TOKENS}")
+    axes[1].legend()
+    axes[2].bar(labels, [r["rss"] / 1e9 for r in results.values()])
+    axes[2].set(ylabel="GB", title="peak RSS")
+    fig.suptitle("ONNX Runtime CPU, 2 threads (hidden 1024, 8 layers, vocab 32000)")
+    fig.tight_layout()
+    fig.savefig(plot, dpi=110)
+    print(f"plot: {plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""onnxruntime-genai drives our decoder.onnx with the genai_config.json `onnx` writes, the context bound once."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers.cli import run_cli
+
+from dattn_export.checkpoints.source import load_model
+from dattn_export.processing import load_image_processor, load_images, load_tokenizer
+from dattn_export.runtime.genai import GenaiRuntime
+from dattn_export.stages.demo import DEMO_PROMPT, write_demo_checkpoint
+from dattn_export.stages.onnx_export import export_onnx
+
+pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[test]')")
+
+PROMPTS = [DEMO_PROMPT, "USER: How many objects are there?\nASSISTANT:"]
+
+
+def test_genai_generates_the_reference_tokens(tmp_path, family):
+    """20 greedy tokens, each from logits equal to the reference's on the same tokens (<= 1e-4), for two prompts
+    over one image whose K/V our graphs computed once."""
+    checkpoint = write_demo_checkpoint(tmp_path / "ckpt", family)
+    export_onnx(checkpoint, tmp_path / "onnx")
+    config = json.loads((tmp_path / "onnx" / "genai_config.json").read_text())
+    assert config["model"]["type"] == family and config["model"]["eos_token_id"] == 2
+    runtime, model = GenaiRuntime(tmp_path / "onnx"), load_model(checkpoint)
+    tokenizer = load_tokenizer(checkpoint, model.config)
+    pixels = load_images([checkpoint / "demo.png"], load_image_processor(checkpoint, model.config))
+    context = runtime.graphs.encode_images(pixels.numpy())
+    with torch.no_grad():
+        visual, visual_mask = model.model.encode_images(pixels)
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            tokens, logits = runtime.generate(ids.numpy(), context, 20)
+            full = torch.cat([ids, torch.tensor([tokens])], dim=1)[:, :-1]
+            expected = model(full, visual_key_values=visual, visual_mask=visual_mask).logits[0, ids.shape[1] - 1 :]
+            assert len(tokens) == 20 and tokens == expected.argmax(-1).tolist()
+            assert np.abs(np.stack(logits) - expected.numpy()).max() <= 1e-4
+            reference = model.generate(ids, max_new_tokens=20, visual_key_values=visual, visual_mask=visual_mask)
+            assert tokens == reference[0].tolist()
+
+
+def test_generate_backend_genai_and_what_genai_cannot_drive(tmp_path):
+    """`generate --backend genai` on an export gives the reference's tokens; a WINGS model's export says in its
+    manifest why genai cannot drive it, and generate says so in one line."""
+    checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
+    assert run_cli("onnx", checkpoint, "-o", tmp_path / "onnx").returncode == 0
+    args = ("--image", checkpoint / "demo.png", "--prompt", DEMO_PROMPT, "--max-new-tokens", "8")
+    genai = run_cli("generate", tmp_path / "onnx", "--backend", "genai", *args)
+    torch_ = run_cli("generate", checkpoint, *args)
+    assert genai.returncode == 0, genai.stderr
+    ids = [line for line in genai.stdout.splitlines() if line.startswith("generated ids")]
+    assert ids and ids == [line for line in torch_.stdout.splitlines() if line.startswith("generated ids")]
+
+    wings = write_demo_checkpoint(tmp_path / "wings", wings_rank=8)
+    export_onnx(wings, tmp_path / "wings-onnx")
+    manifest = json.loads((tmp_path / "wings-onnx" / "onnx_manifest.json").read_text())
+    assert "WINGS" in manifest["genai"] and not (tmp_path / "wings-onnx" / "genai_config.json").exists()
+    refused = run_cli("generate", tmp_path / "wings-onnx", "--backend", "genai", *args)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "genai cannot drive it" in lines[0], refused.stderr
