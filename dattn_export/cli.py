@@ -329,6 +329,14 @@ def verify(out: Path, against: Path | None, base, vision_heads):
 @click.option("--block-size", default=32, show_default=True, help="--quantize: weights per scale.")
 @click.option("--asymmetric", is_flag=True, help="--quantize: a zero point per block (default: symmetric).")
 @click.option("--quantize-lm-head", is_flag=True, help="--quantize: the lm_head too (default: kept fp32).")
+@click.option(
+    "--accuracy-level",
+    type=click.IntRange(0, 4),
+    default=4,
+    show_default=True,
+    help="--quantize: MatMulNBits' compute type (4: int8 activations, fast where the CPU has int8 dot products; "
+    "0: fp32).",
+)
 @source_options
 def onnx_command(
     checkpoint: Path,
@@ -341,6 +349,7 @@ def onnx_command(
     block_size: int,
     asymmetric: bool,
     quantize_lm_head: bool,
+    accuracy_level: int,
     base,
     vision_heads,
 ):
@@ -364,6 +373,7 @@ def onnx_command(
             block_size=block_size,
             symmetric=not asymmetric,
             quantize_lm_head=quantize_lm_head,
+            accuracy_level=accuracy_level,
         )
     rows = [
         (
@@ -441,7 +451,8 @@ def quantization_rows(quantization: dict | None) -> list[tuple[str, str]]:
     if not quantization:
         return []
     q = quantization
-    detail = f"{q['scheme']}, block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}"
+    detail = f"{q['scheme']}, block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, "
+    detail += f"accuracy level {q['accuracy_level']}"
     head = "lm_head quantized" if q["lm_head"] else "lm_head kept fp32"
     return [("quantization", f"decoder.onnx: {q['matmuls']} MatMuls -> MatMulNBits ({detail}; {head})")]
 

@@ -331,6 +331,7 @@ def export_onnx(
     block_size: int = 32,
     symmetric: bool = True,
     quantize_lm_head: bool = False,
+    accuracy_level: int = 4,
 ) -> OnnxManifest:
     """`quantize` (int4 | int8): decoder.onnx's MatMuls weight-only quantized by ONNX Runtime's quantizer."""
     if opset not in SUPPORTED_OPSETS:
@@ -379,6 +380,7 @@ def export_onnx(
                 model.config.hidden_size,
                 model.config.vocab_size,
                 external=weight_bytes > EXTERNAL_DATA_BYTES,
+                accuracy_level=accuracy_level,
             )
         source.carry_files(tmp)
         (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")

@@ -23,6 +23,7 @@ class Quantization:
     symmetric: bool
     lm_head: bool  # quantized too (by default it stays fp32: the logits are what the gate judges)
     matmuls: int  # MatMuls turned into MatMulNBits
+    accuracy_level: int  # MatMulNBits' compute: 4 = int8 activations (fast on CPUs with int8 dot products), 0 = fp32
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,15 @@ def lm_head_node(model: onnx.ModelProto, hidden: int, vocab: int) -> str | None:
 
 
 def quantize_decoder(
-    path: Path, scheme: str, block_size: int, symmetric: bool, lm_head: bool, hidden: int, vocab: int, external: bool
+    path: Path,
+    scheme: str,
+    block_size: int,
+    symmetric: bool,
+    lm_head: bool,
+    hidden: int,
+    vocab: int,
+    external: bool,
+    accuracy_level: int = 4,
 ) -> Quantization:
     """Quantize decoder.onnx in place (inside the export's temporary folder)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -64,6 +73,7 @@ def quantize_decoder(
         block_size=block_size,
         is_symmetric=symmetric,
         nodes_to_exclude=[head] if head else [],
+        accuracy_level=accuracy_level or None,
     )
     quantizer.process()
     quantized = quantizer.model.model
@@ -71,7 +81,7 @@ def quantize_decoder(
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save(quantized, path, save_as_external_data=external, location=data.name)
     converted = before - sum(n.op_type == "MatMul" for n in quantized.graph.node)
-    return Quantization(scheme, block_size, symmetric, lm_head, converted)
+    return Quantization(scheme, block_size, symmetric, lm_head, converted, accuracy_level)
 
 
 @dataclass
