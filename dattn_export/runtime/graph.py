@@ -41,6 +41,10 @@ class GraphRuntime:
         """A cache to fill (batch, heads, length, head_dim) per input; an empty text cache by default."""
         return [np.empty((batch, spec.shape[1], length, spec.shape[3]), self.dtype) for spec in self.past_inputs]
 
+    def no_context(self, batch: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """An empty context (no image, video or audio): its caches and (batch, 0) mask."""
+        return self.empty_kv(batch), np.zeros((batch, 0), np.int64)
+
     def embed_images(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(visual embeddings (B, V, hidden), visual mask (B, V): 0 for the tokens of an image that means "none")."""
         embeds, mask = self._run("vision", {"pixel_values": pixel_values.astype(self.dtype)})

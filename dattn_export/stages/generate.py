@@ -94,9 +94,10 @@ def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, fl
     streams, config = {}, model.config
     if media.images and config.is_anyres:
         with stage("encode the image's thumbnail and tiles: visual K/V for every layer", seconds):
-            image, tile = media.images[0], config.vision_config["image_size"]
-            tiles = anyres_tiles(image, load_image_processor(folder, config), config.mm_image_grid_points, tile)
-            streams["visual_key_values"], streams["visual_mask"] = model.model.encode_anyres([tiles], [image.size])
+            tiles, _ = anyres_input(folder, config, media.images[0])
+            streams["visual_key_values"], streams["visual_mask"] = model.model.encode_anyres(
+                [tiles], [media.images[0].size]
+            )
     elif media.images:
         with stage(f"encode {len(media.images)} image(s): visual K/V for every layer", seconds):
             pixels = image_pixels(media.images, load_image_processor(folder, config))
@@ -123,6 +124,31 @@ def video_inputs(folder: Path, config, media: DecodedMedia) -> tuple[torch.Tenso
     return pixels, audio
 
 
+def anyres_input(folder: Path, config, image) -> tuple[torch.Tensor, tuple[int, int]]:
+    """An anyres model's tower input for one image: its thumbnail and tiles (1 + columns x rows, 3, H, W), and the
+    tiling (columns, rows) chosen for it."""
+    tile, points = config.vision_config["image_size"], config.mm_image_grid_points
+    return anyres_tiles(image, load_image_processor(folder, config), points, tile), anyres_grid(
+        image.size, points, tile
+    )
+
+
+def graph_context(graphs, folder: Path, config, media: DecodedMedia) -> tuple[list[np.ndarray], np.ndarray]:
+    """The context our graphs compute for decoded media (`GraphRuntime`'s caches and mask): a video model's
+    frames and audio, an anyres image, images, or none."""
+    if config.is_video:
+        pixels, audio = video_inputs(folder, config, media)
+        return graphs.encode_video(
+            None if pixels is None else pixels.numpy(), None if audio is None else (audio[0].numpy(), audio[1])
+        )
+    if media.images and config.is_anyres:
+        tiles, (columns, rows) = anyres_input(folder, config, media.images[0])
+        return graphs.encode_anyres(tiles.numpy(), columns, rows)
+    if media.images:
+        return graphs.encode_images(image_pixels(media.images, load_image_processor(folder, config)).numpy())
+    return graphs.no_context(1)
+
+
 def run_prompt_genai(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> PromptResult:
     """The same prompt through an ONNX export: the context by our graphs on ONNX Runtime (once), the decoding by
     onnxruntime-genai (`runtime.genai`)."""
@@ -138,19 +164,7 @@ def run_prompt_genai(folder: Path, prompt: str, media: Media, max_new_tokens: in
         tokenizer = load_tokenizer(folder, config)
     graphs, ids = runtime.graphs, tokenizer(prompt, return_tensors="np")["input_ids"]
     with stage("encode the context: K/V for every layer (our graphs on ONNX Runtime)", seconds):
-        if config.is_video:
-            pixels, audio = video_inputs(folder, config, decoded)
-            context = graphs.encode_video(
-                None if pixels is None else pixels.numpy(), None if audio is None else (audio[0].numpy(), audio[1])
-            )
-        elif decoded.images and config.is_anyres:
-            image, tile = decoded.images[0], config.vision_config["image_size"]
-            tiles = anyres_tiles(image, load_image_processor(folder, config), config.mm_image_grid_points, tile)
-            context = graphs.encode_anyres(tiles.numpy(), *anyres_grid(image.size, config.mm_image_grid_points, tile))
-        elif decoded.images:
-            context = graphs.encode_images(image_pixels(decoded.images, load_image_processor(folder, config)).numpy())
-        else:
-            context = (graphs.empty_kv(1), np.zeros((1, 0), np.int64))
+        context = graph_context(graphs, folder, config, decoded)
     with stage(f"generate up to {max_new_tokens} tokens with onnxruntime-genai (greedy)", seconds):
         generated, _ = runtime.generate(ids, context, max_new_tokens)
     eos = eos_token_id(folder, config)

@@ -21,13 +21,12 @@ from PIL import Image
 from ..artifacts import VALIDATION_REPORT, from_json
 from ..checkpoints.source import load_model
 from ..errors import InputError
-from ..modeling.modeling_dattn import anyres_grid
-from ..processing import anyres_tiles, load_image_processor, load_images, load_tokenizer, open_image
+from ..processing import load_image_processor, load_images, load_tokenizer, open_image
 from ..runtime.graph import GraphRuntime
 from ..runtime.ort import OrtModel
 from . import polygraphy_data, quantize
 from .demo import DEMO_PROMPT, DEMO_VIDEO_FPS, DEMO_VIDEO_PROMPT, demo_audio, demo_frames, demo_image
-from .generate import DecodedMedia, Media, decode_media, encode_media, video_inputs
+from .generate import DecodedMedia, Media, anyres_input, decode_media, encode_media, graph_context
 from .onnx_export import layer_caches
 from .polygraphy_data import recording
 
@@ -242,10 +241,7 @@ def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, 
         frames = demo_frames()[::DEMO_VIDEO_FPS]
         decoded = DecodedMedia([], [Image.fromarray(f) for f in frames], demo_audio(len(frames)) / 32768)
     streams = encode_media(reference, folder, decoded, {})
-    pixels, audio = video_inputs(folder, reference.config, decoded)
-    got_kv, got_mask = runtime.encode_video(
-        None if pixels is None else pixels.numpy(), None if audio is None else (audio[0].numpy(), audio[1])
-    )
+    got_kv, got_mask = graph_context(runtime, folder, reference.config, decoded)
     report.visual_tokens = int((got_mask == 1).sum())
     report.audio_tokens = int((got_mask == 2).sum())
     start = 0
@@ -260,12 +256,9 @@ def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, 
 def anyres_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
     """An anyres image's thumbnail and tiles (the demo's picture by default) through vision and visual_kv, its K/V
     compared with the reference's (worst of every layer's)."""
-    config = reference.config
     image = open_image(media.images[0]) if media.images else demo_image()
-    tile, points = config.vision_config["image_size"], config.mm_image_grid_points
-    tiles = anyres_tiles(image, load_image_processor(folder, config), points, tile)
+    tiles, (columns, rows) = anyres_input(folder, reference.config, image)
     visual_kv, visual_mask = reference.model.encode_anyres([tiles], [image.size])
-    columns, rows = anyres_grid(image.size, points, tile)
     got_kv, got_mask = runtime.encode_anyres(tiles.numpy(), columns, rows)
     report.visual_tokens = got_mask.shape[1]
     compare_stream(report, "vision + visual_kv", f"visual K/V ({columns} x {rows} tiles)", got_kv, 0, visual_kv)
