@@ -633,3 +633,24 @@ def analyze(checkpoint: Path, image, video, frames, audio, prompt: str, out: Pat
         ("written", f"{out}/report.json, visual_mass.png, laws.png"),
     ]
     stdout.print(summary_table("dattn-export analyze", rows))
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, help="Ranks (GPUs, or CPU core groups).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve(out: Path, tensor_parallel_size: int, host: str, port: int, vllm_args: tuple[str, ...]):
+    """Serve a converted folder with vLLM (an OpenAI-compatible server): `vllm serve OUT` with our plugin, a chat
+    template when the tokenizer has none and, on CPU, the environment vLLM needs. Arguments after OUT that are not
+    ours go to `vllm serve`."""
+    import shlex
+
+    from .stages.serve import vllm_serve_command
+
+    command, env = vllm_serve_command(out, tensor_parallel_size, host, port, vllm_args)
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    click.echo(f"running: {shown} {shlex.join(['vllm', 'serve', str(out), *command[6:]])}", err=True)
+    sys.stdout.flush()
+    os.execvpe(command[0], command, {**os.environ, **env})

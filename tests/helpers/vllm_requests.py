@@ -1,0 +1,59 @@
+"""Requests for the vLLM tests, and a script that runs them through `vllm.LLM` (vLLM spawns its workers, so it runs
+in its own process): `python vllm_requests.py FOLDER TENSOR_PARALLEL OUT.json` writes each request's greedy tokens
+and their log-probabilities."""
+
+import json
+import os
+import sys
+
+import numpy as np
+from PIL import Image
+
+MAX_MODEL_LEN = 256
+# (prompt, image seed or None for a text-only request, tokens to generate): several images, prompt lengths and
+# lengths of output, so that with at most three sequences in flight first steps and decodes share batches
+REQUESTS = [
+    ("a b c", 0, 6),
+    ("hello there, how are you", 1, 12),
+    ("the cat", 2, 9),
+    ("x y z w v u", 3, 14),
+    ("no image at all", None, 7),
+]
+
+
+def request_image(seed: int) -> Image.Image:
+    """An RGB picture of its own size: the processor resizes it to the tower's."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (30 + 7 * seed, 50 - 5 * seed, 3), dtype=np.uint8))
+
+
+def main(folder: str, tensor_parallel: int, out: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        folder,
+        dtype="float32",
+        tensor_parallel_size=tensor_parallel,
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=3,
+    )
+    prompts = [
+        {"prompt": text} if seed is None else {"prompt": text, "multi_modal_data": {"image": request_image(seed)}}
+        for text, seed, _ in REQUESTS
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for *_, n in REQUESTS]
+    results = []
+    for output in llm.generate(prompts, params):
+        completion = output.outputs[0]
+        chosen = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        results.append(
+            {"prompt_ids": output.prompt_token_ids, "tokens": list(completion.token_ids), "logprobs": chosen}
+        )
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
