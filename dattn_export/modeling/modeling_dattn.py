@@ -310,18 +310,35 @@ class WingsLearner(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
-class DAttnDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
+class LayerNorms:
+    """A decoder layer's norms, and what runs after its attention (residual add, the MLP, the family's norms): mixed
+    into this decoder layer and the vLLM plugin's, which hold the same modules under the same names."""
+
+    def init_norms(self, config) -> None:
         family = FAMILIES[config.model_type]
-        self.self_attn = DAttnAttention(config, layer_idx)
-        self.mlp = family.mlp(config)
         self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.sandwich_norms = family.sandwich_norms
         if family.sandwich_norms:
             self.pre_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
             self.post_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def residual_mlp(self, residual: Tensor, attn_out: Tensor) -> Tensor:
+        """Everything after the attention: residual add, the MLP and the family's norms."""
+        if self.sandwich_norms:
+            h = residual + self.post_attention_layernorm(attn_out)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = residual + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DAttnDecoderLayer(nn.Module, LayerNorms):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        family = FAMILIES[config.model_type]
+        self.self_attn = DAttnAttention(config, layer_idx)
+        self.mlp = family.mlp(config)
+        self.init_norms(config)
         self.diagonal = config.use_diagonal
         self.debias = config.use_debias
         self.tokens_per_image = config.tokens_per_image if config.v2v_per_image else None
@@ -338,14 +355,6 @@ class DAttnDecoderLayer(nn.Module):
             return (empty, empty), mask
         learner_empty = like.new_zeros(like.shape[0], self.wings_heads, 0, self.self_attn.head_dim)
         return (empty, empty, learner_empty, learner_empty), mask
-
-    def residual_mlp(self, residual: Tensor, attn_out: Tensor) -> Tensor:
-        """Everything after the attention: residual add, the MLP and the family's norms."""
-        if self.sandwich_norms:
-            h = residual + self.post_attention_layernorm(attn_out)
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        h = residual + attn_out
-        return h + self.mlp(self.post_attention_layernorm(h))
 
     def visual_forward(
         self, h: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor, need_output: bool = True

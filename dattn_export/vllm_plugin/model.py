@@ -209,20 +209,12 @@ class DAttnMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)[0]))[0]
 
 
-class DAttnDecoderLayer(nn.Module):
-    residual_mlp = modeling_dattn.DAttnDecoderLayer.residual_mlp  # the reference's, over the same module names
-
+class DAttnDecoderLayer(nn.Module, modeling_dattn.LayerNorms):
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str):
         super().__init__()
-        family = FAMILIES[config.model_type]
         self.self_attn = DAttnAttention(config, layer_idx, vllm_config, f"{prefix}.self_attn")
         self.mlp = DAttnMLP(config, vllm_config, f"{prefix}.mlp")
-        self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
-        self.sandwich_norms = family.sandwich_norms
-        if family.sandwich_norms:
-            self.pre_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
-            self.post_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.init_norms(config)
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, h_visual: torch.Tensor | None, need_visual: bool
