@@ -45,11 +45,15 @@ def served(tmp_path_factory):
 
 
 @torch.no_grad()
-def reference(folder: Path, text: str, image: Image.Image | None, steps: int) -> tuple[list[int], list[float]]:
+def reference(
+    folder: Path, prompt: str | list[int], image: Image.Image | None, steps: int
+) -> tuple[list[int], list[float]]:
     """Greedy tokens of our reference model (fp32) and the log-probability of each."""
     model = load_model(folder)
-    tokenizer = load_tokenizer(folder, model.config)
-    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    if isinstance(prompt, list):
+        ids = torch.tensor([prompt])
+    else:
+        ids = load_tokenizer(folder, model.config)(prompt, return_tensors="pt")["input_ids"]
     pixels = None if image is None else image_pixels([image], load_image_processor(folder, model.config))
     out = model(ids, pixel_values=pixels)
     tokens, logprobs = [], []
@@ -72,8 +76,9 @@ def reference(folder: Path, text: str, image: Image.Image | None, steps: int) ->
 @pytest.mark.parametrize("tensor_parallel", [1, 2])
 @pytest.mark.parametrize("family", list(TINY_HEADS))
 def test_vllm_equals_reference(served, tmp_path, family, tensor_parallel):
-    """Four requests with their own images and a text-only one, at most three in flight: every greedy token and
-    its log-probability as our reference gives them (a text-only request, as the reference's: no visual keys)."""
+    """Five requests with their own images (one given as token ids without BOS) and a text-only one, at most three
+    in flight: every greedy token and its log-probability as our reference gives them (a text-only request, as
+    the reference's: no visual keys)."""
     folder, results = served[family], tmp_path / "vllm.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"[: 2 * tensor_parallel - 1]}
     run = subprocess.run(

@@ -33,10 +33,10 @@ def has_chat_template(folder: Path) -> bool:
 
 
 def cpu_environment(tensor_parallel_size: int) -> dict[str, str]:
-    """What vLLM's CPU backend needs and has no default for: KV cache space (GiB) and, with tensor parallelism,
-    which cores each rank binds (split evenly)."""
+    """What vLLM's CPU backend needs: KV cache space (GiB), and the cores each rank binds, split evenly (vLLM's
+    "auto" leaves a core to the API server, half of a 2-core machine)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-    if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cores = sorted(os.sched_getaffinity(0))
         share = max(1, len(cores) // tensor_parallel_size)
         ranks = [cores[r * share : (r + 1) * share] or cores[-1:] for r in range(tensor_parallel_size)]

@@ -85,6 +85,8 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
 
 
 class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
+    skip_decoder_start_token = True  # the prompt is the tokenizer's, as the reference reads it: no BOS added
+
     def create_encoder_prompt(self, prompt: list[int], mm_items) -> list[int]:
         """One placeholder, which becomes one per visual token: the length of the request's cross-attention cache."""
         if not mm_items.get_all_counts().get("image"):

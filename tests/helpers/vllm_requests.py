@@ -10,15 +10,21 @@ import numpy as np
 from PIL import Image
 
 MAX_MODEL_LEN = 256
-# (prompt, image seed or None for a text-only request, tokens to generate): several images, prompt lengths and
-# lengths of output, so that with at most three sequences in flight first steps and decodes share batches
+# (prompt text or token ids, image seed or None for a text-only request, tokens to generate): several images,
+# prompt lengths and lengths of output, so that with at most three sequences in flight first steps and decodes
+# share batches; token ids without BOS, as a tokenizer that adds none gives them (vLLM must not add one)
 REQUESTS = [
     ("a b c", 0, 6),
     ("hello there, how are you", 1, 12),
     ("the cat", 2, 9),
     ("x y z w v u", 3, 14),
     ("no image at all", None, 7),
+    ([67, 314, 286, 90], 4, 5),
 ]
+
+
+def prompt_of(prompt: str | list[int]) -> dict:
+    return {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
 
 
 def request_image(seed: int) -> Image.Image:
@@ -39,7 +45,7 @@ def main(folder: str, tensor_parallel: int, out: str) -> None:
         max_num_seqs=3,
     )
     prompts = [
-        {"prompt": text} if seed is None else {"prompt": text, "multi_modal_data": {"image": request_image(seed)}}
+        prompt_of(text) | ({} if seed is None else {"multi_modal_data": {"image": request_image(seed)}})
         for text, seed, _ in REQUESTS
     ]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for *_, n in REQUESTS]
