@@ -329,6 +329,7 @@ def verify(out: Path, against: Path | None, base, vision_heads):
 @click.option("--block-size", default=32, show_default=True, help="--quantize: weights per scale.")
 @click.option("--asymmetric", is_flag=True, help="--quantize: a zero point per block (default: symmetric).")
 @click.option("--quantize-lm-head", is_flag=True, help="--quantize: the lm_head too (default: kept fp32).")
+@click.option("--embedding-fp32", is_flag=True, help="--quantize: keep the embedding table fp32 (default: quantized).")
 @click.option(
     "--accuracy-level",
     type=click.IntRange(0, 4),
@@ -349,6 +350,7 @@ def onnx_command(
     block_size: int,
     asymmetric: bool,
     quantize_lm_head: bool,
+    embedding_fp32: bool,
     accuracy_level: int,
     base,
     vision_heads,
@@ -374,6 +376,7 @@ def onnx_command(
             symmetric=not asymmetric,
             quantize_lm_head=quantize_lm_head,
             accuracy_level=accuracy_level,
+            quantize_embedding=not embedding_fp32,
         )
     rows = [
         (
@@ -454,6 +457,7 @@ def quantization_rows(quantization: dict | None) -> list[tuple[str, str]]:
     detail = f"{q['scheme']}, block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, "
     detail += f"accuracy level {q['accuracy_level']}"
     head = "lm_head quantized" if q["lm_head"] else "lm_head kept fp32"
+    head += ", embedding quantized" if q.get("embedding") else ", embedding kept fp32"
     return [("quantization", f"decoder.onnx: {q['matmuls']} MatMuls -> MatMulNBits ({detail}; {head})")]
 
 

@@ -154,6 +154,7 @@ def test_serve_answers_openai_chat_and_refuses_bad_requests(served, tmp_path):
         assert chat(text, data_url(request_image(seed))).message.content == expected
 
         bad = {
+            "no image": (text, None),
             "corrupt image": ("a b c", "data:image/png;base64," + base64.b64encode(b"not a png").decode()),
             "image too large": ("a b c", data_url(Image.new("L", (8200, 8200)))),
             "prompt past the context": ("a " * 300, data_url(request_image(0))),

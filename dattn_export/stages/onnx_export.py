@@ -332,6 +332,7 @@ def export_onnx(
     symmetric: bool = True,
     quantize_lm_head: bool = False,
     accuracy_level: int = 4,
+    quantize_embedding: bool = True,
 ) -> OnnxManifest:
     """`quantize` (int4 | int8): decoder.onnx's MatMuls weight-only quantized by ONNX Runtime's quantizer."""
     if opset not in SUPPORTED_OPSETS:
@@ -381,6 +382,7 @@ def export_onnx(
                 model.config.vocab_size,
                 external=weight_bytes > EXTERNAL_DATA_BYTES,
                 accuracy_level=accuracy_level,
+                embedding=quantize_embedding,
             )
         source.carry_files(tmp)
         (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")

@@ -1,6 +1,7 @@
 """`onnx --quantize int4|int8`: ONNX Runtime's own weight-only quantizer (MatMulNBits: block-wise integer weights
-with a scale per block) on the decoder's MatMuls. The fused attention nodes and their function are kept as they
-are. A decode step reads every weight once, so on a CPU its time follows the weights' bytes.
+with a scale per block) on the decoder's MatMuls, and on the embedding table's Gather (GatherBlockQuantized: blocks
+along the hidden axis, so a looked-up row is dequantized alone). The fused attention nodes and their function are
+kept as they are. A decode step reads every weight once, so on a CPU its time follows the weights' bytes.
 
 The quantized decoder is not held to the fp32 tolerance: `validate` applies the accuracy gate below instead."""
 
@@ -23,6 +24,7 @@ class Quantization:
     symmetric: bool
     lm_head: bool  # quantized too (by default it stays fp32: the logits are what the gate judges)
     matmuls: int  # MatMuls turned into MatMulNBits
+    embedding: bool  # the embedding table quantized too (GatherBlockQuantized)
     accuracy_level: int  # MatMulNBits' compute: 4 = int8 activations (fast on CPUs with int8 dot products), 0 = fp32
 
 
@@ -59,8 +61,10 @@ def quantize_decoder(
     vocab: int,
     external: bool,
     accuracy_level: int = 4,
+    embedding: bool = True,
 ) -> Quantization:
-    """Quantize decoder.onnx in place (inside the export's temporary folder)."""
+    """Quantize decoder.onnx in place (inside the export's temporary folder). The embedding Gather is the graph's
+    only Gather of a constant table; the quantizer raises the opset to 21, which has the 4-bit types."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
@@ -74,6 +78,8 @@ def quantize_decoder(
         is_symmetric=symmetric,
         nodes_to_exclude=[head] if head else [],
         accuracy_level=accuracy_level or None,
+        op_types_to_quantize=("MatMul", "Gather") if embedding else ("MatMul",),
+        quant_axes=(("MatMul", 0), ("Gather", 1)),
     )
     quantizer.process()
     quantized = quantizer.model.model
@@ -81,7 +87,7 @@ def quantize_decoder(
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save(quantized, path, save_as_external_data=external, location=data.name)
     converted = before - sum(n.op_type == "MatMul" for n in quantized.graph.node)
-    return Quantization(scheme, block_size, symmetric, lm_head, converted, accuracy_level)
+    return Quantization(scheme, block_size, symmetric, lm_head, converted, embedding, accuracy_level)
 
 
 @dataclass

@@ -16,12 +16,16 @@ from ..errors import InputError
 from ..vllm_plugin import unsupported
 
 # The prompt as our reference reads it (BOS, then the text) for tokenizers without a chat template: the messages'
-# text, one after another; the image is the encoder's input, never a token in the text.
+# text, one after another; the image is the encoder's input, never a token in the text. A chat request without an
+# image is refused (a completion request without one is answered text-only, as the reference answers it).
 PLAIN_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
+    "{% set ns = namespace(images=0) %}{{ bos_token }}{% for message in messages %}"
     "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'image_url') %}{% set ns.images = ns.images + 1 %}{% endif %}"
     "{% endfor %}{% endif %}{% endfor %}"
+    "{% if ns.images == 0 %}{{ raise_exception('a D-Attn model answers about an image: the request has none') }}"
+    "{% endif %}"
 )
 
 
