@@ -329,7 +329,7 @@ def verify(out: Path, against: Path | None, base, vision_heads):
 @click.option("--block-size", default=32, show_default=True, help="--quantize: weights per scale.")
 @click.option("--asymmetric", is_flag=True, help="--quantize: a zero point per block (default: symmetric).")
 @click.option("--quantize-lm-head", is_flag=True, help="--quantize: the lm_head too (default: kept fp32).")
-@click.option("--embedding-fp32", is_flag=True, help="--quantize: keep the embedding table fp32 (default: quantized).")
+@click.option("--quantize-embedding", is_flag=True, help="--quantize: the embedding table too (default: kept fp32).")
 @click.option(
     "--accuracy-level",
     type=click.IntRange(0, 4),
@@ -350,7 +350,7 @@ def onnx_command(
     block_size: int,
     asymmetric: bool,
     quantize_lm_head: bool,
-    embedding_fp32: bool,
+    quantize_embedding: bool,
     accuracy_level: int,
     base,
     vision_heads,
@@ -376,7 +376,7 @@ def onnx_command(
             symmetric=not asymmetric,
             quantize_lm_head=quantize_lm_head,
             accuracy_level=accuracy_level,
-            quantize_embedding=not embedding_fp32,
+            quantize_embedding=quantize_embedding,
         )
     rows = [
         (

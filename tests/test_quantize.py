@@ -69,6 +69,21 @@ def test_quantized_decoder_passes_the_gate(trained, scheme):
     assert refused.returncode == 2 and len(lines) == 1 and "MatMulNBits" in lines[0], refused.stderr
 
 
+def test_quantized_embedding_passes_the_gate(trained):
+    """--quantize-embedding: the table's Gather becomes GatherBlockQuantized (4 bits). On a hidden size of 64 it
+    passes the int4 gate with blocks of 16, not of 32 (two blocks a row): why the embedding is not quantized by
+    default."""
+    checkpoint, work = trained
+    out = work / "int4-embedding"
+    export = ("onnx", checkpoint, "-o", out, "--quantize", "int4", "--quantize-embedding", "--block-size", "16")
+    assert run_cli(*export).returncode == 0
+    assert json.loads((out / "onnx_manifest.json").read_text())["quantization"]["embedding"] is True
+    ops = [n.op_type for n in onnx.load(out / "decoder.onnx").graph.node]
+    assert ops.count("GatherBlockQuantized") == 1 and "Gather" not in ops
+    report = validate(out, checkpoint, steps=12)
+    assert report.passed, report.gate
+
+
 def test_the_gate_fails_for_graphs_of_another_model(trained):
     """Graphs of the base (untrained) model validated against the trained one: the same gate fails."""
     checkpoint, work = trained

@@ -332,7 +332,7 @@ def export_onnx(
     symmetric: bool = True,
     quantize_lm_head: bool = False,
     accuracy_level: int = 4,
-    quantize_embedding: bool = True,
+    quantize_embedding: bool = False,
 ) -> OnnxManifest:
     """`quantize` (int4 | int8): decoder.onnx's MatMuls weight-only quantized by ONNX Runtime's quantizer."""
     if opset not in SUPPORTED_OPSETS:

@@ -1,7 +1,9 @@
 """`onnx --quantize int4|int8`: ONNX Runtime's own weight-only quantizer (MatMulNBits: block-wise integer weights
-with a scale per block) on the decoder's MatMuls, and on the embedding table's Gather (GatherBlockQuantized: blocks
-along the hidden axis, so a looked-up row is dequantized alone). The fused attention nodes and their function are
-kept as they are. A decode step reads every weight once, so on a CPU its time follows the weights' bytes.
+with a scale per block) on the decoder's MatMuls, and with --quantize-embedding on the embedding table's Gather
+(GatherBlockQuantized, 4 bits whatever the scheme: blocks along the hidden axis, so a looked-up row is dequantized
+alone). The fused attention
+nodes and their function are kept as they are. A decode step reads every weight once, so on a CPU its time follows
+the weights' bytes.
 
 The quantized decoder is not held to the fp32 tolerance: `validate` applies the accuracy gate below instead."""
 
@@ -24,7 +26,7 @@ class Quantization:
     symmetric: bool
     lm_head: bool  # quantized too (by default it stays fp32: the logits are what the gate judges)
     matmuls: int  # MatMuls turned into MatMulNBits
-    embedding: bool  # the embedding table quantized too (GatherBlockQuantized)
+    embedding: bool  # the embedding table quantized too (GatherBlockQuantized; by default it stays fp32)
     accuracy_level: int  # MatMulNBits' compute: 4 = int8 activations (fast on CPUs with int8 dot products), 0 = fp32
 
 
@@ -61,7 +63,7 @@ def quantize_decoder(
     vocab: int,
     external: bool,
     accuracy_level: int = 4,
-    embedding: bool = True,
+    embedding: bool = False,
 ) -> Quantization:
     """Quantize decoder.onnx in place (inside the export's temporary folder). The embedding Gather is the graph's
     only Gather of a constant table; the quantizer raises the opset to 21, which has the 4-bit types."""
@@ -78,11 +80,15 @@ def quantize_decoder(
         is_symmetric=symmetric,
         nodes_to_exclude=[head] if head else [],
         accuracy_level=accuracy_level or None,
-        op_types_to_quantize=("MatMul", "Gather") if embedding else ("MatMul",),
-        quant_axes=(("MatMul", 0), ("Gather", 1)),
     )
     quantizer.process()
     quantized = quantizer.model.model
+    if embedding:  # ORT's quantizer writes GatherBlockQuantized in 4 bits only, whatever the scheme
+        quantizer = MatMulNBitsQuantizer(
+            quantized, bits=4, block_size=block_size, is_symmetric=symmetric, op_types_to_quantize=("Gather",)
+        )
+        quantizer.process()
+        quantized = quantizer.model.model
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save(quantized, path, save_as_external_data=external, location=data.name)
