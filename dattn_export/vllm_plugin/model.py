@@ -89,8 +89,6 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
 
     def create_encoder_prompt(self, prompt: list[int], mm_items) -> list[int]:
         """One placeholder, which becomes one per visual token: the length of the request's cross-attention cache."""
-        if not mm_items.get_all_counts().get("image"):
-            raise ValueError("a D-Attn model answers about an image: the request has none")
         return [0]
 
     def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]) -> BatchFeature:
@@ -108,15 +106,16 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         return [PromptReplacement(modality="image", target=[0], replacement=[0] * self.info.tokens_per_image())]
 
 
-def has_visual_keys(layer_name: str, num_tokens: int) -> torch.Tensor:
-    """(num_tokens,) bool: the batch's tokens whose request has visual keys. vLLM's cross-attention over no keys
-    (a text-only request) leaves its rows undefined; the reference's visual attention adds 0 there."""
+def without_missing_visual(layer_name: str, visual: torch.Tensor) -> torch.Tensor:
+    """The cross-attention's output (tokens, heads x head_dim) with 0 in the rows of text-only requests: vLLM's
+    cross-attention over no keys leaves them undefined, and the reference's visual attention adds 0 there."""
     metadata = get_attention_context(layer_name)[0]
     if metadata is None:  # a warm-up or profiling run
-        return torch.ones(num_tokens, dtype=torch.bool)
+        return visual
     query_lens = metadata.query_start_loc.diff()
     rows = (metadata.seq_lens[: len(query_lens)] > 0).repeat_interleave(query_lens)
-    return torch.cat([rows, rows.new_zeros(num_tokens - len(rows))])  # padding rows after the batch's tokens
+    rows = torch.cat([rows, rows.new_zeros(len(visual) - len(rows))])  # padding rows after the batch's tokens
+    return torch.where(rows.to(visual.device)[:, None], visual, 0)
 
 
 class DAttnAttention(nn.Module):
@@ -185,8 +184,7 @@ class DAttnAttention(nn.Module):
             group = self.num_heads // self.num_kv_heads
             per_query_head = visual_v.unflatten(-1, (self.num_kv_heads, self.head_dim)).repeat_interleave(group, 1)
             visual_out = self.o_proj(per_query_head.flatten(1))[0]
-        visual = self.visual_attn(q_visual, visual_k, visual_v)
-        visual = torch.where(has_visual_keys(self.visual_attn.layer_name, len(visual))[:, None], visual, 0)
+        visual = without_missing_visual(self.visual_attn.layer_name, self.visual_attn(q_visual, visual_k, visual_v))
         return self.o_proj(self.text_attn(q_text, k_text, v.contiguous()) + visual)[0], visual_out
 
 
