@@ -57,7 +57,7 @@ def measure(folder: Path, runtime_name: str) -> dict:
     from dattn_export.runtime.ort import OrtModel
 
     graphs = OrtModel(folder, threads=2)
-    genai = GenaiRuntime(folder) if runtime_name == "genai" else None
+    genai = GenaiRuntime(folder, threads=2) if runtime_name == "genai" else None
     rng = np.random.default_rng(0)
     embeds = rng.standard_normal((1, VISUAL_TOKENS, graphs.manifest.model.hidden_size), dtype=np.float32)
     prompt = rng.integers(3, 32000, (1, PROMPT_TOKENS))
