@@ -491,6 +491,21 @@ class ImageStream:
         x = self.scaled(self.mm_rand_llm_norm(x.flatten(1, 2)))
         return x.unflatten(0, (batch, images)).flatten(1, 2)
 
+    def anyres_tokens(self, thumbnail: Tensor, tiles: Tensor) -> Tensor:
+        """One image's projected features, its thumbnail's (grid^2, hidden) and its tiles' (rows, columns, grid^2,
+        hidden) -> (grid^2 + rows x columns x grid^2, hidden): the thumbnail's grid, then the tiles joined into one
+        (rows x grid, columns x grid) grid, each + row, + column embeddings."""
+        grid = self.config.patch_grid
+        thumbnail = self.with_positions(thumbnail.unflatten(0, (grid, grid)))
+        joined = tiles.unflatten(2, (grid, grid)).permute(0, 2, 1, 3, 4).flatten(0, 1).flatten(1, 2)
+        return torch.cat([thumbnail.flatten(0, 1), self.with_positions(joined).flatten(0, 1)])
+
+    def anyres_stream(self, thumbnail: Tensor, tiles: Tensor) -> Tensor:
+        """One anyres image as its stream tokens (the anyres vision graph): its thumbnail (1, 3, H, W) and tiles
+        (rows, columns, 3, H, W) -> (1, L, hidden)."""
+        features = self.mm_rand_projector(self.mm_vis(torch.cat([thumbnail, tiles.flatten(0, 1)]).to(self.dtype)))
+        return self.stream_tokens(self.anyres_tokens(features[0], features[1:].unflatten(0, tiles.shape[:2])))[None]
+
     def with_positions(self, x: Tensor) -> Tensor:
         """(..., rows, columns, hidden) + row embeddings, then + column embeddings."""
         x = x + self.mm_rand_pos_h(x.shape[-3], x.dtype)[:, None, :]
@@ -550,21 +565,6 @@ class DAttnModel(DAttnPreTrainedModel, ImageStream):
             samples.append(self.anyres_tokens(feature[0], feature[1:].reshape(rows, columns, grid * grid, -1)))
         # the released path leaves masked tokens unzeroed; they are never read, so the shared stream ending serves
         return self.context_stream(samples, [t.abs().sum() != 0 for t in tiles])
-
-    def anyres_tokens(self, thumbnail: Tensor, tiles: Tensor) -> Tensor:
-        """One image's projected features, its thumbnail's (grid^2, hidden) and its tiles' (rows, columns, grid^2,
-        hidden) -> (grid^2 + rows x columns x grid^2, hidden): the thumbnail's grid, then the tiles joined into one
-        (rows x grid, columns x grid) grid, each + row, + column embeddings."""
-        grid = self.config.patch_grid
-        thumbnail = self.with_positions(thumbnail.unflatten(0, (grid, grid)))
-        joined = tiles.unflatten(2, (grid, grid)).permute(0, 2, 1, 3, 4).flatten(0, 1).flatten(1, 2)
-        return torch.cat([thumbnail.flatten(0, 1), self.with_positions(joined).flatten(0, 1)])
-
-    def anyres_stream(self, thumbnail: Tensor, tiles: Tensor) -> Tensor:
-        """One anyres image as its stream tokens (the anyres vision graph): its thumbnail (1, 3, H, W) and tiles
-        (rows, columns, 3, H, W) -> (1, L, hidden)."""
-        features = self.mm_rand_projector(self.mm_vis(torch.cat([thumbnail, tiles.flatten(0, 1)]).to(self.dtype)))
-        return self.stream_tokens(self.anyres_tokens(features[0], features[1:].unflatten(0, tiles.shape[:2])))[None]
 
     def encode_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for anyres images, and the visual mask."""

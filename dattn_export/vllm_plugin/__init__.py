@@ -15,8 +15,6 @@ def unsupported(config) -> str | None:
     """Why the plugin cannot serve a model with this config, in one line; None when it can."""
     if config.is_video:
         return "video models (frames and audio) are not served yet; image models are"
-    if config.is_anyres:
-        return "anyres images (a thumbnail plus a tiling per image) are not served yet"
     if config.merge != "sum":
         return (
             f"dattn_mode {config.dattn_mode!r} merges text and visual attention with one softmax (alpha), which needs "

@@ -34,6 +34,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig
+from vllm.multimodal.parse import ImageProcessorItems
 from vllm.multimodal.processing import (
     BaseDummyInputsBuilder,
     BaseProcessingInfo,
@@ -43,8 +44,15 @@ from vllm.multimodal.processing import (
 from vllm.v1.attention.backend import AttentionType
 
 from ..modeling import modeling_dattn
-from ..modeling.modeling_dattn import FAMILIES, LearnablePositionEmbedding, MLPProjector, MMRMSNorm, VisionTower
-from ..processing import load_image_processor
+from ..modeling.modeling_dattn import (
+    FAMILIES,
+    LearnablePositionEmbedding,
+    MLPProjector,
+    MMRMSNorm,
+    VisionTower,
+    anyres_grid,
+)
+from ..processing import anyres_tiles, load_image_processor
 from . import unsupported
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # a request's image may hold at most this many pixels (it is resized to the tower's)
@@ -68,8 +76,17 @@ class DAttnProcessingInfo(BaseProcessingInfo):
     def image_processor(self):
         return load_image_processor(Path(self.ctx.model_config.model), self.get_hf_config())
 
-    def tokens_per_image(self) -> int:
-        return self.get_hf_config().tokens_per_image
+    def tiling(self, width: int, height: int) -> tuple[int, int]:
+        """An anyres image's tiling (columns, rows); (0, 0) for a resized image (no tiles)."""
+        config = self.get_hf_config()
+        if not config.is_anyres:
+            return 0, 0
+        return anyres_grid((width, height), config.mm_image_grid_points, config.vision_config["image_size"])
+
+    def visual_tokens(self, width: int, height: int) -> int:
+        """An image's visual tokens: its thumbnail's grid, then (anyres) its tiles'."""
+        columns, rows = self.tiling(width, height)
+        return self.get_hf_config().tokens_per_image * (1 + columns * rows)
 
 
 class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
@@ -77,9 +94,15 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
         return ""
 
     def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int], mm_options):
-        size = self.info.get_hf_config().vision_config["image_size"]
+        """The largest image: an anyres model's widest tiling, filled exactly."""
+        config = self.info.get_hf_config()
+        size = config.vision_config["image_size"]
+        columns, rows = max(config.mm_image_grid_points, key=lambda p: p[0] * p[1]) if config.is_anyres else (1, 1)
         images = self._get_dummy_images(
-            width=size, height=size, num_images=mm_counts.get("image", 0), overrides=mm_options.get("image")
+            width=columns * size,
+            height=rows * size,
+            num_images=mm_counts.get("image", 0),
+            overrides=mm_options.get("image"),
         )
         return {"image": images}
 
@@ -96,14 +119,32 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         for image in images:
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise ValueError(f"image of {image.width}x{image.height} pixels: at most {MAX_IMAGE_PIXELS} are taken")
-        pixels = self.info.image_processor([image.convert("RGB") for image in images], return_tensors="pt")
-        return BatchFeature({"pixel_values": pixels["pixel_values"]})
+        images = [image.convert("RGB") for image in images]
+        config = self.info.get_hf_config()
+        if not config.is_anyres:
+            return BatchFeature(
+                {"pixel_values": self.info.image_processor(images, return_tensors="pt")["pixel_values"]}
+            )
+        tile, points = config.vision_config["image_size"], config.mm_image_grid_points
+        tiles = [anyres_tiles(image, self.info.image_processor, points, tile) for image in images]
+        tilings = [self.info.tiling(*image.size) for image in images]
+        return BatchFeature({"pixel_values": torch.cat(tiles), "tiling": torch.tensor(tilings)})
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs) -> Mapping[str, MultiModalFieldConfig]:
-        return {"pixel_values": MultiModalFieldConfig.batched("image")}
+        if "tiling" not in hf_inputs:
+            return {"pixel_values": MultiModalFieldConfig.batched("image")}
+        per_image = 1 + hf_inputs["tiling"].prod(-1)  # the thumbnail and the tiles
+        return {
+            "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", per_image),
+            "tiling": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
+        }
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptReplacement]:
-        return [PromptReplacement(modality="image", target=[0], replacement=[0] * self.info.tokens_per_image())]
+        def placeholders(item: int) -> list[int]:
+            size = mm_items.get_items("image", ImageProcessorItems).get_image_size(item)
+            return [0] * self.info.visual_tokens(size.width, size.height)
+
+        return [PromptReplacement(modality="image", target=[0], replacement=placeholders)]
 
 
 def without_missing_visual(layer_name: str, visual: torch.Tensor) -> torch.Tensor:
@@ -280,10 +321,20 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
         return None  # the image is not in the text: it is the encoder's input
 
-    def embed_multimodal(self, pixel_values: torch.Tensor | list[torch.Tensor], **_) -> list[torch.Tensor]:
-        """Each image's visual stream (tokens_per_image, hidden): what the cross-attention caches are built from."""
-        pixels = torch.stack(list(pixel_values)) if isinstance(pixel_values, list) else pixel_values
-        return list(self.model.embed_images(pixels[:, None]).unbind(0))
+    def embed_multimodal(
+        self, pixel_values: torch.Tensor | list[torch.Tensor], tiling: torch.Tensor | None = None, **_
+    ) -> list[torch.Tensor]:
+        """Each image's visual stream (visual tokens, hidden): what the cross-attention caches are built from."""
+        if tiling is None:
+            pixels = torch.stack(list(pixel_values)) if isinstance(pixel_values, list) else pixel_values
+            return list(self.model.embed_images(pixels[:, None]).unbind(0))
+        if not isinstance(pixel_values, list):  # one image's thumbnail and tiles after another
+            pixel_values = pixel_values.split((1 + tiling.prod(-1)).tolist())
+        streams = []
+        for pixels, (columns, rows) in zip(pixel_values, tiling.tolist()):
+            tiles = pixels[1:].unflatten(0, (rows, columns))
+            streams.append(self.model.anyres_stream(pixels[:1], tiles)[0])
+        return streams
 
     def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *, is_multimodal=None):
         return self.model.embed_input_ids(input_ids)
