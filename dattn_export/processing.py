@@ -49,15 +49,18 @@ def load_images(paths: list[Path], image_processor) -> torch.Tensor:
     return image_pixels([open_image(path) for path in paths], image_processor)
 
 
-def anyres_tiles(image: Image.Image, image_processor, grid_points: list, tile: int) -> torch.Tensor:
+def anyres_tiles(
+    image: Image.Image, image_processor, grid_points: list, tile: int
+) -> tuple[torch.Tensor, tuple[int, int]]:
     """(1 + columns x rows, 3, tile, tile): the image resized to one tile (the thumbnail), then the image resized to
-    the best tiling's resolution and cut into tiles row by row (img_utils.process_anyres_image)."""
+    the best tiling's resolution and cut into tiles row by row (img_utils.process_anyres_image); and that tiling
+    (columns, rows)."""
     columns, rows = anyres_grid(image.size, grid_points, tile)
     resized = image.resize((columns * tile, rows * tile), resample=Image.BICUBIC)
     corners = [(x, y) for y in range(0, rows * tile, tile) for x in range(0, columns * tile, tile)]
     tiles = [resized.crop((x, y, x + tile, y + tile)) for x, y in corners]
     thumbnail = image.resize((tile, tile), resample=Image.BICUBIC)
-    return image_pixels([thumbnail, *tiles], image_processor)[0]
+    return image_pixels([thumbnail, *tiles], image_processor)[0], (columns, rows)
 
 
 def image_pixels(pictures: list[Image.Image], image_processor) -> torch.Tensor:

@@ -41,6 +41,11 @@ def config_from_dict(fields: dict, source: Path):
     return config
 
 
+def folder_config(folder: Path):
+    """The D-Attn config of a folder that holds its config.json as-is (converted or exported)."""
+    return config_from_dict(read_json(Path(folder) / "config.json"), Path(folder) / "config.json")
+
+
 def tied_names(config) -> set[str]:
     """Names stored once because they share their tensor with another (lm_head tied to embed_tokens)."""
     return set(DAttnForCausalLM._tied_weights_keys) if config.tie_word_embeddings else set()

@@ -11,9 +11,8 @@ import numpy as np
 import torch
 
 from ..checkpoints.names import parameter_counts
-from ..checkpoints.source import build_model, config_from_dict, open_source
+from ..checkpoints.source import build_model, folder_config, open_source
 from ..errors import InputError
-from ..modeling.modeling_dattn import anyres_grid
 from ..processing import (
     AUDIO_RATE,
     anyres_tiles,
@@ -128,9 +127,7 @@ def anyres_input(folder: Path, config, image) -> tuple[torch.Tensor, tuple[int, 
     """An anyres model's tower input for one image: its thumbnail and tiles (1 + columns x rows, 3, H, W), and the
     tiling (columns, rows) chosen for it."""
     tile, points = config.vision_config["image_size"], config.mm_image_grid_points
-    return anyres_tiles(image, load_image_processor(folder, config), points, tile), anyres_grid(
-        image.size, points, tile
-    )
+    return anyres_tiles(image, load_image_processor(folder, config), points, tile)
 
 
 def graph_context(graphs, folder: Path, config, media: DecodedMedia) -> tuple[list[np.ndarray], np.ndarray]:
@@ -156,7 +153,7 @@ def run_prompt_genai(folder: Path, prompt: str, media: Media, max_new_tokens: in
 
     seconds: dict[str, float] = {}
     folder = Path(folder)
-    config = config_from_dict(json.loads((folder / "config.json").read_text()), folder / "config.json")
+    config = folder_config(folder)
     media.check(config)
     decoded = decode_media(media)
     with stage("load the graphs and genai's model", seconds):

@@ -17,8 +17,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..artifacts import ConvertManifest, sha256_file
-from ..checkpoints.hf import read_json
-from ..checkpoints.source import config_from_dict
+from ..checkpoints.source import folder_config
 from ..errors import InputError
 from .validate import ValidationReport
 from .verify import Check, verify
@@ -114,7 +113,7 @@ def model_card(
 
     from .demo import DEMO_PROMPT
 
-    config = config_from_dict(read_json(folder / "config.json"), folder / "config.json")
+    config = folder_config(folder)
     manifest = ConvertManifest.read(folder)
     vision = config.vision_config
     family = config.model_type.removeprefix("dattn_")

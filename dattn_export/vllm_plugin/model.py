@@ -126,8 +126,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
                 {"pixel_values": self.info.image_processor(images, return_tensors="pt")["pixel_values"]}
             )
         tile, points = config.vision_config["image_size"], config.mm_image_grid_points
-        tiles = [anyres_tiles(image, self.info.image_processor, points, tile) for image in images]
-        tilings = [self.info.tiling(*image.size) for image in images]
+        tiles, tilings = zip(*(anyres_tiles(image, self.info.image_processor, points, tile) for image in images))
         return BatchFeature({"pixel_values": torch.cat(tiles), "tiling": torch.tensor(tilings)})
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs) -> Mapping[str, MultiModalFieldConfig]:
