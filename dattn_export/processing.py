@@ -4,6 +4,7 @@ the released code (bytedance/vidi `dataset/vid_utils.py`, `img_utils.py`); files
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 import av
 import numpy as np
@@ -75,14 +76,15 @@ AUDIO_RATE = 16000  # Hz, one channel (load_audio, as Whisper)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
 
 
-def open_media(path: Path):
+def open_media(path: Path | BinaryIO):
+    """A media file, or its bytes as a file object (a served request's video: errors then name its repr)."""
     try:
-        return av.open(str(path))
+        return av.open(path if hasattr(path, "read") else str(path))
     except (av.FFmpegError, OSError) as e:
         raise InputError(path, f"cannot be decoded ({str(e).strip()})") from None
 
 
-def load_video_frames(path: Path, fps: float = VIDEO_FPS) -> list[Image.Image]:
+def load_video_frames(path: Path | BinaryIO, fps: float = VIDEO_FPS) -> list[Image.Image]:
     """Every round(average rate / fps)-th frame from the first, as RGB images (load_video's frame indices)."""
     with open_media(path) as container:
         if not container.streams.video:
@@ -121,7 +123,7 @@ def preprocess_frames(frames: list[Image.Image], image_processor, size: int) -> 
     return image_pixels([frame.resize((size, size), resample=Image.BICUBIC) for frame in frames], image_processor)[0]
 
 
-def load_audio(path: Path, rate: int = AUDIO_RATE, missing_ok: bool = False) -> np.ndarray | None:
+def load_audio(path: Path | BinaryIO, rate: int = AUDIO_RATE, missing_ok: bool = False) -> np.ndarray | None:
     """The first audio stream as one channel of float samples at `rate`, through 16-bit (load_audio: ffmpeg's s16le
     output / 32768); None for a file without one when `missing_ok` (a video without a sound track)."""
     with open_media(path) as container:

@@ -9,18 +9,21 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers.cli import run_cli
-from helpers.vllm_requests import REQUESTS, request_image
+from helpers.vllm_requests import REQUESTS, request_image, request_video
 from PIL import Image
 
-from dattn_export.checkpoints.source import load_model
-from dattn_export.processing import image_pixels, load_image_processor, load_tokenizer
-from dattn_export.stages.demo import write_demo_checkpoint
-from dattn_export.stages.generate import anyres_input
+from dattn_export.checkpoints.source import folder_config, load_model
+from dattn_export.processing import load_tokenizer
+from dattn_export.stages.demo import write_demo_checkpoint, write_video
+from dattn_export.stages.generate import DecodedMedia, Media, decode_media, encode_media
 
 vllm_missing = pytest.mark.skipif(
     __import__("importlib").util.find_spec("vllm") is None,
@@ -44,26 +47,31 @@ def converted(root: Path, family: str, **overrides) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folders = {family: converted(tmp_path_factory.mktemp(family), family) for family in TINY_HEADS}
-    return folders | {"gemma2-anyres": converted(tmp_path_factory.mktemp("anyres"), "gemma2", **ANYRES)}
+    videos = {f"{name}-video": converted(tmp_path_factory.mktemp(name), name, video=True) for name in TINY_HEADS}
+    return folders | videos | {"gemma2-anyres": converted(tmp_path_factory.mktemp("anyres"), "gemma2", **ANYRES)}
+
+
+def request_decoded(folder: Path, seed: int | None) -> DecodedMedia:
+    """A request's image, or a video model's frames and sound track, as `generate` decodes its files."""
+    if seed is None:
+        return DecodedMedia([], None, None)
+    if not folder_config(folder).is_video:
+        return DecodedMedia([request_image(seed)], None, None)
+    frames, samples = request_video(seed)
+    return DecodedMedia([], [Image.fromarray(frame) for frame in frames], samples)
 
 
 @torch.no_grad()
-def reference(
-    folder: Path, prompt: str | list[int], image: Image.Image | None, steps: int
-) -> tuple[list[int], list[float]]:
-    """Greedy tokens of our reference model (fp32) and the log-probability of each."""
+def reference(folder: Path, prompt: str | list[int], media: DecodedMedia, steps: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens of our reference model (fp32) for a prompt and its decoded media, and the log-probability of
+    each."""
     model = load_model(folder)
     if isinstance(prompt, list):
         ids = torch.tensor([prompt])
     else:
         ids = load_tokenizer(folder, model.config)(prompt, return_tensors="pt")["input_ids"]
-    if image is None:
-        out = model(ids)
-    elif model.config.is_anyres:  # the thumbnail and the tiles of the tiling chosen for the image
-        visual, visual_mask = model.model.encode_anyres([anyres_input(folder, model.config, image)[0]], [image.size])
-        out = model(ids, visual_key_values=visual, visual_mask=visual_mask)
-    else:
-        out = model(ids, pixel_values=image_pixels([image], load_image_processor(folder, model.config)))
+    streams = encode_media(model, folder, media, {})  # visual (and audio) K/V and masks
+    out = model(ids, **streams)
     tokens, logprobs = [], []
     for _ in range(steps):
         step = torch.log_softmax(out.logits[0, -1].double(), -1)
@@ -71,25 +79,22 @@ def reference(
         tokens.append(token)
         logprobs.append(float(step[token]))
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-        out = model(
-            ids[:, -1:],
-            past_key_values=out.past_key_values,
-            visual_key_values=out.visual_key_values,
-            visual_mask=out.visual_mask,
-        )
+        out = model(ids[:, -1:], past_key_values=out.past_key_values, **streams)
     return tokens, logprobs
 
 
 @vllm_missing
 @pytest.mark.parametrize(
     "model, tensor_parallel",
-    [("mistral", 1), ("mistral", 2), ("gemma2", 1), ("gemma2", 2), ("gemma2-anyres", 1)],
+    [("mistral", 1), ("gemma2", 2), ("mistral-video", 2), ("gemma2-video", 1), ("gemma2-anyres", 1)],
 )
 def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     """Five requests with their own images (one given as token ids without BOS) and a text-only one, at most three
     in flight: every greedy token and its log-probability as our reference gives them (a text-only request, as
-    the reference's: no visual keys). Anyres: the images' shapes choose different tilings, so the requests'
-    visual streams differ in length."""
+    the reference's: no visual keys). Each family and each input type runs at TP=1 and at TP=2. Anyres: the
+    images' shapes choose different tilings, so the requests' visual streams differ in length. Video: the
+    requests' own frame counts and sound tracks (three with one, two without), the frames and the audio each under
+    their own softmax (one softmax over both misses the tolerance by 3000x)."""
     folder, results = served[model], tmp_path / "vllm.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"[: 2 * tensor_parallel - 1]}
     run = subprocess.run(
@@ -101,20 +106,68 @@ def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     for (text, seed, steps), got in zip(REQUESTS, json.loads(results.read_text())):
-        image = None if seed is None else request_image(seed)
-        tokens, logprobs = reference(folder, text, image, steps)
+        tokens, logprobs = reference(folder, text, request_decoded(folder, seed), steps)
         assert got["tokens"] == tokens, (text, got["tokens"], tokens)
         assert max(abs(a - b) for a, b in zip(got["logprobs"], logprobs)) < LOGPROB_TOLERANCE
-    # the image decides the numbers: another picture moves the first log-probability far beyond the tolerance
+    # the media decide the numbers: another picture or video moves the first log-probability far beyond the tolerance
     text, seed, _ = REQUESTS[0]
-    same, other = (reference(folder, text, request_image(s), 1)[1][0] for s in (seed, seed + 7))
+    same, other = (reference(folder, text, request_decoded(folder, s), 1)[1][0] for s in (seed, seed + 7))
     assert abs(same - other) > 10 * LOGPROB_TOLERANCE
 
 
-def data_url(image: Image.Image) -> str:
+@vllm_missing
+@pytest.mark.parametrize("segments_present", [(1, 2), (1,)])
+def test_segments_give_each_segment_its_own_softmax(segments_present):
+    """Three reads of one softmax over all of a request's keys (as vLLM's cross-attention computes it) give the
+    reference's frames and audio softmaxes, summed; the frames' logits far above the audio's, so the audio's share
+    of the one softmax is small; a video without sound adds nothing for it."""
+    from dattn_export.modeling.attention import decomposed_attention
+    from dattn_export.vllm_plugin.model import Segments
+
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 32
+    segment = torch.tensor([1] * 4 + [2] * 6 + [0] * 2)
+    segment = torch.where(torch.isin(segment, torch.tensor(segments_present)), segment, 0)
+    q, k, v = torch.randn(tokens, heads * dim), torch.randn(12, kv_heads * dim), torch.randn(12, kv_heads * dim)
+    k[:4] *= 6
+
+    def by_head(x: torch.Tensor, count: int) -> torch.Tensor:  # (tokens, count x dim) -> (1, heads, tokens, dim)
+        return x.unflatten(-1, (count, dim)).repeat_interleave(heads // count, 1).transpose(0, 1)[None]
+
+    def cross_attention(values: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(by_head(q, heads), by_head(k, kv_heads), by_head(values, kv_heads))
+        return out[0].transpose(0, 1).flatten(1)
+
+    segments = Segments(2, dim)
+    got = segments.merge([cross_attention(values) for values in segments.values(v, segment)])
+    no_text = torch.zeros(1, kv_heads, 0, dim)
+    expected = decomposed_attention(
+        by_head(q, heads),
+        no_text,
+        no_text,
+        None,
+        by_head(q, heads),
+        k.unflatten(-1, (kv_heads, dim)).transpose(0, 1)[None],
+        v.unflatten(-1, (kv_heads, dim)).transpose(0, 1)[None],
+        segment[None, None].expand(1, tokens, -1),
+        scale=dim**-0.5,
+        softcap=None,
+        merge="sum",
+        num_contexts=2,
+    )
+    torch.testing.assert_close(got, expected[0].transpose(0, 1).flatten(1), rtol=1e-5, atol=1e-5)
+    one_softmax = cross_attention(v * (segment != 0)[:, None])
+    assert (one_softmax - got).abs().max() > 0.1  # one softmax over both segments is another number
+
+
+def data_url(data: bytes, media_type: str) -> str:
+    return f"data:{media_type};base64," + base64.b64encode(data).decode()
+
+
+def png_url(image: Image.Image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return data_url(buffer.getvalue(), "image/png")
 
 
 def free_port() -> int:
@@ -125,16 +178,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@vllm_missing
-def test_serve_answers_openai_chat_and_refuses_bad_requests(served, tmp_path):
-    from openai import BadRequestError, OpenAI
+@contextmanager
+def serving(folder: Path, log: Path, *options: str):
+    """`dattn-export serve FOLDER` on loopback in fp32, until the block ends: a function that sends one OpenAI chat
+    request (a text and one media part, or none) and returns its choice."""
+    from openai import OpenAI
 
-    folder, port = served["gemma2"], free_port()
-    log = (tmp_path / "serve.log").open("w")
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "dattn_export", "serve", folder, "--port", str(port), "--dtype", "float32"]
-        + ["--max-model-len", "256", "--enforce-eager"],
-        stdout=log,
+        + ["--max-model-len", "256", "--enforce-eager", *options],
+        stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
@@ -142,7 +196,7 @@ def test_serve_answers_openai_chat_and_refuses_bad_requests(served, tmp_path):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         deadline = time.monotonic() + 300
         while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert server.poll() is None, log.read_text()[-3000:]
             try:
                 model = client.models.list().data[0].id
                 break
@@ -150,33 +204,79 @@ def test_serve_answers_openai_chat_and_refuses_bad_requests(served, tmp_path):
                 assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
                 time.sleep(2)
 
-        def chat(text: str, image_url: str | None):
-            content = [{"type": "text", "text": text}]
-            if image_url is not None:
-                content.append({"type": "image_url", "image_url": {"url": image_url}})
+        def chat(text: str, media: dict | None):
+            content = [{"type": "text", "text": text}] + ([] if media is None else [media])
             reply = client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0, logprobs=True
             )
             return reply.choices[0]
 
-        text, seed, _ = REQUESTS[1]
-        tokenizer = load_tokenizer(folder, load_model(folder).config)
-        expected = tokenizer.decode(reference(folder, text, request_image(seed), 8)[0])
-        assert chat(text, data_url(request_image(seed))).message.content == expected
-
-        bad = {
-            "no image": (text, None),
-            "corrupt image": ("a b c", "data:image/png;base64," + base64.b64encode(b"not a png").decode()),
-            "image too large": ("a b c", data_url(Image.new("L", (8200, 8200)))),
-            "prompt past the context": ("a " * 300, data_url(request_image(0))),
-        }
-        for case, (prompt, url) in bad.items():
-            with pytest.raises(BadRequestError):
-                chat(prompt, url)
-        assert chat(text, data_url(request_image(seed))).message.content == expected  # still serving
+        yield chat
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def expected_text(folder: Path, text: str, media: DecodedMedia) -> str:
+    return load_tokenizer(folder, folder_config(folder)).decode(reference(folder, text, media, 8)[0])
+
+
+@vllm_missing
+def test_serve_answers_openai_chat_and_refuses_bad_requests(served, tmp_path):
+    from openai import BadRequestError
+
+    folder = served["gemma2"]
+    with serving(folder, tmp_path / "serve.log") as chat:
+        text, seed, _ = REQUESTS[1]
+        expected = expected_text(folder, text, request_decoded(folder, seed))
+        assert chat(text, image_part(png_url(request_image(seed)))).message.content == expected
+        bad = {
+            "no image": (text, None),
+            "corrupt image": ("a b c", image_part(data_url(b"not a png", "image/png"))),
+            "image too large": ("a b c", image_part(png_url(Image.new("L", (8200, 8200))))),
+            "prompt past the context": ("a " * 300, image_part(png_url(request_image(0)))),
+        }
+        for case, (prompt, media) in bad.items():
+            with pytest.raises(BadRequestError):
+                chat(prompt, media)
+        assert chat(text, image_part(png_url(request_image(seed)))).message.content == expected  # still serving
+
+
+@vllm_missing
+def test_serve_answers_about_a_video_file(served, tmp_path):
+    """A video model served: a chat request with a video file (a data URL) is answered as `generate --video`
+    answers it, from the file's frames at 1 frame/s and its sound track, which `serve`'s video loader decodes as
+    our reference does. A corrupt video, one with more frames than the server takes, and a chat request without a
+    video get HTTP 400, and the server keeps serving."""
+    from openai import BadRequestError
+
+    folder, clip = served["mistral-video"], tmp_path / "clip.mov"
+    frames, samples = request_video(2)
+    write_video(clip, list(frames), 1, (samples * 32768).astype(np.int16))
+    limit = json.dumps({"video": {"count": 1, "num_frames": 6}})
+    with serving(folder, tmp_path / "serve.log", "--limit-mm-per-prompt", limit) as chat:
+        text = "what is in the video"
+        expected = expected_text(folder, text, decode_media(Media(video=clip)))
+        request = video_part(data_url(clip.read_bytes(), "video/quicktime"))
+        assert chat(text, request).message.content == expected
+        write_video(tmp_path / "long.mov", list(request_video(5)[0]), 1, None)  # 7 frames
+        bad = {
+            "no video": (text, None),
+            "corrupt video": (text, video_part(data_url(b"not a video", "video/quicktime"))),
+            "too many frames": (text, video_part(data_url((tmp_path / "long.mov").read_bytes(), "video/quicktime"))),
+        }
+        for case, (prompt, media) in bad.items():
+            with pytest.raises(BadRequestError):
+                chat(prompt, media)
+        assert chat(text, request).message.content == expected  # still serving
 
 
 def test_serve_refuses_what_vllm_cannot_run(tmp_path):

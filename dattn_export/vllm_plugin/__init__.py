@@ -9,12 +9,11 @@ from __future__ import annotations
 from ..modeling.configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
 
 ARCHITECTURES = ("DAttnMistralForCausalLM", "DAttnGemma2ForCausalLM")
+VIDEO_BACKEND = "dattn"  # the name our video loader (`media.py`) has among vLLM's video backends
 
 
 def unsupported(config) -> str | None:
     """Why the plugin cannot serve a model with this config, in one line; None when it can."""
-    if config.is_video:
-        return "video models (frames and audio) are not served yet; image models are"
     if config.merge != "sum":
         return (
             f"dattn_mode {config.dattn_mode!r} merges text and visual attention with one softmax (alpha), which needs "
@@ -48,6 +47,8 @@ class DAttnGemma2ServingConfig(EncoderDecoder, DAttnGemma2Config):
 def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
+
+    from . import media  # noqa: F401  (registers the `dattn` video loader)
 
     for config_class in (DAttnMistralServingConfig, DAttnGemma2ServingConfig):
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)

@@ -1,14 +1,19 @@
 """D-Attn on vLLM's encoder-decoder path (the one Whisper takes), so vLLM's scheduler, caches and parallel layers
 serve it unchanged:
-  * the encoder output is an image's visual stream (tower -> adapter -> LLM norm: `ImageStream.embed_images`),
-    computed once per request by `embed_multimodal`;
-  * each layer runs the visual stream pointwise (diagonal V2V: a token's output is its own value through o_proj,
-    then the MLP) on the request's first step only, and writes the layer's unrotated visual K/V into a
-    cross-attention cache (`visual_attn`) that later steps read;
-  * text queries attend to the visual keys unrotated (debiased) through that cross-attention, and to the text keys
-    with RoPE through vLLM's usual `Attention` (`text_attn`: causal, sliding window, soft-cap); each has its own
-    softmax and the outputs are summed (the sum merge of the released models), then o_proj.
-q/k/v, o_proj and the MLP are vLLM's tensor-parallel layers; the vision tower, adapter and norms are the reference
+  * the encoder output is the request's context stream, computed once per request by `embed_multimodal` with the
+    reference's own `ContextStreams`: an image's visual tokens, or a video's frames then its audio; each token
+    carries its context segment (frames 1, audio 2; 0: masked) in one extra column;
+  * each layer runs the context stream pointwise (diagonal V2V: a token's output is its own value through o_proj,
+    then the MLP) on the request's first step only, and writes the layer's unrotated context K/V into
+    cross-attention caches (`context_attn`) that later steps read;
+  * text queries attend to the context keys unrotated (debiased) through those cross-attentions, and to the text
+    keys with RoPE through vLLM's usual `Attention` (`text_attn`: causal, sliding window, soft-cap); each segment and
+    the text have their own softmax and the outputs are summed (the sum merge of the released models), then o_proj.
+A cross-attention softmaxes over all of a request's encoder tokens, so a video model's two segments take
+`Segments`: one softmax over frames and audio, read through N + 1 cross-attentions over the same keys (each
+segment's values alone, and each segment's indicator), and each segment's output divided by its share of the
+softmax: exactly the softmax over that segment alone.
+q/k/v, o_proj and the MLP are vLLM's tensor-parallel layers; the towers, adapters and norms are the reference
 model's own modules, replicated on every rank.
 """
 
@@ -18,7 +23,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 from transformers import BatchFeature
 from vllm.config import VllmConfig
@@ -34,7 +41,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig
-from vllm.multimodal.parse import ImageProcessorItems
+from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataParser
 from vllm.multimodal.processing import (
     BaseDummyInputsBuilder,
     BaseProcessingInfo,
@@ -44,15 +51,16 @@ from vllm.multimodal.processing import (
 from vllm.v1.attention.backend import AttentionType
 
 from ..modeling import modeling_dattn
-from ..modeling.modeling_dattn import (
-    FAMILIES,
-    LearnablePositionEmbedding,
-    MLPProjector,
-    MMRMSNorm,
-    VisionTower,
-    anyres_grid,
+from ..modeling.modeling_dattn import FAMILIES, FramePool, anyres_grid
+from ..processing import (
+    AUDIO_RATE,
+    VIDEO_FPS,
+    anyres_tiles,
+    audio_features,
+    load_audio_processor,
+    load_image_processor,
+    preprocess_frames,
 )
-from ..processing import anyres_tiles, load_image_processor
 from . import unsupported
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # a request's image may hold at most this many pixels (it is resized to the tower's)
@@ -65,16 +73,34 @@ STACKED = {
     ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
     ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
 }
-NOT_SERVED = ("model.mm_aud.",)  # the audio tower a released image checkpoint carries; the image path never runs it
+IMAGE_MODEL_UNUSED = ("model.mm_aud.",)  # the audio tower a released image checkpoint carries and never runs
+DEFAULT_MAX_FRAMES = 300  # frames a video may have, where the model's pool sets no limit (5 minutes at 1 frame/s)
 
 
 class DAttnProcessingInfo(BaseProcessingInfo):
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": 1}
+        return {"video" if self.get_hf_config().is_video else "image": 1}
+
+    def get_data_parser(self) -> MultiModalDataParser:
+        """A video comes with its metadata, which carries its sound track (`media.DAttnVideoLoader`)."""
+        return MultiModalDataParser(
+            expected_hidden_size=self._get_expected_hidden_size(), video_needs_metadata=self.get_hf_config().is_video
+        )
 
     @cached_property
     def image_processor(self):
         return load_image_processor(Path(self.ctx.model_config.model), self.get_hf_config())
+
+    @cached_property
+    def audio_processor(self):
+        return load_audio_processor(Path(self.ctx.model_config.model), self.get_hf_config())
+
+    def max_frames(self) -> int:
+        """The most frames a request's video may have: the model's pool limit (or DEFAULT_MAX_FRAMES), lowered by
+        `--limit-mm-per-prompt '{"video": {"count": 1, "num_frames": N}}'`."""
+        limit = FramePool.max_frames(self.get_hf_config()) or DEFAULT_MAX_FRAMES
+        options = self.ctx.get_mm_config().limit_per_prompt.get("video")
+        return min(limit, options.num_frames) if options is not None and options.num_frames else limit
 
     def tiling(self, width: int, height: int) -> tuple[int, int]:
         """An anyres image's tiling (columns, rows); (0, 0) for a resized image (no tiles)."""
@@ -94,9 +120,15 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
         return ""
 
     def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int], mm_options):
-        """The largest image: an anyres model's widest tiling, filled exactly."""
+        """The largest image: an anyres model's widest tiling, filled exactly; the longest video, with a sound track
+        as long."""
         config = self.info.get_hf_config()
         size = config.vision_config["image_size"]
+        if config.is_video:
+            frames = self.info.max_frames()
+            video = self._get_dummy_videos(width=size, height=size, num_frames=frames, num_videos=1)[0]
+            audio = np.random.default_rng(0).uniform(-0.5, 0.5, int(frames / VIDEO_FPS * AUDIO_RATE))
+            return {"video": [(video, {"audio": audio.astype(np.float32)})] * mm_counts.get("video", 0)}
         columns, rows = max(config.mm_image_grid_points, key=lambda p: p[0] * p[1]) if config.is_anyres else (1, 1)
         images = self._get_dummy_images(
             width=columns * size,
@@ -115,6 +147,8 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         return [0]
 
     def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]) -> BatchFeature:
+        if "videos" in hf_data:
+            return self.video_features(hf_data["videos"])
         images = hf_data["images"]
         for image in images:
             if image.width * image.height > MAX_IMAGE_PIXELS:
@@ -129,7 +163,34 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         tiles, tilings = zip(*(anyres_tiles(image, self.info.image_processor, points, tile) for image in images))
         return BatchFeature({"pixel_values": torch.cat(tiles), "tiling": torch.tensor(tilings)})
 
+    def video_features(self, videos: list[tuple[np.ndarray, dict]]) -> BatchFeature:
+        """Each video's frames (the tower's squares) and log-mel chunks of its sound track (one chunk of zeros
+        without one), with `sizes` [frames, chunks, mel frames]: each video's share of the flat tensors."""
+        config, frames, mels, sizes = self.info.get_hf_config(), [], [], []
+        for video, metadata in videos:
+            if len(video) > self.info.max_frames():
+                raise ValueError(f"video of {len(video)} frames: at most {self.info.max_frames()} are served")
+            pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
+            frames.append(preprocess_frames(pictures, self.info.image_processor, config.vision_config["image_size"]))
+            samples, extractor = metadata.get("audio"), self.info.audio_processor
+            if samples is not None:
+                audio, mel_frames = audio_features(np.asarray(samples, dtype=np.float32), extractor)
+            if samples is None or mel_frames < config.mel_frames_per_audio_token:  # no sound track, or too short a one
+                audio, mel_frames = torch.zeros(1, extractor.feature_size, extractor.nb_max_frames), 0
+            mels.append(audio)
+            sizes.append([len(pictures), len(audio), mel_frames])
+        return BatchFeature(
+            {"frame_pixels": torch.cat(frames), "audio_mels": torch.cat(mels), "sizes": torch.tensor(sizes)}
+        )
+
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs) -> Mapping[str, MultiModalFieldConfig]:
+        if "sizes" in hf_inputs:
+            frames, chunks, _ = hf_inputs["sizes"].unbind(-1)
+            return {
+                "frame_pixels": MultiModalFieldConfig.flat_from_sizes("video", frames),
+                "audio_mels": MultiModalFieldConfig.flat_from_sizes("video", chunks),
+                "sizes": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
+            }
         if "tiling" not in hf_inputs:
             return {"pixel_values": MultiModalFieldConfig.batched("image")}
         per_image = 1 + hf_inputs["tiling"].prod(-1)  # the thumbnail and the tiles
@@ -139,11 +200,43 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         }
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptReplacement]:
+        config = self.info.get_hf_config()
+        if config.is_video:
+
+            def video_placeholders(item: int) -> list[int]:
+                frames, _, mel_frames = out_mm_kwargs.get_data()["sizes"][item].tolist()
+                return [0] * (frames * config.tokens_per_frame + mel_frames // config.mel_frames_per_audio_token)
+
+            return [PromptReplacement(modality="video", target=[0], replacement=video_placeholders)]
+
         def placeholders(item: int) -> list[int]:
             size = mm_items.get_items("image", ImageProcessorItems).get_image_size(item)
             return [0] * self.info.visual_tokens(size.width, size.height)
 
         return [PromptReplacement(modality="image", target=[0], replacement=placeholders)]
+
+
+def per_item(inputs: Mapping[str, object], names: Sequence[str]) -> list[tuple]:
+    """The batch's multimodal fields, item by item: vLLM hands a field over as one tensor when its items' shapes
+    agree, else as a list; flat fields (an item's frames, chunks or tiles after another's) are split by `sizes` /
+    `tiling`."""
+    fields = [inputs[name] for name in names]
+    if "sizes" in inputs:
+        counts = {"frame_pixels": inputs["sizes"][:, 0], "audio_mels": inputs["sizes"][:, 1]}
+    else:
+        counts = {"pixel_values": 1 + inputs["tiling"].prod(-1)} if "tiling" in inputs else {}
+    fields = [
+        x.split(counts[name].tolist()) if name in counts and isinstance(x, torch.Tensor) else x
+        for name, x in zip(names, fields)
+    ]
+    return list(zip(*fields))
+
+
+def with_segment(stream: torch.Tensor, segment: torch.Tensor | int) -> torch.Tensor:
+    """(1, tokens, hidden) or (tokens, hidden) stream and each token's segment -> (tokens, hidden + 1)."""
+    stream = stream.reshape(-1, stream.shape[-1])
+    column = torch.as_tensor(segment, dtype=stream.dtype, device=stream.device).reshape(-1, 1).expand(len(stream), 1)
+    return torch.cat([stream, column], dim=-1)
 
 
 def without_missing_visual(layer_name: str, visual: torch.Tensor) -> torch.Tensor:
@@ -158,8 +251,45 @@ def without_missing_visual(layer_name: str, visual: torch.Tensor) -> torch.Tenso
     return torch.where(rows.to(visual.device)[:, None], visual, 0)
 
 
+class Segments:
+    """A cross-attention over N context segments with a softmax each, from one softmax over all of them: the
+    segments' values apart and their indicators, read through N + 1 cross-attentions over the same keys. Segment i
+    gives sum_i p v / sum_i p, with p the one softmax: its own softmax exactly (the common normalizer cancels); a
+    segment a request lacks gives 0."""
+
+    def __init__(self, count: int, head_dim: int):
+        self.count, self.head_dim = count, head_dim
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The cross-attentions of a layer, by name (vLLM allows no digit but the layer's in an attention's name):
+        one where a single segment is the whole encoder sequence."""
+        return ("visual",) if self.count == 1 else ("frames", "audio")[: self.count] + ("shares",)
+
+    def values(self, v: torch.Tensor, segment: torch.Tensor) -> list[torch.Tensor]:
+        """(tokens, kv heads x head_dim) values and each token's segment (1..N, 0: none) -> each read's values."""
+        if self.count == 1:
+            return [v]
+        member = torch.stack([segment == i for i in range(1, self.count + 1)], dim=-1).to(v.dtype)  # (tokens, N)
+        v = v.unflatten(-1, (-1, self.head_dim))
+        indicator = torch.cat([member, member.new_zeros(len(v), self.head_dim - self.count)], -1)
+        per_segment = [v * member[:, None, i : i + 1] for i in range(self.count)]
+        return [x.flatten(1) for x in per_segment] + [indicator[:, None].expand_as(v).flatten(1).contiguous()]
+
+    def merge(self, reads: list[torch.Tensor]) -> torch.Tensor:
+        """Each read's output (tokens, heads x head_dim) -> the sum of the segments' own softmax outputs."""
+        if self.count == 1:
+            return reads[0]
+        share = reads[-1].unflatten(-1, (-1, self.head_dim))[..., : self.count]  # (tokens, heads, N)
+        out = 0
+        for i, read in enumerate(reads[:-1]):
+            mass = share[..., i : i + 1]
+            out = out + torch.where(mass > 0, read.unflatten(-1, (-1, self.head_dim)) / mass, 0)
+        return out.flatten(1)
+
+
 class DAttnAttention(nn.Module):
-    """q/k/v/o of one layer; `forward` returns the text stream's attention output and the visual stream's (its own
+    """q/k/v/o of one layer; `forward` returns the text stream's attention output and the context stream's (its own
     values through o_proj: diagonal V2V)."""
 
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str):
@@ -203,8 +333,17 @@ class DAttnAttention(nn.Module):
             prefix=f"{prefix}.text_attn",
             **shared,
         )
-        self.visual_attn = CrossAttention(
-            self.num_heads, prefix=f"{prefix}.visual_attn", attn_type=AttentionType.ENCODER_DECODER, **shared
+        self.segments = Segments(config.num_contexts, self.head_dim)
+        self.context_attn = nn.ModuleDict(
+            {
+                name: CrossAttention(
+                    self.num_heads,
+                    prefix=f"{prefix}.context_attn.{name}",
+                    attn_type=AttentionType.ENCODER_DECODER,
+                    **shared,
+                )
+                for name in self.segments.reads
+            }
         )
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -212,20 +351,24 @@ class DAttnAttention(nn.Module):
         return self.qkv_proj(x)[0].split([q_size, kv_size, kv_size], dim=-1)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, x_visual: torch.Tensor | None
+        self, positions: torch.Tensor, x: torch.Tensor, x_context: torch.Tensor | None, segment: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q, k, v = self.split(x)
-        q_visual = q.contiguous()  # unrotated: T2V is debiased (the rotary op rotates in place)
+        q_context = q.contiguous()  # unrotated: T2V is debiased (the rotary op rotates in place)
         q_text, k_text = self.rotary_emb(positions, q.clone(), k.contiguous())
-        visual_k = visual_v = visual_out = None
-        if x_visual is not None:  # the request's first step: its visual K/V go into the cross-attention cache
-            _, visual_k, visual_v = self.split(x_visual)
-            visual_k, visual_v = visual_k.contiguous(), visual_v.contiguous()
+        context_k, context_values, context_out = None, [None] * len(self.segments.reads), None
+        if x_context is not None:  # the request's first step: its context K/V go into the cross-attention caches
+            _, context_k, context_v = self.split(x_context)
+            context_k, context_v = context_k.contiguous(), context_v.contiguous()
             group = self.num_heads // self.num_kv_heads
-            per_query_head = visual_v.unflatten(-1, (self.num_kv_heads, self.head_dim)).repeat_interleave(group, 1)
-            visual_out = self.o_proj(per_query_head.flatten(1))[0]
-        visual = without_missing_visual(self.visual_attn.layer_name, self.visual_attn(q_visual, visual_k, visual_v))
-        return self.o_proj(self.text_attn(q_text, k_text, v.contiguous()) + visual)[0], visual_out
+            per_query_head = context_v.unflatten(-1, (self.num_kv_heads, self.head_dim)).repeat_interleave(group, 1)
+            context_out = self.o_proj(per_query_head.flatten(1))[0]
+            context_values = self.segments.values(context_v, segment)
+        reads = [
+            without_missing_visual(attn.layer_name, attn(q_context, context_k, values))
+            for attn, values in zip(self.context_attn.values(), context_values)
+        ]
+        return self.o_proj(self.text_attn(q_text, k_text, v.contiguous()) + self.segments.merge(reads))[0], context_out
 
 
 class DAttnMLP(nn.Module):
@@ -257,15 +400,20 @@ class DAttnDecoderLayer(nn.Module, modeling_dattn.LayerNorms):
         self.init_norms(config)
 
     def forward(
-        self, positions: torch.Tensor, h: torch.Tensor, h_visual: torch.Tensor | None, need_visual: bool
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        h_context: torch.Tensor | None,
+        segment: torch.Tensor | None,
+        need_context: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x_visual = None if h_visual is None else self.input_layernorm(h_visual)
-        attn_out, visual_out = self.self_attn(positions, self.input_layernorm(h), x_visual)
-        h_visual = self.residual_mlp(h_visual, visual_out) if h_visual is not None and need_visual else None
-        return self.residual_mlp(h, attn_out), h_visual
+        x_context = None if h_context is None else self.input_layernorm(h_context)
+        attn_out, context_out = self.self_attn(positions, self.input_layernorm(h), x_context, segment)
+        h_context = self.residual_mlp(h_context, context_out) if h_context is not None and need_context else None
+        return self.residual_mlp(h, attn_out), h_context
 
 
-class DAttnModel(nn.Module, modeling_dattn.ImageStream):
+class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
     def __init__(self, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         config = self.config = vllm_config.model_config.hf_config
@@ -276,12 +424,7 @@ class DAttnModel(nn.Module, modeling_dattn.ImageStream):
             DAttnDecoderLayer(config, i, vllm_config, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
         )
         self.norm = family.norm(hidden, eps=config.rms_norm_eps)
-        self.mm_vis = VisionTower(config)
-        self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
-        self.mm_rand_norm = MMRMSNorm(hidden)
-        self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.position_grid)
-        self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.position_grid)
-        self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
+        self.init_streams(config, audio_tower=config.is_video)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -291,10 +434,16 @@ class DAttnModel(nn.Module, modeling_dattn.ImageStream):
         x = self.embed_tokens(input_ids)
         return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, visual: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: torch.Tensor | None,
+        segment: torch.Tensor | None,
+    ) -> torch.Tensor:
         h = self.embed_input_ids(input_ids)
         for i, layer in enumerate(self.layers):
-            h, visual = layer(positions, h, visual, need_visual=i + 1 < len(self.layers))
+            h, context = layer(positions, h, context, segment, need_context=i + 1 < len(self.layers))
         return self.norm(h)
 
 
@@ -320,20 +469,28 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
         return None  # the image is not in the text: it is the encoder's input
 
-    def embed_multimodal(
-        self, pixel_values: torch.Tensor | list[torch.Tensor], tiling: torch.Tensor | None = None, **_
-    ) -> list[torch.Tensor]:
-        """Each image's visual stream (visual tokens, hidden): what the cross-attention caches are built from."""
-        if tiling is None:
-            pixels = torch.stack(list(pixel_values)) if isinstance(pixel_values, list) else pixel_values
-            return list(self.model.embed_images(pixels[:, None]).unbind(0))
-        if not isinstance(pixel_values, list):  # one image's thumbnail and tiles after another
-            pixel_values = pixel_values.split((1 + tiling.prod(-1)).tolist())
+    def embed_multimodal(self, **inputs) -> list[torch.Tensor]:
+        """Each request's context stream, (tokens, hidden + 1): the tokens the cross-attention caches are built
+        from, and in the last column each token's segment (frames or image 1, audio 2; 0: masked)."""
+        if "sizes" in inputs:
+            return [self.video_stream(*item) for item in per_item(inputs, ("frame_pixels", "audio_mels", "sizes"))]
+        if "tiling" not in inputs:
+            pixels = per_item(inputs, ("pixel_values",))
+            return [with_segment(self.model.embed_images(image[None, None])[0], 1) for (image,) in pixels]
         streams = []
-        for pixels, (columns, rows) in zip(pixel_values, tiling.tolist()):
+        for pixels, (columns, rows) in per_item(inputs, ("pixel_values", "tiling")):
             tiles = pixels[1:].unflatten(0, (rows, columns))
-            streams.append(self.model.anyres_stream(pixels[:1], tiles)[0])
+            streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], 1))
         return streams
+
+    def video_stream(self, frames: torch.Tensor, mels: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        """One video's frames stream then its audio stream (none without a sound track)."""
+        streams = [with_segment(*self.model.embed_video([frames]))]
+        mel_frames = int(sizes[2])
+        if mel_frames:
+            audio, mask = self.model.embed_audio([mels], [mel_frames])
+            streams.append(with_segment(audio, 2 * mask))
+        return torch.cat(streams)
 
     def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *, is_multimodal=None):
         return self.model.embed_input_ids(input_ids)
@@ -341,8 +498,10 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, encoder_outputs: list[torch.Tensor] | None = None, **_
     ) -> torch.Tensor:
-        visual = torch.cat(encoder_outputs) if encoder_outputs else None
-        return self.model(input_ids, positions, visual)
+        if not encoder_outputs:
+            return self.model(input_ids, positions, None, None)
+        context = torch.cat(encoder_outputs)
+        return self.model(input_ids, positions, context[:, :-1].contiguous(), context[:, -1].round().long())
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)
@@ -351,7 +510,8 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            if name.startswith(NOT_SERVED) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            unused = not self.config.is_video and name.startswith(IMAGE_MODEL_UNUSED)
+            if unused or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             target, shard = name, None
             for piece, (stacked, shard_id) in STACKED.items():

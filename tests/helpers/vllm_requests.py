@@ -10,6 +10,7 @@ import numpy as np
 from PIL import Image
 
 MAX_MODEL_LEN = 256
+MAX_FRAMES = 8
 # (prompt text or token ids, image seed or None for a text-only request, tokens to generate): several images,
 # prompt lengths and lengths of output, so that with at most three sequences in flight first steps and decodes
 # share batches; token ids without BOS, as a tokenizer that adds none gives them (vLLM must not add one)
@@ -33,8 +34,26 @@ def request_image(seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 255, (30 + 7 * seed, 50 - 5 * seed, 3), dtype=np.uint8))
 
 
+def request_video(seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """A video model's request: frames (F, H, W, 3) uint8 of their own count and size, and a sound track of its own
+    length at 16 kHz (none for odd seeds), as a video file decodes to."""
+    rng = np.random.default_rng(100 + seed)
+    frames = rng.integers(0, 255, (2 + seed, 20 + 3 * seed, 26, 3), dtype=np.uint8)
+    samples = None if seed % 2 else (rng.integers(-9000, 9000, 16000 * (3 + seed)) / 32768).astype(np.float32)
+    return frames, samples
+
+
+def request_media(video_model: bool, seed: int) -> dict:
+    if video_model:
+        frames, samples = request_video(seed)
+        return {"video": (frames, {"audio": samples})}
+    return {"image": request_image(seed)}
+
+
 def main(folder: str, tensor_parallel: int, out: str) -> None:
     from vllm import LLM, SamplingParams
+
+    video_model = json.loads(open(os.path.join(folder, "config.json")).read()).get("mm_input_type") == "video"
 
     llm = LLM(
         folder,
@@ -43,9 +62,11 @@ def main(folder: str, tensor_parallel: int, out: str) -> None:
         enforce_eager=True,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=3,
+        # a video model's encoder sequence is as long as the longest video taken: 8 frames, the requests' at most
+        limit_mm_per_prompt={"video": {"count": 1, "num_frames": MAX_FRAMES}} if video_model else None,
     )
     prompts = [
-        prompt_of(text) | ({} if seed is None else {"multi_modal_data": {"image": request_image(seed)}})
+        prompt_of(text) | ({} if seed is None else {"multi_modal_data": request_media(video_model, seed)})
         for text, seed, _ in REQUESTS
     ]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for *_, n in REQUESTS]
