@@ -21,9 +21,10 @@ from helpers.vllm_requests import REQUESTS, request_image, request_video
 from PIL import Image
 
 from dattn_export.checkpoints.source import folder_config, load_model
-from dattn_export.processing import load_tokenizer
+from dattn_export.processing import audio_features, load_audio_processor, load_tokenizer
 from dattn_export.stages.demo import write_demo_checkpoint, write_video
 from dattn_export.stages.generate import DecodedMedia, Media, decode_media, encode_media
+from dattn_export.vllm_plugin.video import longest_sound_track, max_video_frames
 
 vllm_missing = pytest.mark.skipif(
     __import__("importlib").util.find_spec("vllm") is None,
@@ -258,25 +259,47 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
     video get HTTP 400, and the server keeps serving."""
     from openai import BadRequestError
 
-    folder, clip = served["mistral-video"], tmp_path / "clip.mov"
+    folder, clip, long_clip = served["mistral-video"], tmp_path / "clip.mov", tmp_path / "long.mov"
     frames, samples = request_video(2)
     write_video(clip, list(frames), 1, (samples * 32768).astype(np.int16))
-    limit = json.dumps({"video": {"count": 1, "num_frames": 6}})
-    with serving(folder, tmp_path / "serve.log", "--limit-mm-per-prompt", limit) as chat:
+    most = max_video_frames(folder_config(folder), None)  # conv-interpolate: DEFAULT_MAX_FRAMES
+    write_video(long_clip, [frames[0]] * (most + 1), 1, None)
+    # at --max-model-len 256, vLLM's token budget is smaller than the longest video's tokens: serve sizes it
+    with serving(folder, tmp_path / "serve.log") as chat:
         text = "what is in the video"
         expected = expected_text(folder, text, decode_media(Media(video=clip)))
         request = video_part(data_url(clip.read_bytes(), "video/quicktime"))
         assert chat(text, request).message.content == expected
-        write_video(tmp_path / "long.mov", list(request_video(5)[0]), 1, None)  # 7 frames
         bad = {
             "no video": (text, None),
             "corrupt video": (text, video_part(data_url(b"not a video", "video/quicktime"))),
-            "too many frames": (text, video_part(data_url((tmp_path / "long.mov").read_bytes(), "video/quicktime"))),
+            "too many frames": (text, video_part(data_url(long_clip.read_bytes(), "video/quicktime"))),
         }
         for case, (prompt, media) in bad.items():
             with pytest.raises(BadRequestError):
                 chat(prompt, media)
         assert chat(text, request).message.content == expected  # still serving
+
+
+@vllm_missing
+@torch.no_grad()
+def test_serve_budgets_the_longest_video(served):
+    """vLLM takes a request's encoder tokens in one step: at a small --max-model-len, `serve` raises vLLM's token
+    budget to the longest video's tokens, as many as the reference model's streams for that video have."""
+    from dattn_export.stages.serve import vllm_serve_command
+
+    folder = served["mistral-video"]
+    model = load_model(folder)
+    frames, size = max_video_frames(model.config, None), model.config.vision_config["image_size"]
+    video, _ = model.model.embed_video([torch.rand(frames, 3, size, size)])
+    mels, mel_frames = audio_features(
+        np.ones(longest_sound_track(frames), np.float32) / 4, load_audio_processor(folder, model.config)
+    )
+    audio, _ = model.model.embed_audio([mels], [mel_frames])
+    command, _ = vllm_serve_command(folder, 1, "127.0.0.1", 8000, ("--max-model-len", "256"))
+    assert int(command[command.index("--max-num-batched-tokens") + 1]) == video.shape[1] + audio.shape[1]
+    few_frames = ("--max-model-len=256", "--limit-mm-per-prompt", json.dumps({"video": {"count": 1, "num_frames": 6}}))
+    assert "--max-num-batched-tokens" not in vllm_serve_command(folder, 1, "127.0.0.1", 8000, few_frames)[0]
 
 
 def test_serve_refuses_what_vllm_cannot_run(tmp_path):

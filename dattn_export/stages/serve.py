@@ -14,7 +14,9 @@ from ..artifacts import CONVERT_MANIFEST
 from ..checkpoints.hf import read_json
 from ..checkpoints.source import folder_config
 from ..errors import InputError
+from ..processing import load_audio_processor
 from ..vllm_plugin import VIDEO_BACKEND, unsupported
+from ..vllm_plugin.video import longest_sound_track, max_video_frames, video_tokens
 
 # The prompt as our reference reads it (BOS, then the text) for tokenizers without a chat template: the messages'
 # text, one after another; the image or video is the encoder's input, never a token in the text. A chat request
@@ -51,6 +53,34 @@ def cpu_environment(tensor_parallel_size: int) -> dict[str, str]:
     return env
 
 
+def option_value(args: tuple[str, ...], name: str) -> str | None:
+    """The value `vllm serve` takes for option `name` among `args` (`--name V` or `--name=V`, the last one)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def longest_video_budget(folder: Path, config, extra: tuple[str, ...]) -> list[str]:
+    """vLLM takes a request's encoder tokens in one step (no chunked prefill on its encoder-decoder path), so its
+    token budget must hold the longest video's frame and audio tokens; its own default is sized by the context
+    length (--max-model-len), which is larger unless set small. The option where it is needed, else nothing."""
+    try:
+        limits = json.loads(option_value(extra, "--limit-mm-per-prompt") or "{}")
+    except ValueError:
+        return []  # vLLM reports its own option's error
+    video = limits.get("video") if isinstance(limits, dict) else None
+    frames = max_video_frames(config, video.get("num_frames") if isinstance(video, dict) else None)
+    hop = load_audio_processor(folder, config).hop_length
+    tokens = video_tokens(config, frames, longest_sound_track(frames) // hop)
+    given = option_value(extra, "--max-model-len") or ""
+    context = int(given) if given.isdigit() else config.max_position_embeddings  # "32k", "auto": the config's
+    return ["--max-num-batched-tokens", str(tokens)] if tokens > context else []
+
+
 def vllm_serve_command(
     folder: Path, tensor_parallel_size: int, host: str, port: int, extra: tuple[str, ...]
 ) -> tuple[list[str], dict[str, str]]:
@@ -69,8 +99,10 @@ def vllm_serve_command(
     command += ["--tensor-parallel-size", str(tensor_parallel_size), "--host", host, "--port", str(port)]
     if not has_chat_template(folder) and "--chat-template" not in extra:
         command += ["--chat-template", PLAIN_CHAT_TEMPLATE]
-    if config.is_video and "--media-io-kwargs" not in extra:  # a video_url's frames and sound track, as Vidi reads
+    if config.is_video and option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads
         command += ["--media-io-kwargs", json.dumps({"video": {"video_backend": VIDEO_BACKEND}})]
+    if config.is_video and option_value(extra, "--max-num-batched-tokens") is None:
+        command += longest_video_budget(folder, config, extra)
     import torch
 
     env = {} if torch.cuda.is_available() else cpu_environment(tensor_parallel_size)

@@ -51,10 +51,8 @@ from vllm.multimodal.processing import (
 from vllm.v1.attention.backend import AttentionType
 
 from ..modeling import modeling_dattn
-from ..modeling.modeling_dattn import FAMILIES, FramePool, anyres_grid
+from ..modeling.modeling_dattn import FAMILIES, anyres_grid
 from ..processing import (
-    AUDIO_RATE,
-    VIDEO_FPS,
     anyres_tiles,
     audio_features,
     load_audio_processor,
@@ -62,6 +60,7 @@ from ..processing import (
     preprocess_frames,
 )
 from . import unsupported
+from .video import longest_sound_track, max_video_frames, video_tokens
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # a request's image may hold at most this many pixels (it is resized to the tower's)
 
@@ -74,7 +73,6 @@ STACKED = {
     ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
 }
 IMAGE_MODEL_UNUSED = ("model.mm_aud.",)  # the audio tower a released image checkpoint carries and never runs
-DEFAULT_MAX_FRAMES = 300  # frames a video may have, where the model's pool sets no limit (5 minutes at 1 frame/s)
 
 
 class DAttnProcessingInfo(BaseProcessingInfo):
@@ -96,11 +94,8 @@ class DAttnProcessingInfo(BaseProcessingInfo):
         return load_audio_processor(Path(self.ctx.model_config.model), self.get_hf_config())
 
     def max_frames(self) -> int:
-        """The most frames a request's video may have: the model's pool limit (or DEFAULT_MAX_FRAMES), lowered by
-        `--limit-mm-per-prompt '{"video": {"count": 1, "num_frames": N}}'`."""
-        limit = FramePool.max_frames(self.get_hf_config()) or DEFAULT_MAX_FRAMES
         options = self.ctx.get_mm_config().limit_per_prompt.get("video")
-        return min(limit, options.num_frames) if options is not None and options.num_frames else limit
+        return max_video_frames(self.get_hf_config(), None if options is None else options.num_frames)
 
     def tiling(self, width: int, height: int) -> tuple[int, int]:
         """An anyres image's tiling (columns, rows); (0, 0) for a resized image (no tiles)."""
@@ -127,7 +122,7 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
         if config.is_video:
             frames = self.info.max_frames()
             video = self._get_dummy_videos(width=size, height=size, num_frames=frames, num_videos=1)[0]
-            audio = np.random.default_rng(0).uniform(-0.5, 0.5, int(frames / VIDEO_FPS * AUDIO_RATE))
+            audio = np.random.default_rng(0).uniform(-0.5, 0.5, longest_sound_track(frames))
             return {"video": [(video, {"audio": audio.astype(np.float32)})] * mm_counts.get("video", 0)}
         columns, rows = max(config.mm_image_grid_points, key=lambda p: p[0] * p[1]) if config.is_anyres else (1, 1)
         images = self._get_dummy_images(
@@ -205,7 +200,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
 
             def video_placeholders(item: int) -> list[int]:
                 frames, _, mel_frames = out_mm_kwargs.get_data()["sizes"][item].tolist()
-                return [0] * (frames * config.tokens_per_frame + mel_frames // config.mel_frames_per_audio_token)
+                return [0] * video_tokens(config, frames, mel_frames)
 
             return [PromptReplacement(modality="video", target=[0], replacement=video_placeholders)]
 
