@@ -87,15 +87,18 @@ def reference(folder: Path, prompt: str | list[int], media: DecodedMedia, steps:
 @vllm_missing
 @pytest.mark.parametrize(
     "model, tensor_parallel",
-    [("mistral", 1), ("gemma2", 2), ("mistral-video", 2), ("gemma2-video", 1), ("gemma2-anyres", 1)],
+    [
+        *(("mistral", 1), ("mistral", 2), ("gemma2", 1), ("gemma2", 2)),
+        *(("mistral-video", 2), ("gemma2-video", 1), ("gemma2-anyres", 1)),
+    ],
 )
 def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     """Five requests with their own images (one given as token ids without BOS) and a text-only one, at most three
     in flight: every greedy token and its log-probability as our reference gives them (a text-only request, as
-    the reference's: no visual keys). Each family and each input type runs at TP=1 and at TP=2. Anyres: the
-    images' shapes choose different tilings, so the requests' visual streams differ in length. Video: the
-    requests' own frame counts and sound tracks (three with one, two without), the frames and the audio each under
-    their own softmax (one softmax over both misses the tolerance by 3000x)."""
+    the reference's: no visual keys). Image models of both families at TP=1 and TP=2, video models of each at
+    one of them. Anyres: the images' shapes choose different tilings, so the requests' visual streams differ in
+    length. Video: the requests' own frame counts and sound tracks (three with one, two without), the frames and
+    the audio each under their own softmax (one softmax over both misses the tolerance by 3000x)."""
     folder, results = served[model], tmp_path / "vllm.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"[: 2 * tensor_parallel - 1]}
     run = subprocess.run(
