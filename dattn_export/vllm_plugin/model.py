@@ -234,16 +234,17 @@ def with_segment(stream: torch.Tensor, segment: torch.Tensor | int) -> torch.Ten
     return torch.cat([stream, column], dim=-1)
 
 
-def without_missing_visual(layer_name: str, visual: torch.Tensor) -> torch.Tensor:
+def without_missing_context(layer_name: str, out: torch.Tensor) -> torch.Tensor:
     """The cross-attention's output (tokens, heads x head_dim) with 0 in the rows of text-only requests: vLLM's
-    cross-attention over no keys leaves them undefined, and the reference's visual attention adds 0 there."""
+    cross-attention over no keys leaves them undefined, and the reference's attention to the context adds 0
+    there."""
     metadata = get_attention_context(layer_name)[0]
     if metadata is None:  # a warm-up or profiling run
-        return visual
+        return out
     query_lens = metadata.query_start_loc.diff()
     rows = (metadata.seq_lens[: len(query_lens)] > 0).repeat_interleave(query_lens)
-    rows = torch.cat([rows, rows.new_zeros(len(visual) - len(rows))])  # padding rows after the batch's tokens
-    return torch.where(rows.to(visual.device)[:, None], visual, 0)
+    rows = torch.cat([rows, rows.new_zeros(len(out) - len(rows))])  # padding rows after the batch's tokens
+    return torch.where(rows.to(out.device)[:, None], out, 0)
 
 
 class Segments:
@@ -360,7 +361,7 @@ class DAttnAttention(nn.Module):
             context_out = self.o_proj(per_query_head.flatten(1))[0]
             context_values = self.segments.values(context_v, segment)
         reads = [
-            without_missing_visual(attn.layer_name, attn(q_context, context_k, values))
+            without_missing_context(attn.layer_name, attn(q_context, context_k, values))
             for attn, values in zip(self.context_attn.values(), context_values)
         ]
         return self.o_proj(self.text_attn(q_text, k_text, v.contiguous()) + self.segments.merge(reads))[0], context_out
