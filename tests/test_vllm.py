@@ -305,6 +305,28 @@ def test_serve_budgets_the_longest_video(served):
     assert "--max-num-batched-tokens" not in vllm_serve_command(folder, 1, "127.0.0.1", 8000, few_frames)[0]
 
 
+@vllm_missing
+def test_video_loader_keeps_the_sound_track_and_others_are_refused(tmp_path):
+    """The plugin's `dattn` video loader decodes a file's bytes as our reference decodes the file (frames at 1
+    frame/s, the sound track); a video from vLLM's own loader (a fixed count of frames, no sound) is refused with
+    the option that serves ours."""
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+
+    import dattn_export.vllm_plugin.media  # noqa: F401  (registers the loader, as the plugin does)
+    from dattn_export.processing import load_audio, load_video_frames
+    from dattn_export.vllm_plugin.model import sound_track
+
+    frames, samples = request_video(4)
+    write_video(tmp_path / "clip.mov", list(frames), 1, (samples * 32768).astype(np.int16))
+    data = (tmp_path / "clip.mov").read_bytes()
+    decoded, metadata = VIDEO_LOADER_REGISTRY.load("dattn").load_bytes(data, num_frames=4)
+    assert np.array_equal(decoded, np.stack([np.asarray(f) for f in load_video_frames(tmp_path / "clip.mov")]))
+    assert np.array_equal(decoded, frames) and np.array_equal(sound_track(metadata), load_audio(tmp_path / "clip.mov"))
+    _, metadata = VIDEO_LOADER_REGISTRY.load("opencv").load_bytes(data, num_frames=4)
+    with pytest.raises(ValueError, match="video_backend"):
+        sound_track(metadata)
+
+
 def test_serve_refuses_what_vllm_cannot_run(tmp_path):
     """One line, exit code 2, before vLLM starts: the alpha merge (one softmax over text and image) needs each
     attention's log-sum-exp, which vLLM's attention does not return."""

@@ -59,7 +59,7 @@ from ..processing import (
     load_image_processor,
     preprocess_frames,
 )
-from . import unsupported
+from . import VIDEO_BACKEND, unsupported
 from .video import longest_sound_track, max_video_frames, video_tokens
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # a request's image may hold at most this many pixels (it is resized to the tower's)
@@ -167,9 +167,9 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
                 raise ValueError(f"video of {len(video)} frames: at most {self.info.max_frames()} are served")
             pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
             frames.append(preprocess_frames(pictures, self.info.image_processor, config.vision_config["image_size"]))
-            samples, extractor = metadata.get("audio"), self.info.audio_processor
+            samples, extractor = sound_track(metadata), self.info.audio_processor
             if samples is not None:
-                audio, mel_frames = audio_features(np.asarray(samples, dtype=np.float32), extractor)
+                audio, mel_frames = audio_features(samples, extractor)
             if samples is None or mel_frames < config.mel_frames_per_audio_token:  # no sound track, or too short a one
                 audio, mel_frames = torch.zeros(1, extractor.feature_size, extractor.nb_max_frames), 0
             mels.append(audio)
@@ -209,6 +209,20 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
             return [0] * self.info.visual_tokens(size.width, size.height)
 
         return [PromptReplacement(modality="image", target=[0], replacement=placeholders)]
+
+
+def sound_track(metadata: Mapping[str, object]) -> np.ndarray | None:
+    """A video's sound track from its metadata (None: a video without one); a video that another of vLLM's loaders
+    decoded is refused: those sample a fixed count of frames, not the released 1 frame/s, and drop the sound."""
+    if "audio" not in metadata:
+        backend = metadata.get("video_backend", "its own")
+        raise ValueError(
+            f"the video was decoded by vLLM's {backend} loader, which drops its sound track: serve with "
+            f'--media-io-kwargs \'{{"video": {{"video_backend": "{VIDEO_BACKEND}"}}}}\' (dattn-export serve '
+            "does), or give the frames with {'audio': samples or None}"
+        )
+    samples = metadata["audio"]
+    return None if samples is None else np.asarray(samples, dtype=np.float32)
 
 
 def per_item(inputs: Mapping[str, object], names: Sequence[str]) -> list[tuple]:
