@@ -84,17 +84,26 @@ def open_media(path: Path | BinaryIO):
         raise InputError(path, f"cannot be decoded ({str(e).strip()})") from None
 
 
-def load_video_frames(path: Path | BinaryIO, fps: float = VIDEO_FPS) -> list[Image.Image]:
-    """Every round(average rate / fps)-th frame from the first, as RGB images (load_video's frame indices)."""
+def load_video_frames(
+    path: Path | BinaryIO, fps: float = VIDEO_FPS, limit: int | None = None, square: int | None = None
+) -> list[Image.Image]:
+    """Every round(average rate / fps)-th frame from the first, as RGB images (load_video's frame indices); at most
+    `limit` of them; with `square`, each resized to the tower's square as it is decoded (`tower_square`), so a
+    served video never holds its full-size frames."""
     with open_media(path) as container:
         if not container.streams.video:
             raise InputError(path, "has no video stream")
         stream = container.streams.video[0]
         if not stream.average_rate:
             raise InputError(path, "has no frame rate: cannot sample frames per second")
-        step = max(1, round(float(stream.average_rate) / fps))
+        step, frames = max(1, round(float(stream.average_rate) / fps)), []
         try:
-            frames = [f.to_image().convert("RGB") for i, f in enumerate(container.decode(stream)) if i % step == 0]
+            for i, decoded in enumerate(container.decode(stream)):
+                if i % step == 0:
+                    frame = decoded.to_image().convert("RGB")
+                    frames.append(frame if square is None else tower_square(frame, square))
+                if len(frames) == limit:
+                    break
         except av.FFmpegError as e:
             raise InputError(path, f"cannot be decoded as video ({str(e).strip()})") from None
     if not frames:
@@ -117,10 +126,15 @@ def open_image(path: Path) -> Image.Image:
         raise InputError(path, f"not a readable image ({e})") from None
 
 
+def tower_square(frame: Image.Image, size: int) -> Image.Image:
+    """A frame resized to the tower's square (bicubic: the released "resize" preprocessing); a frame already that
+    size is left as it is (Pillow copies it)."""
+    return frame.resize((size, size), resample=Image.BICUBIC)
+
+
 def preprocess_frames(frames: list[Image.Image], image_processor, size: int) -> torch.Tensor:
-    """(F, 3, size, size): each frame resized to the tower's square (bicubic), then its processor (the released
-    "resize" preprocessing)."""
-    return image_pixels([frame.resize((size, size), resample=Image.BICUBIC) for frame in frames], image_processor)[0]
+    """(F, 3, size, size): each frame resized to the tower's square, then its processor."""
+    return image_pixels([tower_square(frame, size) for frame in frames], image_processor)[0]
 
 
 def load_audio(path: Path | BinaryIO, rate: int = AUDIO_RATE, missing_ok: bool = False) -> np.ndarray | None:

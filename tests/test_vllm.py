@@ -313,15 +313,21 @@ def test_video_loader_keeps_the_sound_track_and_others_are_refused(tmp_path):
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
 
     import dattn_export.vllm_plugin.media  # noqa: F401  (registers the loader, as the plugin does)
-    from dattn_export.processing import load_audio, load_video_frames
+    from dattn_export.processing import load_audio, load_video_frames, tower_square
     from dattn_export.vllm_plugin.model import sound_track
 
     frames, samples = request_video(4)
     write_video(tmp_path / "clip.mov", list(frames), 1, (samples * 32768).astype(np.int16))
-    data = (tmp_path / "clip.mov").read_bytes()
-    decoded, metadata = VIDEO_LOADER_REGISTRY.load("dattn").load_bytes(data, num_frames=4)
+    data, loader = (tmp_path / "clip.mov").read_bytes(), VIDEO_LOADER_REGISTRY.load("dattn")
+    decoded, metadata = loader.load_bytes(data, num_frames=4)
     assert np.array_equal(decoded, np.stack([np.asarray(f) for f in load_video_frames(tmp_path / "clip.mov")]))
     assert np.array_equal(decoded, frames) and np.array_equal(sound_track(metadata), load_audio(tmp_path / "clip.mov"))
+    # as `serve` loads it: each frame resized to the tower's square as it is decoded, one frame past the limit at most
+    squares, _ = loader.load_bytes(data, frame_size=32, max_frames=3)
+    expected = [tower_square(Image.fromarray(frame), 32) for frame in frames[:4]]
+    assert np.array_equal(squares, np.stack([np.asarray(frame) for frame in expected]))
+    # the processor's own resize then leaves them as they are: the pixels the reference's frames give
+    assert all(np.array_equal(np.asarray(tower_square(frame, 32)), np.asarray(frame)) for frame in expected)
     _, metadata = VIDEO_LOADER_REGISTRY.load("opencv").load_bytes(data, num_frames=4)
     with pytest.raises(ValueError, match="video_backend"):
         sound_track(metadata)

@@ -64,16 +64,22 @@ def option_value(args: tuple[str, ...], name: str) -> str | None:
     return found
 
 
+def requested_frames(extra: tuple[str, ...]) -> int | None:
+    """The frame limit `--limit-mm-per-prompt '{"video": {"count": 1, "num_frames": N}}'` asks for, if any (a
+    malformed option is vLLM's to report)."""
+    try:
+        limits = json.loads(option_value(extra, "--limit-mm-per-prompt") or "{}")
+    except ValueError:
+        return None
+    frames = limits.get("video", {}).get("num_frames") if isinstance(limits, dict) else None
+    return frames if isinstance(frames, int) else None
+
+
 def longest_video_budget(folder: Path, config, extra: tuple[str, ...]) -> list[str]:
     """vLLM takes a request's encoder tokens in one step (no chunked prefill on its encoder-decoder path), so its
     token budget must hold the longest video's frame and audio tokens; its own default is sized by the context
     length (--max-model-len), which is larger unless set small. The option where it is needed, else nothing."""
-    try:
-        limits = json.loads(option_value(extra, "--limit-mm-per-prompt") or "{}")
-    except ValueError:
-        return []  # vLLM reports its own option's error
-    video = limits.get("video") if isinstance(limits, dict) else None
-    frames = max_video_frames(config, video.get("num_frames") if isinstance(video, dict) else None)
+    frames = max_video_frames(config, requested_frames(extra))
     hop = load_audio_processor(folder, config).hop_length
     tokens = video_tokens(config, frames, longest_sound_track(frames) // hop)
     given = option_value(extra, "--max-model-len") or ""
@@ -100,7 +106,9 @@ def vllm_serve_command(
     if not has_chat_template(folder) and "--chat-template" not in extra:
         command += ["--chat-template", PLAIN_CHAT_TEMPLATE]
     if config.is_video and option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads
-        command += ["--media-io-kwargs", json.dumps({"video": {"video_backend": VIDEO_BACKEND}})]
+        loader = {"video_backend": VIDEO_BACKEND, "frame_size": config.vision_config["image_size"]}
+        loader["max_frames"] = max_video_frames(config, requested_frames(extra))
+        command += ["--media-io-kwargs", json.dumps({"video": loader})]
     if config.is_video and option_value(extra, "--max-num-batched-tokens") is None:
         command += longest_video_budget(folder, config, extra)
     import torch
