@@ -303,6 +303,8 @@ def test_serve_budgets_the_longest_video(served):
     assert int(command[command.index("--max-num-batched-tokens") + 1]) == video.shape[1] + audio.shape[1]
     few_frames = ("--max-model-len=256", "--limit-mm-per-prompt", json.dumps({"video": {"count": 1, "num_frames": 6}}))
     assert "--max-num-batched-tokens" not in vllm_serve_command(folder, 1, "127.0.0.1", 8000, few_frames)[0]
+    count_only = ("--max-model-len", "256", "--limit-mm-per-prompt", json.dumps({"video": 1}))  # no frame limit
+    assert vllm_serve_command(folder, 1, "127.0.0.1", 8000, count_only)[0][: len(command)] == command
 
 
 @vllm_missing

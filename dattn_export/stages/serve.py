@@ -71,7 +71,8 @@ def requested_frames(extra: tuple[str, ...]) -> int | None:
         limits = json.loads(option_value(extra, "--limit-mm-per-prompt") or "{}")
     except ValueError:
         return None
-    frames = limits.get("video", {}).get("num_frames") if isinstance(limits, dict) else None
+    video = limits.get("video") if isinstance(limits, dict) else None  # {"video": 2}: a count alone
+    frames = video.get("num_frames") if isinstance(video, dict) else None
     return frames if isinstance(frames, int) else None
 
 
