@@ -76,11 +76,11 @@ def requested_frames(extra: tuple[str, ...]) -> int | None:
     return frames if isinstance(frames, int) else None
 
 
-def longest_video_budget(folder: Path, config, extra: tuple[str, ...]) -> list[str]:
+def longest_video_budget(folder: Path, config, frames: int, extra: tuple[str, ...]) -> list[str]:
     """vLLM takes a request's encoder tokens in one step (no chunked prefill on its encoder-decoder path), so its
-    token budget must hold the longest video's frame and audio tokens; its own default is sized by the context
-    length (--max-model-len), which is larger unless set small. The option where it is needed, else nothing."""
-    frames = max_video_frames(config, requested_frames(extra))
+    token budget must hold the longest video's (`frames` long) frame and audio tokens; its own default is sized by
+    the context length (--max-model-len), which is larger unless set small. The option where it is needed, else
+    nothing."""
     hop = load_audio_processor(folder, config).hop_length
     tokens = video_tokens(config, frames, longest_sound_track(frames) // hop)
     given = option_value(extra, "--max-model-len") or ""
@@ -106,12 +106,13 @@ def vllm_serve_command(
     command += ["--tensor-parallel-size", str(tensor_parallel_size), "--host", host, "--port", str(port)]
     if not has_chat_template(folder) and "--chat-template" not in extra:
         command += ["--chat-template", PLAIN_CHAT_TEMPLATE]
-    if config.is_video and option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads
-        loader = {"video_backend": VIDEO_BACKEND, "frame_size": config.vision_config["image_size"]}
-        loader["max_frames"] = max_video_frames(config, requested_frames(extra))
-        command += ["--media-io-kwargs", json.dumps({"video": loader})]
-    if config.is_video and option_value(extra, "--max-num-batched-tokens") is None:
-        command += longest_video_budget(folder, config, extra)
+    if config.is_video:
+        frames = max_video_frames(config, requested_frames(extra))
+        if option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads them
+            loader = {"video_backend": VIDEO_BACKEND, "frame_size": config.vision_config["image_size"]}
+            command += ["--media-io-kwargs", json.dumps({"video": loader | {"max_frames": frames}})]
+        if option_value(extra, "--max-num-batched-tokens") is None:
+            command += longest_video_budget(folder, config, frames, extra)
     import torch
 
     env = {} if torch.cuda.is_available() else cpu_environment(tensor_parallel_size)

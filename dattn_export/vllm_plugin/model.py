@@ -161,10 +161,10 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
     def video_features(self, videos: list[tuple[np.ndarray, dict]]) -> BatchFeature:
         """Each video's frames (the tower's squares) and log-mel chunks of its sound track (one chunk of zeros
         without one), with `sizes` [frames, chunks, mel frames]: each video's share of the flat tensors."""
-        config, frames, mels, sizes = self.info.get_hf_config(), [], [], []
+        config, most, frames, mels, sizes = self.info.get_hf_config(), self.info.max_frames(), [], [], []
         for video, metadata in videos:
-            if len(video) > self.info.max_frames():
-                raise ValueError(f"video of {len(video)} frames: at most {self.info.max_frames()} are served")
+            if len(video) > most:
+                raise ValueError(f"video of {len(video)} frames: at most {most} are served")
             pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
             frames.append(preprocess_frames(pictures, self.info.image_processor, config.vision_config["image_size"]))
             samples, extractor = sound_track(metadata), self.info.audio_processor
@@ -484,9 +484,9 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         from, and in the last column each token's segment (frames or image 1, audio 2; 0: masked)."""
         if "sizes" in inputs:
             return [self.video_stream(*item) for item in per_item(inputs, ("frame_pixels", "audio_mels", "sizes"))]
-        if "tiling" not in inputs:
-            pixels = per_item(inputs, ("pixel_values",))
-            return [with_segment(self.model.embed_images(image[None, None])[0], 1) for (image,) in pixels]
+        if "tiling" not in inputs:  # the batch's images through the tower at once
+            pixels = torch.stack([image for (image,) in per_item(inputs, ("pixel_values",))])
+            return [with_segment(stream, 1) for stream in self.model.embed_images(pixels[:, None])]
         streams = []
         for pixels, (columns, rows) in per_item(inputs, ("pixel_values", "tiling")):
             tiles = pixels[1:].unflatten(0, (rows, columns))
