@@ -6,6 +6,7 @@ import subprocess
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from helpers.builders import build_model, checkpoint_of, images, left_padded_batch
@@ -98,6 +99,12 @@ def test_fused_node_and_function(tmp_path):
     assert decoder.ir_version <= 10
     # the visual stream is diagonal: no attention node at all in visual_kv.onnx
     assert not [n for n in onnx.load(tmp_path / "onnx" / "visual_kv.onnx").graph.node if n.domain == "dattn"]
+    # every RMSNorm (four a layer, the final one) runs as ONNX Runtime's fused kernel
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(tmp_path / "onnx" / "decoder.onnx"), options, providers=["CPUExecutionProvider"])
+    optimized = [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
+    assert optimized.count("SimplifiedLayerNormalization") == 3 * 4 + 1
 
 
 def test_standard_attention_and_fp16(tmp_path):

@@ -133,3 +133,20 @@ def test_function_body_fp16_computes_in_fp32():
     expected = contract.reference(tuple(inputs.values()), attributes)
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float32), expected.float().numpy(), atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_function_body_keeps_ort_matmuls_unscaled(tmp_path, softcap):
+    """ONNX Runtime fuses a constant factor on a MatMul's product into it (FusedMatMul alpha), and at decode its
+    alpha != 1 path reads K 3x slower (bench/serving.py): the body scales the query instead. This checks the
+    graph ORT actually runs."""
+    attributes = Attributes.from_reference(scale=0.3, softcap=softcap)
+    variant = Variant("sum", softcap is not None, False, compute_cast=False)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    model = single_node_model(attributes.node_attributes(8, 2, 16), variant)
+    ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    matmuls = [n for n in onnx.load(tmp_path / "optimized.onnx").graph.node if n.op_type.endswith("MatMul")]
+    assert len(matmuls) == 4  # text and visual: logits and values
+    alphas = [helper.get_attribute_value(a) for n in matmuls for a in n.attribute if a.name == "alpha"]
+    assert alphas and all(alpha == 1.0 for alpha in alphas)
