@@ -107,8 +107,9 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
     minus_one = b.const([-1])
     scale = b.attribute("scale", "float")
 
-    def shared(x: str) -> str:  # K or V (B, Hkv, S, D) -> (B, Hkv, 1, S, D): broadcast over the group
-        return b.op("Unsqueeze", x, b.const([2]))
+    # K/V (B, Hkv, S, D) -> (B, Hkv, 1, S, D), broadcast over the group; queries (B, Hq, T, D) -> (B, Hkv, G, T, D)
+    k, v, k_vis, v_vis = (b.op("Unsqueeze", x, b.const([2])) for x in (k, v, k_vis, v_vis))
+    grouped_shape = b.op("Concat", batch, kv_heads, groups, queries, head_dim, axis=0)  # text and visual queries
 
     # The query is scaled, not the product: ORT would fuse a constant factor on the product into the MatMul
     # (alpha), and its alpha != 1 path is 3x slower at decode. Before the reshape, it does not fuse.
@@ -120,9 +121,8 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
 
     def logits(query: str, key: str) -> str:  # -> (B, Hkv, G, T, S), scaled, soft-capped
         scaled = b.op("Mul", query, query_scale)
-        dims = b.op("Concat", batch, kv_heads, groups, queries, head_dim, axis=0)
-        grouped = b.op("Reshape", scaled, dims, allowzero=1)  # a view: keys are not repeated
-        s = b.op("MatMul", grouped, b.op("Transpose", shared(key), perm=[0, 1, 2, 4, 3]))
+        grouped = b.op("Reshape", scaled, grouped_shape, allowzero=1)  # a view: keys are not repeated
+        s = b.op("MatMul", grouped, b.op("Transpose", key, perm=[0, 1, 2, 4, 3]))
         return b.op("Mul", b.op("Tanh", s), cap) if variant.softcap else s
 
     # slots: visual keys first when they are causal; text keys next; the queries are the last `queries` slots
@@ -173,7 +173,7 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
         return p, reduce("ReduceSum", p, 0.0)
 
     def values(p: str, value: str) -> str:  # (B, Hkv, G, T, S) x (B, Hkv, 1, S, D) -> (B, Hkv, G, T, D)
-        return b.op("MatMul", p, shared(value))
+        return b.op("MatMul", p, value)
 
     def safe(total: str) -> str:  # a row that sees no key gives 0, not NaN
         return b.op("Where", b.op("Equal", total, b.const(0.0, np.float32)), b.const(1.0, np.float32), total)
