@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from dattn_export.checkpoints.source import expected_shapes
+from dattn_export.checkpoints.source import model_shapes
 from dattn_export.presets import tiny_config
 
 HIDDEN, INTERMEDIATE, VOCAB = 2048, 8192, 32000
@@ -188,7 +188,7 @@ def main() -> None:
         startup = startup_seconds(work)
         for size in (args.size_gb / 2, args.size_gb):
             config = bench_config(size)
-            shapes = expected_shapes(config)
+            shapes = model_shapes(config)
             largest_bf16 = max(math.prod(s) for s in shapes.values()) * 2
             for layout, writer, largest in (
                 ("bf16 .bin shards", write_bin, largest_bf16),

@@ -4,12 +4,14 @@ checkpoint, the model code shipped with a converted folder, the dtype names, and
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import shutil
 import tempfile
+import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import InputError
+from .errors import DattnError, EnvironmentFailure, InputError, from_os_error
+from .sidefiles import read_json, reading
 
 CONVERT_MANIFEST = "dattn_manifest.json"
 ONNX_MANIFEST = "onnx_manifest.json"
@@ -38,7 +41,12 @@ CARRIED_FILES = (
     "processor_config.json",
 )
 MODELING_DIR = Path(__file__).parent / "modeling"
-REMOTE_CODE = ("configuration_dattn.py", "modeling_dattn.py", "attention.py")  # so OUT loads with trust_remote_code
+REMOTE_CODE = (
+    "configuration_dattn.py",
+    "modeling_dattn.py",
+    "attention.py",
+    "images.py",
+)  # so OUT loads with trust_remote_code
 
 
 @dataclass(frozen=True)
@@ -74,19 +82,35 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def from_json(kind, value):
-    """`value` (parsed JSON) as `kind`: dataclasses field by field, dict[str, X] and list[X] item by item."""
+    """`value` (parsed JSON) as `kind`: dataclasses field by field, dict[str, X] and list[X] item by item, `X | None`
+    as X or None. A value of the wrong kind raises TypeError."""
     origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        present = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        return None if value is None else from_json(present[0], value)
     if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise TypeError(f"{kind.__name__} is a JSON {type(value).__name__}, not an object")
         hints = typing.get_type_hints(kind)
         return kind(
             **{f.name: from_json(hints[f.name], value[f.name]) for f in dataclasses.fields(kind) if f.name in value}
         )
     if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"a map is a JSON {type(value).__name__}")
         item = typing.get_args(kind)[1]
         return {k: from_json(item, v) for k, v in value.items()}
     if origin is list:
+        if not isinstance(value, list):
+            raise TypeError(f"a list is a JSON {type(value).__name__}")
         return [from_json(typing.get_args(kind)[0], v) for v in value]
+    if kind in JSON_KINDS:  # JSON's own kinds: a bool is no int, an int is a float
+        if not isinstance(value, JSON_KINDS[kind]) or (isinstance(value, bool) and kind is not bool):
+            raise TypeError(f"a {kind.__name__} is a JSON {type(value).__name__}")
     return value
+
+
+JSON_KINDS = {str: str, int: int, float: (int, float), bool: bool, dict: dict, list: list}
 
 
 class Manifest:
@@ -99,10 +123,14 @@ class Manifest:
         path = Path(folder) / cls.FILE
         if not path.is_file():
             raise InputError(folder, f"has no {cls.FILE}: not {what}")
-        try:
-            return from_json(cls, json.loads(path.read_text()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise InputError(path, f"is not a readable {cls.FILE} ({type(e).__name__}: {e})") from None
+        fields = read_json(path, cls.FILE)
+        with reading(path, cls.FILE):
+            manifest = from_json(cls, fields)
+        manifest.check(path)
+        return manifest
+
+    def check(self, path: Path) -> None:
+        """What a reader of this manifest relies on beyond its fields' presence (raises InputError naming `path`)."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -238,6 +266,18 @@ class OnnxManifest(Manifest):
     quantization: dict | None = None  # decoder.onnx's weight-only quantization (stages/quantize.py)
     genai: str | None = None  # genai_config.json (onnxruntime-genai drives the decoder), or why it cannot
 
+    def check(self, path: Path) -> None:
+        needed = (
+            ("vision", "audio", "visual_kv", "decoder")
+            if self.model.input_type == "video"
+            else ("vision", "visual_kv", "decoder")
+        )
+        missing = [name for name in needed if name not in self.graphs]
+        if missing:
+            raise InputError(path, f"names no {', '.join(missing)} graph: the export is incomplete (run `onnx` again)")
+        if not any(value.name.startswith("past_key_values.") for value in self.graphs["decoder"].inputs):
+            raise InputError(path, "its decoder graph has no past_key_values inputs: not a D-Attn decoder")
+
 
 @dataclass
 class TrtManifest(OnnxManifest):
@@ -262,11 +302,20 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def carried_files(source: Path, names=CARRIED_FILES) -> list[Path]:
+    """The tokenizer, processor and generation files that `source` has; a JSON one that does not parse is refused,
+    naming it, rather than carried into an output that fails later."""
+    found = [Path(source) / name for name in names if (Path(source) / name).is_file()]
+    for path in found:
+        if path.suffix == ".json":
+            read_json(path, path.name)
+    return found
+
+
 def carry_files(source: Path, destination: Path, names=CARRIED_FILES) -> None:
-    """Copy the tokenizer, processor and generation files that `source` has into `destination`."""
-    for name in names:
-        if (Path(source) / name).is_file():
-            shutil.copyfile(Path(source) / name, Path(destination) / name)
+    """Copy the files `carried_files` finds in `source` into `destination`."""
+    for path in carried_files(source, names):
+        shutil.copyfile(path, Path(destination) / path.name)
 
 
 def copy_remote_code(destination: Path) -> None:
@@ -275,23 +324,87 @@ def copy_remote_code(destination: Path) -> None:
         shutil.copyfile(MODELING_DIR / name, Path(destination) / name)
 
 
-@contextmanager
-def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty temporary folder beside `final`; on success it replaces `final`, on any failure
-    (exception, Ctrl-C) it is removed. A run killed outright leaves only a hidden `.NAME.partial-*`
-    folder, which the next run for the same target removes."""
+def human_bytes(count: float) -> str:
+    """1234567890 -> '1.23 GB' (decimal units, as disks and the Hub count)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(count) < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
+        count /= 1000
+    raise AssertionError
+
+
+def check_apart(out: Path, source: str | Path) -> None:
+    """OUT may not be a checkpoint being read, lie inside one, or contain one: replacing it (--force) would delete the
+    input, and writing into it would change what is read."""
+    out, source_path = Path(out).resolve(), Path(source).resolve()
+    if out == source_path:
+        raise InputError(out, "is the input being read: write the output to another folder")
+    if source_path in out.parents:
+        raise InputError(out, f"lies inside {source_path}, which is being read: write the output elsewhere")
+    if out in source_path.parents:
+        raise InputError(out, f"contains {source_path}, which is being read: write the output elsewhere")
+
+
+def check_output(final: str | Path, overwrite: bool, reading: Iterable[str | Path] = ()) -> Path:
+    """Before any work: OUT stays apart from the inputs and does not exist unless it may be replaced. Returns it
+    absolute."""
     final = Path(final).absolute()
+    for source in reading:
+        check_apart(final, source)
+    existing = next(p for p in final.parents if p.exists())
+    if not existing.is_dir():
+        raise InputError(existing, f"is a file: the output {final} cannot be a folder under it")
     if final.exists() and not overwrite:
         raise InputError(final, "already exists (pass --force to replace it)")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f".{final.name}.partial-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    return final
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    """Refuse before writing when the disk cannot hold `needed` bytes, with 1% and 1 MB to spare (configs, tokenizers,
+    manifests, the filesystem's own blocks)."""
+    free = shutil.disk_usage(folder).free
+    if needed and free < needed + needed // 100 + (1 << 20):
+        raise EnvironmentFailure(
+            folder, f"needs about {human_bytes(needed)} for the output but its disk has {human_bytes(free)} free"
+        )
+
+
+def output_error(error: OSError, final: Path, tmp: Path, needed: int) -> DattnError:
+    """An OSError while writing OUT as one line naming OUT (not its hidden partial folder)."""
+    name = str(error.filename or final).replace(str(tmp), str(final))
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(final.parent).free
+        size = f" (the output needs about {human_bytes(needed)})" if needed else ""
+        return EnvironmentFailure(name, f"the disk filled up while writing{size}: {human_bytes(free)} free now")
+    return from_os_error(error, name)
+
+
+@contextmanager
+def atomic_dir(
+    final: str | Path, overwrite: bool = False, reading: Iterable[str | Path] = (), needed: int = 0
+) -> Iterator[Path]:
+    """Yield an empty temporary folder beside `final`; on success it replaces `final`, on any failure
+    (exception, Ctrl-C) it is removed. A run killed outright leaves only a hidden `.NAME.partial-*`
+    folder, which the next run for the same target removes. `reading`: the inputs of this run, which `final` must
+    stay apart from; `needed`: about how many bytes will be written, checked against the free space first. Errors of
+    the output's place (a full or read-only disk, no permission, a path through a file) are one line naming it."""
+    final = check_output(final, overwrite, reading)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        check_free_space(final.parent, needed)
+        for stale in final.parent.glob(f".{final.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    except OSError as e:
+        raise from_os_error(e, final.parent) from None
     try:
         yield tmp
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise output_error(e, final, tmp, needed) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

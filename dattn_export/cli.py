@@ -13,23 +13,46 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import InputError
+from .errors import one_line
 
 FAMILIES = ("mistral", "gemma2")  # presets.TINY_TEXT's families (a test holds them equal): --help imports no torch
 DEBUG = os.environ.get("DATTN_DEBUG") == "1"  # show the traceback behind a one-line error
 
 
 class DAttnGroup(click.Group):
-    """Reports InputError as one line on stderr with exit code 2, never a traceback (unless DATTN_DEBUG=1)."""
+    """Every failure as one line on stderr, `Error: ...`, with the exit code of `errors.one_line` (2 input,
+    3 environment, 1 a bug), never a traceback (unless DATTN_DEBUG=1); Click's usage errors too (exit 2), with the
+    command's --help named in the line."""
+
+    def main(self, args=None, prog_name=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            context = getattr(e, "ctx", None)
+            hint = f" (see `{context.command_path} --help`)" if context is not None else ""
+            code = report(e.exit_code, e.format_message() + hint)
+        except click.Abort:
+            code = report(*one_line(KeyboardInterrupt()))
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except InputError as e:
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:  # noqa: BLE001  (the one place every failure becomes a line)
             if DEBUG:
                 raise
-            click.secho(f"error: {e}", err=True, fg="red")
-            ctx.exit(2)
+            ctx.exit(report(*one_line(e)))
+        except KeyboardInterrupt as e:
+            ctx.exit(report(*one_line(e)))
+
+
+def report(code: int, line: str) -> int:
+    click.secho(f"Error: {' '.join(line.split())}", err=True, fg="red")
+    return code
 
 
 @click.group(cls=DAttnGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -88,7 +111,7 @@ def print_prompt_result(
     help="image: a D-Attn image model and a picture; video: a video model (frames and audio, the released "
     "Vidi layout) and a short video file with a sound track.",
 )
-@click.option("--max-new-tokens", default=12, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=12, show_default=True)
 def demo(directory: Path, family: str, input_type: str, max_new_tokens: int):
     """The main job end to end on a tiny random-weight D-Attn checkpoint written to DIRECTORY/checkpoint:
     reference generation, convert + verify, ONNX export + validation on ONNX Runtime."""
@@ -150,7 +173,7 @@ VIDEO_OPTIONS = [
 @click.option("--prompt", required=True, help="Text prompt.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="Image file (repeatable).")
 @video_options
-@click.option("--max-new-tokens", default=20, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option(
     "--backend",
     type=click.Choice(["torch", "genai"]),
@@ -279,6 +302,7 @@ def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force:
             + (f"; stored once: {', '.join(result.dropped)}" if result.dropped else ""),
         ),
         ("bytes", f"{result.weight_bytes:,}"),
+        ("copied", result.copy),
         ("time", f"{result.seconds:.2f} s ({result.weight_bytes / max(result.seconds, 1e-9) / 1e6:.0f} MB/s)"),
     ]
     stdout.print(summary_table("dattn-export convert", rows))
@@ -318,7 +342,13 @@ def verify(out: Path, against: Path | None, base, vision_heads):
     "standard: plain ONNX ops only.",
 )
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
-@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18-23; TensorRT 10/11 read 18).")
+@click.option(
+    "--opset",
+    type=click.IntRange(18, 23),
+    default=18,
+    show_default=True,
+    help="ONNX opset (18-23; TensorRT 10/11 read 18).",
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option(
     "--quantize",
@@ -326,7 +356,13 @@ def verify(out: Path, against: Path | None, base, vision_heads):
     help="Weight-only quantization of decoder.onnx's MatMuls (ONNX Runtime's MatMulNBits); validate then applies "
     "the accuracy gate instead of the fp32 tolerance.",
 )
-@click.option("--block-size", default=32, show_default=True, help="--quantize: weights per scale.")
+@click.option(
+    "--block-size",
+    type=click.Choice(["16", "32", "64", "128", "256"]),
+    default="32",
+    show_default=True,
+    help="--quantize: weights per scale (a power of two, as MatMulNBits takes).",
+)
 @click.option("--asymmetric", is_flag=True, help="--quantize: a zero point per block (default: symmetric).")
 @click.option("--quantize-lm-head", is_flag=True, help="--quantize: the lm_head too (default: kept fp32).")
 @click.option("--quantize-embedding", is_flag=True, help="--quantize: the embedding table too (default: kept fp32).")
@@ -372,7 +408,7 @@ def onnx_command(
             vision_heads,
             on_graph=lambda name: status.update(f"exported {name}.onnx"),
             quantize=quantize,
-            block_size=block_size,
+            block_size=int(block_size),
             symmetric=not asymmetric,
             quantize_lm_head=quantize_lm_head,
             accuracy_level=accuracy_level,
@@ -411,7 +447,9 @@ def onnx_command(
     show_default=True,
     help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU.",
 )
-@click.option("--steps", default=20, show_default=True, help="Greedy tokens to generate and compare.")
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Greedy tokens to generate and compare."
+)
 @click.option("--prompt", default=None, help="Prompt (default: the demo's).")
 @click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
 @video_options
@@ -482,9 +520,10 @@ def print_validation(report, folder: Path) -> None:
     if report.gate:
         g, t = report.gate, report.gate["thresholds"]
         out.print(
-            f"accuracy gate ({g['scheme']} weights; {g['prompts']} prompts, {g['positions']} positions): greedy "
-            f"agreement {g['agreement']:.3f} (>= {t['agreement']}), top-5 overlap {g['top5_overlap']:.3f} "
-            f"(>= {t['top5_overlap']}), mean KL {g['mean_kl']:.4f} (<= {t['mean_kl']}), max KL {g['max_kl']:.4f}"
+            f"accuracy gate ({g['scheme']} weights; {g['prompts']} prompts, {g['positions']} positions): greedy mass "
+            f"{g['greedy_mass']:.3f} (>= {t['greedy_mass']}), top-5 mass {g['top5_mass']:.4f} (>= {t['top5_mass']}), "
+            f"mean KL {g['mean_kl']:.4f} (<= {t['mean_kl']}); greedy agreement {g['agreement']:.3f}, "
+            f"max KL {g['max_kl']:.4f}"
         )
     verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
     out.print(
@@ -574,9 +613,9 @@ def push(
 @click.option("-o", "--output", "engines", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--fp16", "precision", flag_value="fp16", help="Allow fp16 tactics.")
 @click.option("--bf16", "precision", flag_value="bf16", help="Allow bf16 tactics.")
-@click.option("--max-batch", default=1, show_default=True)
-@click.option("--max-visual-tokens", default=2304, show_default=True)
-@click.option("--max-text-tokens", default=512, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-visual-tokens", type=click.IntRange(min=1), default=2304, show_default=True)
+@click.option("--max-text-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), help="Read and update this cache.")
 @click.option("--no-plugin", is_flag=True, help="Build fused nodes from their ONNX function instead of the plugin.")
 @click.option("--force", is_flag=True, help="Replace ENGINES if it exists.")
@@ -641,9 +680,16 @@ def analyze(checkpoint: Path, image, video, frames, audio, prompt: str, out: Pat
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, help="Ranks (GPUs, or CPU core groups).")
+@click.option(
+    "--tensor-parallel-size",
+    "-tp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Ranks (GPUs, or CPU core groups).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(out: Path, tensor_parallel_size: int, host: str, port: int, vllm_args: tuple[str, ...]):
     """Serve a converted folder with vLLM (an OpenAI-compatible server): `vllm serve OUT` with our plugin, a chat

@@ -9,22 +9,29 @@ from typing import BinaryIO
 import av
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProcessorPil, WhisperFeatureExtractor
 
 from .checkpoints.towers import tower_folder
 from .errors import InputError
-from .modeling.modeling_dattn import anyres_grid
+from .modeling.images import prepare_pictures
+from .sidefiles import read_json, reading
 
 PROCESSOR_FILE = "preprocessor_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 IMAGE_PROCESSORS = {"siglip_vision_model": SiglipImageProcessorPil, "clip_vision_model": CLIPImageProcessorPil}
 
 
 def load_tokenizer(folder: Path, config):
-    if not (Path(folder) / "tokenizer.json").is_file() and not (Path(folder) / "tokenizer_config.json").is_file():
+    names = [name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
+    if not names:
         raise InputError(folder, "has no tokenizer (tokenizer.json / tokenizer_config.json)")
-    return AutoTokenizer.from_pretrained(str(folder), config=config, local_files_only=True)
+    for name in names:  # a cut file is named, not the library's parse error
+        if name.endswith(".json"):
+            read_json(Path(folder) / name, name)
+    with reading(Path(folder) / names[0], "tokenizer"):
+        return AutoTokenizer.from_pretrained(str(folder), config=config, local_files_only=True)
 
 
 def processor_folder(folder: Path, config) -> Path | None:
@@ -45,28 +52,10 @@ def load_image_processor(folder: Path, config):
     return processor_class(size={"height": size, "width": size}, do_center_crop=False)
 
 
-def load_images(paths: list[Path], image_processor) -> torch.Tensor:
-    """Image files -> (1, images, 3, H, W) pixel values."""
-    return image_pixels([open_image(path) for path in paths], image_processor)
-
-
-def anyres_tiles(
-    image: Image.Image, image_processor, grid_points: list, tile: int
-) -> tuple[torch.Tensor, tuple[int, int]]:
-    """(1 + columns x rows, 3, tile, tile): the image resized to one tile (the thumbnail), then the image resized to
-    the best tiling's resolution and cut into tiles row by row (img_utils.process_anyres_image); and that tiling
-    (columns, rows)."""
-    columns, rows = anyres_grid(image.size, grid_points, tile)
-    resized = image.resize((columns * tile, rows * tile), resample=Image.BICUBIC)
-    corners = [(x, y) for y in range(0, rows * tile, tile) for x in range(0, columns * tile, tile)]
-    tiles = [resized.crop((x, y, x + tile, y + tile)) for x, y in corners]
-    thumbnail = image.resize((tile, tile), resample=Image.BICUBIC)
-    return image_pixels([thumbnail, *tiles], image_processor)[0], (columns, rows)
-
-
-def image_pixels(pictures: list[Image.Image], image_processor) -> torch.Tensor:
-    """Images -> (1, images, 3, H, W) pixel values."""
-    return image_processor(pictures, return_tensors="pt")["pixel_values"][None]
+def load_images(paths: list[Path], config, image_processor) -> torch.Tensor:
+    """Image files -> (1, images, 3, H, W) pixel values, each prepared as the released code prepares a picture
+    (`modeling/images.py`, by mm_image_aspect_ratio; not anyres, whose pictures become tiles)."""
+    return prepare_pictures([open_image(path) for path in paths], config.mm_image_aspect_ratio, image_processor)[None]
 
 
 # --- video models -----------------------------------------------------------------------------------------------
@@ -120,21 +109,17 @@ def load_frame_folder(folder: Path) -> list[Image.Image]:
 
 
 def open_image(path: Path) -> Image.Image:
-    try:
-        return Image.open(path).convert("RGB")
-    except (OSError, UnidentifiedImageError) as e:
-        raise InputError(path, f"not a readable image ({e})") from None
+    """An image file as RGB (the released code's `.convert('RGB')`); a picture over Pillow's decompression-bomb
+    limit (about 179 Mpixels) is refused before it is decoded."""
+    with reading(path, "image"):
+        with Image.open(path) as image:
+            return image.convert("RGB")
 
 
 def tower_square(frame: Image.Image, size: int) -> Image.Image:
-    """A frame resized to the tower's square (bicubic: the released "resize" preprocessing); a frame already that
-    size is left as it is (Pillow copies it)."""
+    """A frame resized to the tower's square (bicubic: the released `resize` preparation, which video models use); a
+    frame already that size is left as it is (Pillow copies it)."""
     return frame.resize((size, size), resample=Image.BICUBIC)
-
-
-def preprocess_frames(frames: list[Image.Image], image_processor, size: int) -> torch.Tensor:
-    """(F, 3, size, size): each frame resized to the tower's square, then its processor."""
-    return image_pixels([tower_square(frame, size) for frame in frames], image_processor)[0]
 
 
 def load_audio(path: Path | BinaryIO, rate: int = AUDIO_RATE, missing_ok: bool = False) -> np.ndarray | None:

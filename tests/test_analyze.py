@@ -64,7 +64,7 @@ def test_analyze_matches_materialised_softmax(tmp_path, family):
     demo_image().save(tmp_path / "image.png")
     report = analyze(checkpoint, Media(images=[tmp_path / "image.png"]), PROMPT, tmp_path / "report")
 
-    pixels = load_images([tmp_path / "image.png"], load_image_processor(checkpoint, model.config))
+    pixels = load_images([tmp_path / "image.png"], model.config, load_image_processor(checkpoint, model.config))
     tokenizer = load_tokenizer(checkpoint, model.config)
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(report.tokens)])
     with torch.no_grad():

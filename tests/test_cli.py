@@ -63,7 +63,7 @@ def test_demo_end_to_end(tmp_path):
     checkpoint = tmp_path / "out" / "checkpoint"
     model = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config)
-    pixels = load_images([checkpoint / "demo.png"], load_image_processor(checkpoint, model.config))
+    pixels = load_images([checkpoint / "demo.png"], model.config, load_image_processor(checkpoint, model.config))
     inputs = tokenizer(DEMO_PROMPT, return_tensors="pt")
     expected = model.generate(inputs["input_ids"], pixels, inputs["attention_mask"], max_new_tokens=8, eos_token_id=2)
     assert generated == expected[0].tolist()
@@ -126,7 +126,7 @@ BAD_INPUTS = {
     "bad attention mode": (lambda d: edit_config(d, dattn_mode="flash"), "dattn_mode"),
     "unknown vision tower": (lambda d: edit_config(d, mm_vision_tower="nowhere/tower"), "is neither a folder"),
     "missing config.json": (lambda d: (d / "config.json").unlink(), "has no config.json"),
-    "config not JSON": (lambda d: (d / "config.json").write_text("{oops"), "config.json: not readable JSON"),
+    "config not JSON": (lambda d: (d / "config.json").write_text("{oops"), "config.json: not a readable config.json"),
     "index names a missing shard": (
         lambda d: (d / "model-00002-of-00005.safetensors").unlink(),
         "missing shard model-00002-of-00005",

@@ -207,7 +207,7 @@ CASES = {
     "config.json not JSON": (
         "hf",
         lambda d: (d / "config.json").write_text("{") or d / "config.json",
-        "not readable JSON",
+        "not a readable config.json",
         [],
     ),
     "no config.json": ("hf", lambda d: (d / "config.json").unlink() or d, "has no config.json", []),

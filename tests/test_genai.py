@@ -27,7 +27,7 @@ def test_genai_generates_the_reference_tokens(tmp_path, family):
     assert config["model"]["type"] == family and config["model"]["eos_token_id"] == 2
     runtime, model = GenaiRuntime(tmp_path / "onnx"), load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config)
-    pixels = load_images([checkpoint / "demo.png"], load_image_processor(checkpoint, model.config))
+    pixels = load_images([checkpoint / "demo.png"], model.config, load_image_processor(checkpoint, model.config))
     context = runtime.graphs.encode_images(pixels.numpy())
     with torch.no_grad():
         visual, visual_mask = model.model.encode_images(pixels)

@@ -168,7 +168,7 @@ def test_error_percentiles_are_numpys():
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--opset", "13"], "--opset: 13 is not supported"),
+        (["--opset", "13"], "'--opset': 13 is not in the range 18<=x<=23"),
         (["--dtype", "bf16"], "--dtype bf16: needs --opset 22 or later"),
         (["--dtype", "fp16", "__overflow__"], "beyond fp16's 65504"),
         (["__not_dattn__"], "is not a D-Attn model"),

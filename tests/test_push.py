@@ -6,12 +6,14 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from helpers.hub_server import start
 from huggingface_hub import ModelCard
+from PIL import Image
 
 from dattn_export.checkpoints.source import load_model
 from dattn_export.stages.convert import convert
@@ -87,8 +89,27 @@ FRESH_PROCESS = textwrap.dedent("""
         np.save(out, model(ids, pixels).logits.numpy())
     readme = open(folder + "/README.md").read()
     snippet = readme.split("```python")[1].split("```")[0]
-    snippet = snippet.replace('Image.open("image.png")', 'Image.new("RGB", (40, 40), (200, 30, 30))')
+    snippet = snippet.replace('Image.open("image.png")', 'Image.open(sys.argv[3])')  # a wide RGBA picture
     exec(snippet)  # the model card's usage snippet, as written
+
+    # the usage's preparation is the released one under every rule (the helper imports no dattn_export)
+    sys.path.insert(0, sys.argv[4])
+    from released_images import open_picture, process_images, with_output_size
+    from types import SimpleNamespace
+    released = with_output_size(processor)
+    side, points = released.output_size, [[1, 2], [2, 1], [2, 2]]
+    for rule in ("resize", "pad", "crop", "anyres"):
+        model.config.mm_image_aspect_ratio, model.config.mm_image_grid_points = rule, points
+        cfg = SimpleNamespace(mm_image_aspect_ratio=rule, mm_image_grid_res=[[c * side, r * side] for c, r in points])
+        pixels = process_images([open_picture(sys.argv[3])], released, cfg)
+        with torch.no_grad():
+            got, _ = model.model.encode_pictures([image], processor)
+            if rule == "anyres":
+                expected, _ = model.model.encode_anyres([pixels[0]], [image.size])
+            else:
+                expected, _ = model.model.encode_images(pixels[None])
+        assert all(torch.equal(a, b) for x, y in zip(got, expected) for a, b in zip(x, y)), rule
+    print("the usage's pixels are the released ones under every rule")
 """)
 
 
@@ -129,9 +150,12 @@ def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp
 
     script = tmp_path / "fresh.py"
     script.write_text(FRESH_PROCESS)
+    rgba = np.random.default_rng(0).integers(0, 256, (64, 80, 4), dtype=np.uint8)
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "wide.png")
     env = hub_env(tmp_path, endpoint, token=None)
+    helpers = Path(__file__).parent / "helpers"
     run = subprocess.run(
-        [sys.executable, str(script), "alice/tiny-dattn", str(tmp_path / "logits.npy")],
+        [sys.executable, str(script), "alice/tiny-dattn", str(tmp_path / "logits.npy"), tmp_path / "wide.png", helpers],
         capture_output=True,
         text=True,
         timeout=300,
@@ -139,6 +163,7 @@ def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "the usage's pixels are the released ones under every rule" in run.stdout
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 300, (2, 7), generator=g)
     pixels = torch.randn(2, 1, 3, 32, 32, generator=g)
@@ -180,7 +205,7 @@ def test_persistent_5xx_publishes_nothing(converted, hub, tmp_path):
     state, endpoint = hub
     state.fail("POST", r"/commit/", 502, times=-1)
     result = push_cli(tmp_path, endpoint, converted, "--repo-id", "alice/down")
-    assert result.returncode == 2
+    assert result.returncode == 3  # the Hub's failure, not the input's
     (line,) = result.stderr.strip().splitlines()
     assert "answered 502 (server error) 4 times: nothing was published" in line and "alice/down" in line
     assert commits_on(state, "alice/down") == []
@@ -236,7 +261,7 @@ def test_rate_limit_is_retried(converted, hub, tmp_path):
 
 def test_network_down(converted, tmp_path):
     result = push_cli(tmp_path, "http://127.0.0.1:9", converted, "--repo-id", "alice/offline")  # nothing listens
-    assert result.returncode == 2
+    assert result.returncode == 3  # the network's failure, not the input's
     (line,) = result.stderr.strip().splitlines()
     assert "network error after 4 attempts" in line and "nothing was published" in line and "alice/offline" in line
 
@@ -292,4 +317,4 @@ def test_validation_report_goes_into_the_card(converted, tmp_path):
     result = push_cli(
         tmp_path, "http://127.0.0.1:9", converted, "--repo-id", "alice/x", "--dry-run", "--validation-report", path
     )
-    assert result.returncode == 2 and "is not a readable validation_report.json" in result.stderr
+    assert result.returncode == 2 and "not a readable validation_report.json" in result.stderr

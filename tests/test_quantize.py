@@ -1,53 +1,29 @@
 """onnx --quantize int4|int8 (ONNX Runtime's MatMulNBits) and validate's accuracy gate.
 
-A random model's next-token distributions are nearly flat, so their top-5 order is noise and any gate on them
-means nothing. The gate is held here on a tiny model trained first: 150 AdamW steps on the demo corpus with the demo
-image, until it predicts the corpus' answers with confidence, as a trained model predicts its domain. The gate
-prompts are that corpus' questions. The same gate then fails for graphs of a model that was not trained the same
-way, so passing is not automatic."""
+The gate is held on tiny models trained first on two corpora (`helpers/quantized.py`): healthy int4 and int8 exports
+of both pass it, exports whose scales are shifted a row or whose layers are swapped fail it, and graphs of another
+model fail it, so passing is not automatic."""
 
 import json
 
 import numpy as np
 import onnx
 import pytest
-import torch
 from helpers.builders import checkpoint_of
 from helpers.cli import run_cli
+from helpers.quantized import CORPORA, broken_export, train
 
-from dattn_export.checkpoints.source import load_model
-from dattn_export.processing import load_image_processor, load_images, load_tokenizer
-from dattn_export.stages.demo import CORPUS, write_demo_checkpoint
+from dattn_export.stages.demo import write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.quantize import GATES, gate
 from dattn_export.stages.validate import validate
 
 
-def train(folder, steps: int = 150, seed: int = 0):
-    """The demo checkpoint's model trained on the corpus (the image as context); returns it."""
-    torch.manual_seed(seed)
-    model = load_model(folder).train()
-    tokenizer = load_tokenizer(folder, model.config)
-    pixels = load_images([folder / "demo.png"], load_image_processor(folder, model.config))
-    batch = tokenizer(CORPUS[:3], return_tensors="pt", padding=True)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        logits = model(ids, pixels.expand(len(ids), -1, -1, -1, -1), mask).logits[:, :-1]
-        labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 0.1, loss.item()  # the corpus' answers are predicted with confidence
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    work = tmp_path_factory.mktemp("quantize")
+@pytest.fixture(scope="module", params=list(CORPORA))
+def trained(request, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"quantize-{request.param}")
     base = write_demo_checkpoint(work / "base")
-    return checkpoint_of(train(base), work / "trained"), work
+    return checkpoint_of(train(base, CORPORA[request.param]), work / "trained"), work
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -84,20 +60,36 @@ def test_quantized_embedding_passes_the_gate(trained):
     assert report.passed, report.gate
 
 
+@pytest.mark.parametrize("damage", ["shift-one", "swap"])
+def test_broken_exports_fail_the_gate(trained, damage):
+    """One matrix's scales shifted a row (a quantizer that misaligns them), or two layers exchanged."""
+    checkpoint, work = trained
+    healthy = work / "int4"
+    if not healthy.exists():
+        export_onnx(checkpoint, healthy, quantize="int4")
+    report = validate(broken_export(healthy, work / f"int4-{damage}", damage), checkpoint, steps=12)
+    assert not report.passed, report.gate
+    assert report.gate["top5_mass"] < GATES["int4"].top5_mass and report.gate["mean_kl"] > GATES["int4"].mean_kl
+
+
 def test_the_gate_fails_for_graphs_of_another_model(trained):
     """Graphs of the base (untrained) model validated against the trained one: the same gate fails."""
     checkpoint, work = trained
     export_onnx(work / "base", work / "other", quantize="int8")
     report = validate(work / "other", checkpoint, steps=12)
-    assert not report.passed and report.gate["agreement"] < GATES["int8"].agreement
+    assert not report.passed and report.gate["greedy_mass"] < GATES["int8"].greedy_mass
 
 
 def test_gate_metrics_are_literal():
-    """Agreement, top-5 overlap and KL(reference || quantized), computed by hand on two positions."""
-    reference = [np.log(np.array([[0.7, 0.1, 0.1, 0.05, 0.03, 0.02], [0.1, 0.6, 0.1, 0.1, 0.05, 0.05]]))]
-    quantized = [np.log(np.array([[0.6, 0.2, 0.1, 0.05, 0.03, 0.02], [0.5, 0.2, 0.1, 0.1, 0.05, 0.05]]))]
+    """Greedy mass, top-5 mass and KL(reference || quantized), computed by hand on two positions: the second one's
+    greedy token differs, and the quantized top 5 misses the reference's fifth token."""
+    reference = [np.log([[0.6999, 0.1, 0.1, 0.05, 0.03, 0.02, 0.0001], [0.1, 0.6, 0.1, 0.1, 0.05, 0.02, 0.03]])]
+    quantized = [np.log([[0.5999, 0.2, 0.1, 0.05, 0.03, 0.02, 0.0001], [0.5, 0.2, 0.1, 0.1, 0.02, 0.05, 0.03]])]
     result = gate("int4", reference, quantized)
     p, q = np.exp(reference[0]), np.exp(quantized[0])
     kl = (p * np.log(p / q)).sum(-1)
-    assert result.agreement == 0.5 and result.top5_overlap == 1.0  # the same five tokens lead each row
+    assert result.greedy_mass == pytest.approx((1.0 + 0.1 / 0.6) / 2)
+    # position 2: the quantized top 5 is tokens 0, 1, 2, 3, 5 (mass 0.92 of the reference's), the reference's 0-4 (0.95)
+    assert result.top5_mass == pytest.approx((1.0 + 0.92 / 0.95) / 2)
+    assert result.agreement == 0.5
     assert result.mean_kl == pytest.approx(kl.mean()) and result.max_kl == pytest.approx(kl.max())

@@ -11,17 +11,19 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers.cli import run_cli
+from helpers.released_images import process_images, with_output_size
 from helpers.vllm_requests import REQUESTS, request_image, request_video
 from PIL import Image
 
 from dattn_export.checkpoints.source import folder_config, load_model
-from dattn_export.processing import audio_features, load_audio_processor, load_tokenizer
+from dattn_export.processing import audio_features, load_audio_processor, load_image_processor, load_tokenizer
 from dattn_export.stages.demo import write_demo_checkpoint, write_video
 from dattn_export.stages.generate import DecodedMedia, Media, decode_media, encode_media
 from dattn_export.vllm_plugin.video import longest_sound_track, max_video_frames
@@ -34,6 +36,7 @@ HELPERS = Path(__file__).parent / "helpers"
 # vLLM's CPU attention takes head sizes from 32 up: the tiny Mistral gets two heads of 32
 TINY_HEADS = {"mistral": dict(num_attention_heads=2, head_dim=32), "gemma2": {}}
 ANYRES = dict(mm_image_aspect_ratio="anyres", mm_image_grid_points=[[1, 2], [2, 1], [2, 2]])  # tiles of the image
+CLIP_PAD = dict(mm_image_aspect_ratio="pad")
 LOGPROB_TOLERANCE = 1e-4
 
 
@@ -49,7 +52,10 @@ def converted(root: Path, family: str, **overrides) -> Path:
 def served(tmp_path_factory):
     folders = {family: converted(tmp_path_factory.mktemp(family), family) for family in TINY_HEADS}
     videos = {f"{name}-video": converted(tmp_path_factory.mktemp(name), name, video=True) for name in TINY_HEADS}
-    return folders | videos | {"gemma2-anyres": converted(tmp_path_factory.mktemp("anyres"), "gemma2", **ANYRES)}
+    clip = {  # the released classes' default tower, pictures padded to squares (a rule CLIP and SigLIP differ on)
+        "mistral-clip-pad": converted(tmp_path_factory.mktemp("clip"), "mistral", vision="clip", **CLIP_PAD)
+    }
+    return folders | videos | clip | {"gemma2-anyres": converted(tmp_path_factory.mktemp("anyres"), "gemma2", **ANYRES)}
 
 
 def request_decoded(folder: Path, seed: int | None) -> DecodedMedia:
@@ -65,13 +71,20 @@ def request_decoded(folder: Path, seed: int | None) -> DecodedMedia:
 @torch.no_grad()
 def reference(folder: Path, prompt: str | list[int], media: DecodedMedia, steps: int) -> tuple[list[int], list[float]]:
     """Greedy tokens of our reference model (fp32) for a prompt and its decoded media, and the log-probability of
-    each."""
+    each; a picture enters as the pixels the released path (`process_images`, written out) makes of it."""
     model = load_model(folder)
     if isinstance(prompt, list):
         ids = torch.tensor([prompt])
     else:
         ids = load_tokenizer(folder, model.config)(prompt, return_tensors="pt")["input_ids"]
-    streams = encode_media(model, folder, media, {})  # visual (and audio) K/V and masks
+    if media.images and not model.config.is_anyres:  # the pixels the released path makes of the picture
+        processor = with_output_size(load_image_processor(folder, model.config))
+        rule = SimpleNamespace(mm_image_aspect_ratio=model.config.mm_image_aspect_ratio)
+        streams = dict(zip(("visual_key_values", "visual_mask"), model.model.encode_images(
+            process_images(media.images, processor, rule)[None]
+        )))  # fmt: skip
+    else:
+        streams = encode_media(model, folder, media, {})  # visual (and audio) K/V and masks
     out = model(ids, **streams)
     tokens, logprobs = [], []
     for _ in range(steps):
@@ -89,7 +102,7 @@ def reference(folder: Path, prompt: str | list[int], media: DecodedMedia, steps:
     "model, tensor_parallel",
     [
         *(("mistral", 1), ("mistral", 2), ("gemma2", 1), ("gemma2", 2)),
-        *(("mistral-video", 2), ("gemma2-video", 1), ("gemma2-anyres", 1)),
+        *(("mistral-video", 2), ("gemma2-video", 1), ("gemma2-anyres", 1), ("mistral-clip-pad", 1)),
     ],
 )
 def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
@@ -98,7 +111,8 @@ def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     the reference's: no visual keys). Image models of both families at TP=1 and TP=2, video models of each at
     one of them. Anyres: the images' shapes choose different tilings, so the requests' visual streams differ in
     length. Video: the requests' own frame counts and sound tracks (three with one, two without), the frames and
-    the audio each under their own softmax (one softmax over both misses the tolerance by 3000x)."""
+    the audio each under their own softmax (one softmax over both misses the tolerance by 3000x). CLIP, pictures
+    padded to squares: vLLM's pixels are the released path's for that rule too."""
     folder, results = served[model], tmp_path / "vllm.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"[: 2 * tensor_parallel - 1]}
     run = subprocess.run(

@@ -19,6 +19,8 @@ import math
 import re
 from pathlib import Path
 
+import torch
+
 from ..errors import InputError
 from .hf import SafetensorsReader, TorchBinReader
 from .lazy import GatheredTensor, LazyTensor, read_torch_file, slice_flat
@@ -51,7 +53,7 @@ class ZeroReader(CheckpointReader):
 
     @classmethod
     def detect(cls, path: Path) -> bool:
-        return path.is_dir() and any(path.glob("*_model_states.pt"))
+        return path.is_dir() and any(any(path.glob(pattern)) for pattern in ("*_model_states.pt", "*_optim_states.pt"))
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -59,6 +61,8 @@ class ZeroReader(CheckpointReader):
             self.config_dir = path.parent  # global_stepN/ inside a Trainer checkpoint-N/ folder
         model_files = sorted(path.glob("*_model_states.pt"), key=natural_key)
         optim_files = sorted(path.glob("*_optim_states.pt"), key=natural_key)
+        if not model_files:
+            raise InputError(path, "has optimizer states but no *_model_states.pt: the parameter shapes are missing")
         if not optim_files:
             raise InputError(path, "has model states but no *_optim_states.pt files: the fp32 weights are missing")
         model_states = [_dict(read_torch_file(f), f, "module") for f in model_files]
@@ -88,7 +92,10 @@ class ZeroReader(CheckpointReader):
         shapes_source = model_states[0].get("param_shapes")
         if not shapes_source:
             raise InputError(model_files[0], "has no param_shapes: cannot cut the flat fp32 groups into tensors")
-        param_groups = shapes_source if isinstance(shapes_source, list) else [shapes_source]
+        param_groups = [
+            checked_shapes(group, model_files[0], "param_shapes")
+            for group in (shapes_source if isinstance(shapes_source, list) else [shapes_source])
+        ]
         rebuild = self._zero3 if stage == 3 else self._zero2
         try:
             self._buffers(model_states[0])
@@ -127,9 +134,11 @@ class ZeroReader(CheckpointReader):
                 self.tensors[name] = module[name]
 
     def _frozen(self, model_states: list[dict], stage: int, world_size: int) -> None:
-        shapes = model_states[0].get("frozen_param_shapes") or {}
+        shapes = checked_shapes(model_states[0].get("frozen_param_shapes") or {}, self.path, "frozen_param_shapes")
         for name, shape in shapes.items():
-            fragments = [state["frozen_param_fragments"][name] for state in model_states]
+            fragments = [(state.get("frozen_param_fragments") or {}).get(name) for state in model_states]
+            if not all(isinstance(f, LazyTensor) for f in fragments):
+                raise ValueError(f"frozen parameter {name} has no fragment in every model-states file")
             if stage < 3:
                 self.tensors[name] = GatheredTensor((_flat(fragments[0]),), tuple(shape))
             else:
@@ -167,6 +176,19 @@ class ZeroReader(CheckpointReader):
             raise ValueError(
                 f"parameters take {offset * world_size} elements, the ranks hold {per_rank[0] * world_size}"
             )
+
+
+def checked_shapes(group, file: Path, key: str) -> dict[str, tuple[int, ...]]:
+    """A `param_shapes` group (name -> shape) whose shapes are made of non-negative ints, as DeepSpeed writes them."""
+    if not isinstance(group, dict):
+        raise InputError(file, f"{key} is a {type(group).__name__}, not a map of parameter names to shapes")
+    shapes = {}
+    for name, shape in group.items():
+        dims = tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else None
+        if not isinstance(name, str) or dims is None or not all(type(n) is int and n >= 0 for n in dims):
+            raise InputError(file, f"{key}: parameter {name!r} has shape {shape!r}, not a list of sizes"[:300])
+        shapes[name] = dims
+    return shapes
 
 
 def _flat(tensor: LazyTensor) -> LazyTensor:

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import InputError
+from ..sidefiles import read_json
 from .lazy import LazyTensor, LoadedTensor, read_safetensors, read_torch_file
 from .registry import CheckpointReader, register
-
-
-def read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(path, f"not readable JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise InputError(path, "is not a JSON object")
-    return value
 
 
 def read_state_dict_file(file: Path) -> dict[str, LazyTensor | LoadedTensor]:
@@ -48,9 +38,12 @@ class ShardedReader(CheckpointReader):
         index_path = path / self.index_name
         weight_map = None
         if index_path.is_file():
-            weight_map = read_json(index_path).get("weight_map")
+            weight_map = read_json(index_path, "safetensors/bin index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise InputError(index_path, "has no 'weight_map'")
+            for name, shard in weight_map.items():
+                if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                    raise InputError(index_path, f"maps {name} to {shard!r}, not the name of a file in this folder")
             shards = sorted(set(weight_map.values()))
             for shard in shards:
                 if not (path / shard).is_file():

@@ -25,6 +25,7 @@ import pickle
 import struct
 import warnings
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,9 +202,34 @@ def slice_flat(pieces: list[LazyTensor], start: int, length: int) -> list[LazyTe
 
 # --- safetensors ----------------------------------------------------------------------------------
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library refuses larger headers
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
+    return dict(pairs)
+
+
+def _naturals(value, count: int | None = None) -> tuple[int, ...] | None:
+    """`value` as a tuple of non-negative JSON integers (`count` of them), or None: what the safetensors library
+    accepts for shapes and offsets (no booleans, floats or negative numbers)."""
+    if not isinstance(value, list) or (count is not None and len(value) != count):
+        return None
+    if not all(type(n) is int and n >= 0 for n in value):
+        return None
+    return tuple(value)
+
 
 def read_safetensors(file: Path) -> dict[str, LazyTensor]:
-    """The tensors of a safetensors file, validated against the file's size; no data is read."""
+    """The tensors of a safetensors file, its header validated as the safetensors library validates it before a
+    byte is used: known dtypes, non-negative integer shapes and offsets, each tensor's bytes sized by its dtype and
+    shape, the byte ranges in order without gap or overlap, covering the data exactly. No data is read."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         prefix = f.read(8)
@@ -212,28 +238,45 @@ def read_safetensors(file: Path) -> dict[str, LazyTensor]:
         header_len = struct.unpack("<Q", prefix)[0]
         if header_len > size - 8:
             raise InputError(file, f"safetensors header length {header_len} is larger than the file ({size} bytes)")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InputError(file, f"safetensors header is not valid JSON ({e})") from None
+        if header_len > MAX_HEADER_BYTES:
+            raise InputError(file, f"safetensors header of {header_len} bytes: the format allows {MAX_HEADER_BYTES}")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InputError(file, f"safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise InputError(file, "safetensors header is not a JSON object")
-    tensors = {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise InputError(file, "safetensors __metadata__ is not a map of strings to strings")
+    data_bytes, tensors, ranges = size - 8 - header_len, {}, []
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(n) for n in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise InputError(file, f"tensor {name}: malformed safetensors header entry {info!r}") from None
+        entry = info if isinstance(info, dict) else {}
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+        shape, offsets = _naturals(entry.get("shape")), _naturals(entry.get("data_offsets"), 2)
+        if dtype is None or shape is None or offsets is None or offsets[0] > offsets[1]:
+            raise InputError(file, f"tensor {name}: malformed safetensors header entry {info!r}"[:300])
+        begin, end = offsets
         tensor = LazyTensor(file, 8 + header_len + begin, dtype, shape)
         if end - begin != tensor.nbytes:
-            raise InputError(file, f"tensor {name}: {end - begin} bytes stored for shape {list(shape)} {info['dtype']}")
-        if 8 + header_len + end > size:
+            raise InputError(
+                file, f"tensor {name}: {end - begin} bytes stored for shape {list(shape)} {entry['dtype']}"
+            )
+        if end > data_bytes:
             raise InputError(file, f"tensor {name} extends past the end of the file ({size} bytes): truncated?")
         tensors[name] = tensor
+        ranges.append((begin, end, name))
+    covered = 0
+    for begin, end, name in sorted(ranges):  # the bytes of the tensors, one after another, as the format requires
+        if begin != covered:
+            relation = (
+                "overlaps the bytes of another tensor" if begin < covered else f"leaves bytes {covered}-{begin} unused"
+            )
+            raise InputError(file, f"tensor {name}: data_offsets [{begin}, {end}] {relation}")
+        covered = end
+    if covered != data_bytes:
+        raise InputError(file, f"{data_bytes - covered} bytes after the last tensor belong to none (not safetensors)")
     return tensors
 
 
@@ -270,8 +313,20 @@ class _Storage:
     numel: int
 
 
-def _rebuild_tensor(storage: _Storage, storage_offset, size, stride, *_ignored) -> LazyTensor:
-    size, stride = tuple(size), tuple(stride)
+def _ints(value, what: str) -> tuple[int, ...]:
+    """A pickle's sizes, strides and offsets: non-negative ints, whatever the pickle claims them to be."""
+    values = tuple(value) if isinstance(value, (tuple, list, torch.Size)) else (value,)
+    if not all(type(v) is int and v >= 0 for v in values):
+        raise UnsafePickle(f"a tensor's {what} {value!r} is not made of non-negative integers")
+    return values
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> LazyTensor:
+    if not isinstance(storage, _Storage):
+        raise UnsafePickle(f"a tensor is rebuilt from a {type(storage).__name__}, not from a storage of the archive")
+    (storage_offset,), size, stride = _ints(storage_offset, "offset"), _ints(size, "size"), _ints(stride, "stride")
+    if len(size) != len(stride):
+        raise UnsafePickle(f"a tensor of size {list(size)} has strides {list(stride)}")
     span = storage_span(size, stride)
     if storage_offset + span > storage.numel:
         raise UnsafePickle(f"a tensor reaches past its storage ({storage_offset + span} > {storage.numel} elements)")
@@ -281,6 +336,8 @@ def _rebuild_tensor(storage: _Storage, storage_offset, size, stride, *_ignored) 
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *_ignored):
+    if not isinstance(data, LazyTensor):
+        raise UnsafePickle(f"a Parameter wraps a {type(data).__name__}, not a tensor")
     return data
 
 
@@ -328,9 +385,9 @@ SAFE_GLOBALS = {
 
 
 class _LazyUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, file: Path, storage_offsets: dict[str, int]):
+    def __init__(self, data: bytes, file: Path, storages: dict[str, tuple[int, int]]):
         super().__init__(io.BytesIO(data))
-        self.file, self.storage_offsets = file, storage_offsets
+        self.file, self.storages = file, storages  # key -> (byte offset, bytes) of each storage
 
     def find_class(self, module: str, name: str):
         if (module, name) in SAFE_GLOBALS:
@@ -344,18 +401,32 @@ class _LazyUnpickler(pickle.Unpickler):
         raise UnsafePickle(f"it references {module}.{name}, which is not a tensor or a known checkpoint class")
 
     def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5):
+            raise UnsafePickle(f"unexpected storage reference {pid!r}"[:200])
         kind, dtype, key, _location, numel = pid
-        if kind != "storage" or not isinstance(dtype, torch.dtype) or key not in self.storage_offsets:
-            raise UnsafePickle(f"unexpected storage reference {pid!r}")
-        return _Storage(self.file, self.storage_offsets[key], dtype, numel)
+        if kind != "storage" or not isinstance(dtype, torch.dtype) or key not in self.storages:
+            raise UnsafePickle(f"unexpected storage reference {pid!r}"[:200])
+        (numel,), (offset, stored) = _ints(numel, "storage size"), self.storages[key]
+        if numel * dtype.itemsize > stored:
+            raise UnsafePickle(f"storage {key} claims {numel * dtype.itemsize} bytes, the archive holds {stored}")
+        return _Storage(self.file, offset, dtype, numel)
 
 
-def _member_data_offset(raw, info: zipfile.ZipInfo) -> int:
-    """Where a stored (uncompressed) member's bytes begin: after its local file header."""
+ZIP_LOCAL_HEADER = b"PK\x03\x04"
+
+
+def _member_data(raw, info: zipfile.ZipInfo, size: int) -> tuple[int, int]:
+    """Where a stored (uncompressed) member's bytes lie, after its local file header: (offset, length), checked to
+    be inside the file."""
     raw.seek(info.header_offset)
     local = raw.read(30)
+    if len(local) < 30 or local[:4] != ZIP_LOCAL_HEADER:
+        raise UnsafePickle(f"the archive's entry {info.filename} has no local header where its directory says")
     name_len, extra_len = struct.unpack("<HH", local[26:30])
-    return info.header_offset + 30 + name_len + extra_len
+    offset = info.header_offset + 30 + name_len + extra_len
+    if offset + info.file_size > size:
+        raise UnsafePickle(f"the archive's entry {info.filename} ends past the end of the file (truncated?)")
+    return offset, info.file_size
 
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # first pickle of a pre-1.6 torch.save file
@@ -367,34 +438,49 @@ def read_torch_file(file: Path):
         with open(file, "rb") as raw:
             if not zipfile.is_zipfile(raw):
                 return _read_non_zip(file, raw)
+            size = os.fstat(raw.fileno()).st_size
             with zipfile.ZipFile(raw) as archive:
                 pickles = [i for i in archive.infolist() if i.filename.endswith("data.pkl")]
                 if not pickles:
                     raise InputError(file, "is a zip archive without data.pkl: not a torch.save file")
                 prefix = pickles[0].filename[: -len("data.pkl")]
-                offsets = {}
+                storages = {}
                 for info in archive.infolist():
                     if info.filename.startswith(prefix + "data/"):
                         if info.compress_type != zipfile.ZIP_STORED:
                             raise InputError(file, f"{info.filename} is compressed: not a torch.save file")
-                        offsets[info.filename[len(prefix) + 5 :]] = _member_data_offset(raw, info)
-                return _LazyUnpickler(archive.read(pickles[0]), file, offsets).load()
+                        storages[info.filename[len(prefix) + 5 :]] = _member_data(raw, info, size)
+                return _LazyUnpickler(archive.read(pickles[0]), file, storages).load()
     except UnsafePickle as e:
         raise InputError(file, f"refused to unpickle: {e}") from None
-    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, TypeError, RuntimeError) as e:
-        raise InputError(file, f"not a readable PyTorch file ({str(e).strip().splitlines()[0]})") from None
+    except (zipfile.BadZipFile, zlib.error) as e:
+        raise InputError(file, f"is a damaged zip archive ({e})") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, RuntimeError, IndexError, KeyError) as e:
+        raise InputError(file, f"not a readable PyTorch file ({type(e).__name__}: {first_line(e)})") from None
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
 
 
 def _read_non_zip(file: Path, raw):
     """A plain pickle goes through the restricted unpickler (which refuses code); a legacy (pre-1.6) torch
     file, recognised by its magic number, through torch's own weights-only loader, eagerly."""
     raw.seek(0)
+    if raw.read(4) == ZIP_LOCAL_HEADER:  # a zip archive whose central directory, at its end, is gone
+        raise InputError(file, "is a zip archive without its end (truncated?): not a readable torch.save file")
+    raw.seek(0)
     first = _LazyUnpickler(raw.read(), file, {}).load()
     if first != LEGACY_MAGIC:
         raise InputError(file, "is a plain pickle without tensors, not a torch.save file")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:  # torch's message advises weights_only=False: we never do that
+            reason = next((line for line in str(e).splitlines() if "Unsupported" in line), first_line(e))
+            reason = reason.split("WeightsUnpickler error:")[-1].strip().split(" was not an allowed")[0]
+            raise InputError(file, f"refused to unpickle a legacy (pre-1.6) torch file: {reason}") from None
     if isinstance(state, dict):
         state = {k: LoadedTensor(v, file) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     return state

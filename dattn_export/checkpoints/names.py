@@ -25,6 +25,27 @@ def canonical_name(name: str) -> str:
     return name
 
 
+# where each stack of layers lives: (what it is, its layer count in the config, the tensors that hold its layers)
+LAYER_STACKS = (
+    ("decoder layers", lambda c: c.num_hidden_layers, re.compile(r"^model\.layers\.(\d+)\.")),
+    (
+        "vision tower layers",
+        lambda c: c.vision_config["num_hidden_layers"],
+        re.compile(r"^model\.mm_vis\.vision_model\.encoder\.layers\.(\d+)\."),
+    ),
+    (
+        "audio tower layers",
+        lambda c: c.audio_config["encoder_layers"] if c.audio_config else 0,
+        re.compile(r"^model\.mm_aud\.encoder\.layers\.(\d+)\."),
+    ),
+)
+
+
+def stored_layers(names, pattern: re.Pattern) -> int:
+    """How many layers of a stack the tensor names hold (1 + the highest index)."""
+    return 1 + max((int(m.group(1)) for n in names if (m := pattern.match(n))), default=-1)
+
+
 COMPONENTS = ("vision tower", "adapter", "LLM")  # every model has these; some also "audio tower", "WINGS learners"
 AUDIO_TOWER_NOT_RUN = "carried in the checkpoint, not run: image prompts do not use it"
 

@@ -6,10 +6,11 @@ the folder that holds config.json and the tokenizer files.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, from_os_error
 from .lazy import GatheredTensor, LazyTensor, LoadedTensor
 from .names import canonical_name
 
@@ -28,6 +29,7 @@ class CheckpointReader(ABC):
         self.tensors: dict[str, Lazy] = {}
         self.config_dir = self.path
         self.notes: list[str] = []  # facts worth telling the user (what was read, from where)
+        self.paths: list[Path] = [self.path]  # every checkpoint read (an overlay's and its base's)
 
     @classmethod
     @abstractmethod
@@ -41,8 +43,10 @@ def register(reader: type[CheckpointReader]) -> type[CheckpointReader]:
 
 
 def detect_reader(path: Path) -> type[CheckpointReader]:
-    if not path.exists():
-        raise InputError(path, "does not exist")
+    try:
+        os.stat(path)
+    except OSError as e:  # missing, a symbolic link loop, a path through a file
+        raise from_os_error(e, path) from None
     if path.is_dir() and not any(path.iterdir()):
         raise InputError(path, "is an empty folder")
     for reader in sorted(READERS, key=lambda r: r.priority):
@@ -80,4 +84,5 @@ class OverlayReader(CheckpointReader):
         self.tensors.update(zip(replaced, overlay.tensors.values()))
         self.config_dir = overlay.config_dir if (overlay.config_dir / "config.json").is_file() else base.config_dir
         self.layout = f"{overlay.layout} + base {base.layout}"
+        self.paths = [*overlay.paths, *base.paths]
         self.notes = [*overlay.notes, f"{len(replaced)} tensor(s) over the base at {base.path}", *base.notes]

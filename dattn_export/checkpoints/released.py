@@ -37,6 +37,8 @@ def released_fields(fields: dict, source: Path) -> dict:
     if fields.get("mm_input_type") == "video":
         origin = "Vidi_7B" if model_type == "dattn_mistral" else "Vidi1.5_9B"
         inferred["mm_pool_rule"] = (RELEASED_POOL_RULES[model_type], f"{origin} mm_vision/pool.py, multimodal.py")
+    if "mm_image_aspect_ratio" not in fields:  # the released config classes' attribute, when config.json has none
+        inferred["mm_image_aspect_ratio"] = ("resize", f"{CODE}: DattnMistralConfig / DattnGemma2Config default")
     if fields.get("mm_std") is None:  # its norm is initialised from it; the checkpoint holds the trained weights
         inferred["mm_std"] = (1.0, "config.json mm_std is null")
     mapped = {**fields, **{key: value for key, (value, _) in inferred.items()}}

@@ -7,6 +7,7 @@ front to back and hashed as it is written. The safetensors library reads the res
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -88,6 +89,7 @@ def write_safetensors(
     tensors: list[PlannedTensor],
     metadata: dict[str, str] | None = None,
     on_written: Callable[[PlannedTensor], None] | None = None,
+    copier: RangeCopier | None = None,
 ) -> WrittenFile:
     """Stream `tensors` into one safetensors file. Three stages overlap (all release the GIL): the next
     tensor is produced (read, checked, cast) while the current one is written, and hashing runs behind the
@@ -97,6 +99,7 @@ def write_safetensors(
     Leaving the `with` waits for the last hashes."""
     header = _header(tensors, metadata or {})
     digest, size = hashlib.sha256(header), len(header)
+    copier = copier or RangeCopier()
     largest = max((t.nbytes for t in tensors if t.copy_from is None), default=0)
     ring = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
     with ExitStack() as stack:
@@ -145,7 +148,7 @@ def write_safetensors(
                 source, offset = planned.copy_from
                 if source not in sources:
                     sources[source] = stack.enter_context(open(source, "rb", buffering=0)).fileno()
-                _copy_range(sources[source], f.fileno(), offset, len(data))
+                copier.copy(sources[source], f.fileno(), offset, len(data))
             size += len(data)
             data = None
             while behind > HASH_LAG:
@@ -157,23 +160,66 @@ def write_safetensors(
     return WrittenFile(size, digest.hexdigest())
 
 
-def _copy_range(source: int, destination: int, offset: int, count: int) -> None:
-    while count:
-        done = os.copy_file_range(source, destination, count, offset)
-        if done == 0:
-            raise OSError(f"source ended {count} bytes early")
-        offset, count = offset + done, count - done
+# why a kernel may refuse copy_file_range: another filesystem, a filesystem or kernel without it, a special file
+KERNEL_COPY_REFUSALS = {
+    errno.EXDEV: "another filesystem",
+    errno.EOPNOTSUPP: "not supported by this filesystem",
+    errno.ENOSYS: "not in this kernel",
+    errno.EINVAL: "refused for these files",
+}
+ORDINARY_COPY_CHUNK = 16 << 20
+
+
+class RangeCopier:
+    """Copies byte ranges between files inside the kernel (copy_file_range, several times faster than write() here)
+    until the kernel refuses (`KERNEL_COPY_REFUSALS`), then with ordinary reads and writes. `method` says which ran;
+    hashing is done on the source bytes either way."""
+
+    def __init__(self):
+        self.refused: str | None = None  # why the kernel copy was refused, once it was
+
+    @property
+    def method(self) -> str:
+        if self.refused is None:
+            return "in the kernel (copy_file_range)"
+        return f"read and written (copy_file_range: {self.refused})"
+
+    def copy(self, source: int, destination: int, offset: int, count: int) -> None:
+        while count and self.refused is None:
+            try:
+                done = os.copy_file_range(source, destination, count, offset)
+            except OSError as e:
+                if e.errno not in KERNEL_COPY_REFUSALS:
+                    raise
+                self.refused = f"{errno.errorcode[e.errno]}, {KERNEL_COPY_REFUSALS[e.errno]}"
+                break
+            if done == 0:
+                raise OSError(errno.EIO, f"the source ended {count} bytes early")
+            offset, count = offset + done, count - done
+        while count:
+            data = os.pread(source, min(count, ORDINARY_COPY_CHUNK), offset)
+            if not data:
+                raise OSError(errno.EIO, f"the source ended {count} bytes early")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(destination, view) :]
+            offset, count = offset + len(data), count - len(data)
 
 
 def write_shards(
-    shards: list[list[PlannedTensor]], out_dir: Path, on_written: Callable[[PlannedTensor], None] | None = None
+    shards: list[list[PlannedTensor]],
+    out_dir: Path,
+    on_written: Callable[[PlannedTensor], None] | None = None,
+    copier: RangeCopier | None = None,
 ) -> dict[str, WrittenFile]:
-    """Write every shard and, when there are several, the index; returns each file written."""
+    """Write every shard and, when there are several, the index; returns each file written. `copier` (its `method`
+    says how bytes stored as they are were copied) is shared by the shards."""
     out_dir = Path(out_dir)
     files = {}
     weight_map = {}
+    copier = copier or RangeCopier()
     for name, tensors in zip(shard_names(len(shards)), shards):
-        files[name] = write_safetensors(out_dir / name, tensors, on_written=on_written)
+        files[name] = write_safetensors(out_dir / name, tensors, on_written=on_written, copier=copier)
         weight_map.update(dict.fromkeys((t.name for t in tensors), name))
     if len(shards) > 1:
         total = sum(t.nbytes for tensors in shards for t in tensors)

@@ -3,24 +3,26 @@ checked against the shapes the config implies, and the reference model built fro
 
 from __future__ import annotations
 
+import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from ..artifacts import carry_files
+from ..artifacts import carried_files
 from ..errors import InputError
-from ..modeling.configuration_dattn import CONFIG_CLASSES
+from ..modeling.configuration_dattn import CONFIG_CLASSES, FLOAT_DTYPES
 from ..modeling.modeling_dattn import MODEL_CLASSES, DAttnForCausalLM
 from ..processing import PROCESSOR_FILE, processor_folder
+from ..sidefiles import first_line, read_json
 from . import CheckpointReader, open_checkpoint
-from .hf import read_json
-from .names import canonical_name
+from .names import LAYER_STACKS, canonical_name, stored_layers
 from .plan import cast_scratch, checked_cast
 from .registry import Lazy
 from .released import is_released, released_fields
-from .towers import resolve_audio_config, resolve_vision_config
+from .towers import resolve_audio_config, resolve_vision_config, tower_folder
 
 
 def config_from_dict(fields: dict, source: Path):
@@ -33,17 +35,22 @@ def config_from_dict(fields: dict, source: Path):
     fields = {k: v for k, v in fields.items() if k != "model_type"}
     if "torch_dtype" in fields:  # transformers 4.x's name for `dtype`
         fields.setdefault("dtype", fields.pop("torch_dtype"))
+    dtype = fields.get("dtype")
+    if dtype is not None and (not isinstance(dtype, str) or dtype.removeprefix("torch.") not in FLOAT_DTYPES):
+        raise InputError(source, f"dtype {dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
     try:
         config = CONFIG_CLASSES[model_type](**fields)
         config.vision_tower_config  # noqa: B018  (raises when vision_config is missing)
-    except (StrictDataclassError, ValueError, TypeError) as e:
-        raise InputError(source, " ".join(str(e).split())) from None
+    except (StrictDataclassError, ValueError, TypeError, ZeroDivisionError) as e:
+        # the validators' own words, without the dataclass machinery's preamble
+        reason = re.sub(r"^Class validation error for validator '\w+': \w+: ", "", " ".join(str(e).split()))
+        raise InputError(source, reason) from None
     return config
 
 
 def folder_config(folder: Path):
     """The D-Attn config of a folder that holds its config.json as-is (converted or exported)."""
-    return config_from_dict(read_json(Path(folder) / "config.json"), Path(folder) / "config.json")
+    return config_from_dict(read_json(Path(folder) / "config.json", "config.json"), Path(folder) / "config.json")
 
 
 def tied_names(config) -> set[str]:
@@ -51,8 +58,22 @@ def tied_names(config) -> set[str]:
     return set(DAttnForCausalLM._tied_weights_keys) if config.tie_word_embeddings else set()
 
 
-def expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Every tensor the config's model has, with its shape (built on the meta device: no memory)."""
+def expected_shapes(config, names, source: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor the config's model has, with its shape (built on the meta device: no memory). Each stack of
+    layers is first checked against the layers the checkpoint's tensor `names` hold: a config that claims more is
+    refused before its modules are built (a million claimed layers would take minutes and gigabytes to build)."""
+    for what, configured, pattern in LAYER_STACKS:
+        stored = stored_layers(names, pattern)
+        if configured(config) > stored:
+            raise InputError(source, f"config.json gives {configured(config)} {what}, the checkpoint holds {stored}")
+    try:
+        return model_shapes(config)
+    except (RuntimeError, OverflowError) as e:  # sizes whose product overflows torch's own arithmetic
+        raise InputError(source, f"implies tensors too large to exist ({first_line(e)})") from None
+
+
+def model_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the config's model with its shape, the model built on the meta device (no memory)."""
     with torch.device("meta"):
         model = MODEL_CLASSES[config.model_type](config)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -71,12 +92,26 @@ class Source:
     stored_names: dict[str, str] = field(default_factory=dict)  # canonical -> as stored
     problems: list[InputError] = field(default_factory=list)
 
+    def carried(self) -> list[Path]:
+        """The tokenizer, processor and generation files an output carries (each JSON one parsed: a cut file is
+        refused before any work); a released checkpoint's image processor lives in its vision tower's folder."""
+        files = carried_files(self.reader.config_dir)
+        if (found := processor_folder(self.reader.config_dir, self.config)) and found != self.reader.config_dir:
+            files += carried_files(found, (PROCESSOR_FILE,))
+        return files
+
     def carry_files(self, destination: Path) -> None:
-        """The tokenizer, processor and generation files into `destination`; a released checkpoint's image
-        processor lives in its vision tower's folder."""
-        carry_files(self.reader.config_dir, destination)
-        if found := processor_folder(self.reader.config_dir, self.config):
-            carry_files(found, destination, (PROCESSOR_FILE,))
+        for path in self.carried():
+            shutil.copyfile(path, Path(destination) / path.name)
+
+    def inputs(self) -> list[Path]:
+        """Every place this source is read from (checkpoints, the config's folder, tower folders): an output must
+        stay apart from them."""
+        towers = [
+            tower_folder(name, self.reader.config_dir)
+            for name in (self.config.mm_vision_tower, self.config.mm_audio_tower)
+        ]
+        return [*self.reader.paths, self.reader.config_dir, *(t for t in towers if t is not None)]
 
     def raise_first_problem(self) -> None:
         if self.problems:
@@ -99,7 +134,7 @@ def audit(reader: CheckpointReader, vision_heads: int | None = None) -> Source:
     config_path = reader.config_dir / "config.json"
     if not config_path.is_file():
         raise InputError(reader.config_dir, "has no config.json")
-    fields = read_json(config_path)
+    fields = read_json(config_path, "config.json")
     canonical = {canonical_name(n): (n, t) for n, t in reader.tensors.items()}
     shapes = {name: tuple(t.shape) for name, (_, t) in canonical.items()}
     vision_origin = audio_origin = None
@@ -114,7 +149,7 @@ def audit(reader: CheckpointReader, vision_heads: int | None = None) -> Source:
             fields["dattn_inferred"] = {**(fields.get("dattn_inferred") or {}), **inferred}
     config = config_from_dict(fields, config_path)
     source = Source(reader, config, config_path, vision_origin or "-", audio_origin)
-    expected = expected_shapes(config)
+    expected = expected_shapes(config, canonical, config_path)
     for name, (stored, tensor) in canonical.items():
         if name not in expected:
             source.problems.append(

@@ -17,7 +17,7 @@ from huggingface_hub import try_to_load_from_cache
 from transformers import CLIPVisionConfig, SiglipVisionConfig, WhisperConfig
 
 from ..errors import InputError
-from .hf import read_json
+from ..sidefiles import read_json
 
 TOWER_PREFIX = "model.mm_vis.vision_model."
 AUDIO_PREFIX = "model.mm_aud.encoder."
@@ -92,7 +92,7 @@ def folder_audio_config(folder: Path) -> dict:
 
 
 def read_config(folder: Path) -> dict:
-    return read_json(folder / "config.json")
+    return read_json(folder / "config.json", "tower config.json")
 
 
 def whisper_config(fields: dict) -> dict:

@@ -17,6 +17,8 @@ ATTENTION_MODES = ("dattn", "dattn-sum", "sattn", "mmca")
 WINDOW_RULES = {"transformers": 0, "flash_attn": 1}
 VISION_CONFIG_CLASSES = {"siglip_vision_model": SiglipVisionConfig, "clip_vision_model": CLIPVisionConfig}
 INPUT_TYPES = ("image", "video")
+# how a picture becomes the tower's input (images.py): the released img_utils.process_images' rules
+ASPECT_RATIOS = ("resize", "pad", "crop", "anyres")
 # how a video model pools a frame's tower features and its audio features (the released models differ):
 #   conv-interpolate (Vidi_7B): a bias-free conv, stride 1, then bilinear resize to mm_image_pool_size a side;
 #     the audio conv keeps the Whisper width
@@ -24,6 +26,29 @@ INPUT_TYPES = ("image", "video")
 #     channels; the audio conv maps to the LLM width
 POOL_RULES = ("conv-interpolate", "space-to-depth")
 RELEASED_POOL_RULES = {"dattn_mistral": "conv-interpolate", "dattn_gemma2": "space-to-depth"}
+
+
+LLM_SIZES = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings",
+)  # fmt: skip
+TOWER_SIZES = {
+    "vision_config": ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+                      "patch_size", "num_channels"),
+    "audio_config": ("d_model", "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim", "num_mel_bins",
+                     "max_source_positions"),
+}  # fmt: skip
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+MAX_SIZE = 1 << 24  # a tensor dimension larger than this is a damaged config (real vocabularies: ~2^18)
+
+
+def positive(key: str, value, optional: bool = False, most: int | None = MAX_SIZE) -> None:
+    if value is None and optional:
+        return
+    if type(value) is not int or value <= 0 or (most is not None and value > most):
+        raise ValueError(f"{key} must be a positive integer of at most {most}, got {value!r}")
 
 
 @dataclasses.dataclass(repr=False, eq=False)
@@ -55,6 +80,44 @@ class DAttnFields:
     wings_rank: int = 0  # WINGS learners' low rank (0: none)
     wings_layers: list | None = None  # the layers that have WINGS learners (None: all, when wings_rank > 0)
 
+    def validate_sizes(self) -> None:
+        """Sizes the model is built from: positive integers that fit together, checked before any tensor is."""
+        for key in LLM_SIZES:  # positions are not a tensor's dimension: any count may be configured
+            positive(
+                key,
+                getattr(self, key, None),
+                optional=key == "head_dim",
+                most=None if key == "max_position_embeddings" else MAX_SIZE,
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_key_value_heads}"
+            )
+        if self.sliding_window is not None:
+            positive("sliding_window", self.sliding_window)
+        for config_key, keys in TOWER_SIZES.items():
+            tower = getattr(self, config_key)
+            if tower is None:
+                continue
+            if not isinstance(tower, dict):
+                raise ValueError(f"{config_key} must be an object (the tower's config), got {type(tower).__name__}")
+            for key in keys:
+                positive(f"{config_key}.{key}", tower.get(key), optional=True)
+        vision = self.vision_config or {}
+        if vision.get("hidden_size", 1) % vision.get("num_attention_heads", 1):
+            raise ValueError("vision_config.hidden_size is not a multiple of vision_config.num_attention_heads")
+        if vision.get("image_size", 1) < vision.get("patch_size", 1):
+            raise ValueError("vision_config.image_size is smaller than one patch (vision_config.patch_size)")
+        layers = vision.get("num_hidden_layers")
+        if layers and not -layers - 1 <= self.mm_vision_select_layer <= layers:
+            raise ValueError(
+                f"mm_vision_select_layer {self.mm_vision_select_layer} is not a layer of a {layers}-layer vision tower"
+            )
+        dtype = getattr(self, "dtype", None)
+        if dtype is not None and str(dtype).removeprefix("torch.") not in FLOAT_DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
+
     def validate_dattn(self) -> None:
         if self.dattn_mode not in ATTENTION_MODES:
             raise ValueError(f"dattn_mode must be one of {ATTENTION_MODES}, got {self.dattn_mode!r}")
@@ -62,6 +125,11 @@ class DAttnFields:
             raise ValueError(f"window_rule must be one of {sorted(WINDOW_RULES)}, got {self.window_rule!r}")
         if self.mm_input_type not in INPUT_TYPES:
             raise ValueError(f"mm_input_type must be one of {INPUT_TYPES}, got {self.mm_input_type!r}")
+        if self.mm_image_aspect_ratio not in ASPECT_RATIOS:
+            raise ValueError(
+                f"mm_image_aspect_ratio {self.mm_image_aspect_ratio!r} is not one of {ASPECT_RATIOS} (how the released "
+                "code prepares a picture)"
+            )
         if self.is_video:
             self._check_video()
         if self.is_anyres and not self.mm_image_grid_points:
@@ -91,6 +159,11 @@ class DAttnFields:
         missing = [key for key in needed if getattr(self, key) is None]
         if missing:
             raise ValueError(f"a video model (mm_input_type 'video') needs {', '.join(missing)}")
+        if self.mm_image_aspect_ratio == "anyres":
+            raise ValueError(
+                "a video model's frames are prepared by resize, pad or crop, not anyres (the released "
+                "video training asserts resize)"
+            )
         if self.mm_pool_rule not in POOL_RULES:
             raise ValueError(f"mm_pool_rule must be one of {POOL_RULES}, got {self.mm_pool_rule!r}")
         if self.dattn_mode != "dattn-sum" or self.wings_rank:

@@ -43,6 +43,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from .attention import causal_mask, dattn_op, decomposed_attention, segment_shares
 from .configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
+from .images import anyres_grid, anyres_tiles, prepare_pictures
 
 # one layer's cache: key, value (B, kv_heads, S, head_dim) [, WINGS key, value (B, hidden / head_dim, S, head_dim)]
 KV = tuple[Tensor, ...]
@@ -153,20 +154,6 @@ class AudioTower(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.encoder = WhisperEncoder(config.audio_tower_config)
-
-
-def anyres_grid(image_size: tuple[int, int], grid_points: list, tile: int) -> tuple[int, int]:
-    """The tiling (columns, rows) of `grid_points` whose resolution (tiles of `tile` pixels) keeps most of a
-    (width, height) image once it is fitted in, the least padding breaking ties (img_utils.select_best_resolution)."""
-    width, height = image_size
-    best, kept, wasted = None, 0, math.inf
-    for columns, rows in grid_points:
-        scale = min(columns * tile / width, rows * tile / height)
-        effective = min(int(width * scale) * int(height * scale), width * height)
-        waste = columns * tile * rows * tile - effective
-        if effective > kept or (effective == kept and waste < wasted):
-            best, kept, wasted = (columns, rows), effective, waste
-    return best
 
 
 class FramePool(nn.Module):
@@ -649,6 +636,21 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
         self.rotary_emb = family.rotary(config)
         self.init_streams(config, audio_tower=config.audio_config is not None)
         self.post_init()
+
+    def encode_pictures(self, pictures: list, processor) -> tuple[list[KV], Tensor]:
+        """Every layer's visual K/V for one prompt's pictures (RGB PIL images) and the visual mask, each picture
+        prepared as the released code prepares it (`images.py`, by mm_image_aspect_ratio; an anyres model takes one)."""
+        if not self.config.is_anyres:
+            return self.encode_images(prepare_pictures(pictures, self.config.mm_image_aspect_ratio, processor)[None])
+        if len(pictures) != 1:
+            raise ValueError(f"an anyres model takes one picture a prompt, not {len(pictures)}")
+        tiles, _ = anyres_tiles(pictures[0], processor, self.config.mm_image_grid_points)
+        return self.encode_anyres([tiles], [pictures[0].size])
+
+    def encode_frames(self, frames: list, processor) -> tuple[list[KV], Tensor]:
+        """A video model: every layer's K/V for one video's frames (RGB PIL images, one a second) and their mask, each
+        frame prepared as a picture is (mm_image_aspect_ratio)."""
+        return self.encode_video([prepare_pictures(frames, self.config.mm_image_aspect_ratio, processor)])
 
     def encode_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for anyres images, and the visual mask."""

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts import OnnxManifest
-from ..errors import InputError
+from ..errors import EnvironmentFailure, InputError
+from ..sidefiles import read_json, reading
 from .ort import OrtModel
 
 GENAI_CONFIG = "genai_config.json"
@@ -92,13 +93,15 @@ class GenaiRuntime:
         try:
             import onnxruntime_genai as og
         except ImportError:
-            raise InputError("onnxruntime-genai", "is not installed: pip install onnxruntime-genai") from None
+            raise EnvironmentFailure("onnxruntime-genai", "is not installed: pip install onnxruntime-genai") from None
         self.folder, self.og = Path(folder), og
         self.graphs = OrtModel(folder, threads)  # the context graphs (and the manifest)
         reason = unsupported(self.graphs.manifest)
         if reason or not (self.folder / GENAI_CONFIG).is_file():
             raise InputError(self.folder, f"genai cannot drive it: {reason or f'no {GENAI_CONFIG}'}")
-        config = og.Config(str(self.folder))
+        read_json(self.folder / GENAI_CONFIG, GENAI_CONFIG)
+        with reading(self.folder / GENAI_CONFIG, GENAI_CONFIG):
+            config = og.Config(str(self.folder))
         threads = threads or len(os.sched_getaffinity(0))
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.model = og.Model(config)

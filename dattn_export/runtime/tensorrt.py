@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts import TrtManifest
-from ..errors import InputError
+from ..errors import EnvironmentFailure
 from .graph import GraphRuntime
 
 
@@ -16,7 +16,7 @@ def import_tensorrt(module: str = "tensorrt"):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise InputError(
+        raise EnvironmentFailure(
             module, f"is not importable ({e}): install TensorRT (NVIDIA's wheels) on the GPU machine"
         ) from None
 
@@ -27,7 +27,7 @@ def require_tensorrt_gpu():
     import torch
 
     if not torch.cuda.is_available():
-        raise InputError("GPU", "no CUDA GPU is visible: TensorRT builds and runs these engines on a GPU")
+        raise EnvironmentFailure("GPU", "no CUDA GPU is visible: TensorRT builds and runs these engines on a GPU")
     return trt
 
 

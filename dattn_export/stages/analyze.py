@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..artifacts import atomic_dir
+from ..artifacts import atomic_dir, check_output
 from ..checkpoints.source import build_model, open_source
-from ..errors import InputError
+from ..errors import EnvironmentFailure, InputError
 from ..modeling.attention import dattn_op, segment_shares
 from ..plugins.contract import using_op
 from ..processing import load_tokenizer
@@ -73,6 +73,7 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float | None:
 @torch.no_grad()
 def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool = False) -> AttentionReport:
     source = open_source(checkpoint)
+    check_output(out, force, source.inputs())
     media.check(source.config)
     if not (media.images or media.video or media.frames):
         raise InputError("--image", "nothing to analyze: pass an image (a video model: --video or --frames)")
@@ -111,7 +112,7 @@ def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool 
         attention_shift=None if shift is None else 1.0 - shift,
         audio_mass=None if audio_kv is None else masses[:, 1].tolist(),
     )
-    with atomic_dir(out, overwrite=force) as tmp:
+    with atomic_dir(out, overwrite=force, reading=source.inputs()) as tmp:
         (tmp / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
         plot(report, tmp)
     return report
@@ -124,7 +125,7 @@ def plot(report: AttentionReport, folder: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise InputError("matplotlib", "is needed for the plots: pip install matplotlib") from None
+        raise EnvironmentFailure("matplotlib", "is needed for the plots: pip install matplotlib") from None
     mass = np.array(report.visual_mass)
     fig, ax = plt.subplots(figsize=tuple(n / 100 for n in PLOT_SIZE["visual_mass.png"]), dpi=100)
     image = ax.imshow(mass, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)

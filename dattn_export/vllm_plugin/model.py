@@ -51,14 +51,9 @@ from vllm.multimodal.processing import (
 from vllm.v1.attention.backend import AttentionType
 
 from ..modeling import modeling_dattn
-from ..modeling.modeling_dattn import FAMILIES, anyres_grid
-from ..processing import (
-    anyres_tiles,
-    audio_features,
-    load_audio_processor,
-    load_image_processor,
-    preprocess_frames,
-)
+from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower_side
+from ..modeling.modeling_dattn import FAMILIES
+from ..processing import audio_features, load_audio_processor, load_image_processor
 from . import VIDEO_BACKEND, unsupported
 from .video import longest_sound_track, max_video_frames, video_tokens
 
@@ -102,7 +97,7 @@ class DAttnProcessingInfo(BaseProcessingInfo):
         config = self.get_hf_config()
         if not config.is_anyres:
             return 0, 0
-        return anyres_grid((width, height), config.mm_image_grid_points, config.vision_config["image_size"])
+        return anyres_grid((width, height), config.mm_image_grid_points, tower_side(self.image_processor))
 
     def visual_tokens(self, width: int, height: int) -> int:
         """An image's visual tokens: its thumbnail's grid, then (anyres) its tiles'."""
@@ -149,13 +144,10 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise ValueError(f"image of {image.width}x{image.height} pixels: at most {MAX_IMAGE_PIXELS} are taken")
         images = [image.convert("RGB") for image in images]
-        config = self.info.get_hf_config()
-        if not config.is_anyres:
-            return BatchFeature(
-                {"pixel_values": self.info.image_processor(images, return_tensors="pt")["pixel_values"]}
-            )
-        tile, points = config.vision_config["image_size"], config.mm_image_grid_points
-        tiles, tilings = zip(*(anyres_tiles(image, self.info.image_processor, points, tile) for image in images))
+        config, processor = self.info.get_hf_config(), self.info.image_processor
+        if not config.is_anyres:  # prepared as the released code prepares a picture (mm_image_aspect_ratio)
+            return BatchFeature({"pixel_values": prepare_pictures(images, config.mm_image_aspect_ratio, processor)})
+        tiles, tilings = zip(*(anyres_tiles(image, processor, config.mm_image_grid_points) for image in images))
         return BatchFeature({"pixel_values": torch.cat(tiles), "tiling": torch.tensor(tilings)})
 
     def video_features(self, videos: list[tuple[np.ndarray, dict]]) -> BatchFeature:
@@ -166,7 +158,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
             if len(video) > most:
                 raise ValueError(f"video of {len(video)} frames: at most {most} are served")
             pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
-            frames.append(preprocess_frames(pictures, self.info.image_processor, config.vision_config["image_size"]))
+            frames.append(prepare_pictures(pictures, config.mm_image_aspect_ratio, self.info.image_processor))
             samples, extractor = sound_track(metadata), self.info.audio_processor
             if samples is not None:
                 audio, mel_frames = audio_features(samples, extractor)

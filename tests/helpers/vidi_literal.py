@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from dattn_export.modeling.modeling_dattn import apply_rope
 
+from .released_images import select_best_resolution
+
 
 def rms(x, eps=1e-5):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -37,20 +39,6 @@ def image_stream(model, pixels):
     x = m.mm_rand_llm_norm.weight * rms(x.flatten(1, 2))
     present = torch.stack([x.abs().sum() for x in pixels]) != 0
     return x, present[:, None].expand(-1, x.shape[1])
-
-
-def select_best_resolution(original_size, possible_resolutions):
-    """img_utils.select_best_resolution: the (width, height) keeping most of the image, then wasting least."""
-    original_width, original_height = original_size
-    best_fit, max_effective, min_wasted = None, 0, float("inf")
-    for width, height in possible_resolutions:
-        scale = min(width / original_width, height / original_height)
-        downscaled_width, downscaled_height = int(original_width * scale), int(original_height * scale)
-        effective = min(downscaled_width * downscaled_height, original_width * original_height)
-        wasted = width * height - effective
-        if effective > max_effective or (effective == max_effective and wasted < min_wasted):
-            max_effective, min_wasted, best_fit = effective, wasted, (width, height)
-    return best_fit
 
 
 def anyres_stream(model, tiles, image_sizes):

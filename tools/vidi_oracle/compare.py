@@ -9,19 +9,22 @@ import numpy as np
 import torch
 
 from dattn_export.checkpoints.source import load_model
-from dattn_export.modeling.modeling_dattn import anyres_grid
+from dattn_export.modeling.images import anyres_grid, prepare_pictures
+from dattn_export.processing import load_image_processor, open_image
 from dattn_export.runtime.ort import OrtModel
 
 root = Path(sys.argv[1])
 ckpt, conv, onnx_dir = root / "checkpoint", root / "converted", root / "onnx"
 oracle = torch.load(root / "oracle.pt", weights_only=False)
-video, anyres = oracle.get("video", False), oracle.get("anyres", False)
+video, anyres, pictures = oracle.get("video", False), oracle.get("anyres", False), oracle.get("pictures")
+picture_args = [["--image", oracle["cases"]["wide"][1]]] if pictures else [[]]
 for args in (
     ["info", ckpt],
     ["convert", ckpt, "-o", conv, "--force"],
     ["verify", conv, "--against", ckpt],
     ["onnx", conv, "-o", onnx_dir, "--force"],
-    ["validate", onnx_dir],
+    ["validate", onnx_dir, *picture_args[0]],
+    ["generate", conv, "--prompt", "hi", "--max-new-tokens", "2", *picture_args[0]] if pictures else ["info", conv],
     ["push", conv, "--repo-id", "me/vidi-tiny", "--dry-run"],
 ):
     r = subprocess.run(["dattn-export", *map(str, args)], capture_output=True, text=True)
@@ -40,6 +43,63 @@ def ort_error(ids, contexts, expected) -> str:
     return f"   ORT {float(np.abs(logits - expected.numpy()).max()):.2e}"
 
 
+VLLM_SCRIPT = """
+import json, sys
+from PIL import Image
+from vllm import LLM, SamplingParams
+folder, cases = sys.argv[1], json.loads(sys.argv[2])
+llm = LLM(folder, dtype="float32", max_model_len=256, enforce_eager=True, limit_mm_per_prompt={"image": 1})
+params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
+out = {}
+for name, (ids, path) in cases.items():
+    request = {"prompt_token_ids": ids, "multi_modal_data": {"image": Image.open(path).convert("RGB")}}
+    (result,) = llm.generate([request], params, use_tqdm=False)
+    out[name] = {int(t): p.logprob for t, p in result.outputs[0].logprobs[0].items()}
+print("LOGPROBS", json.dumps(out))
+"""
+
+
+def vllm_logprob_errors(cases) -> dict:
+    """vLLM through our plugin on the converted folder: each picture's first-token log-probabilities (its top 20)
+    against the oracle's (its head_dim must be one vLLM's CPU attention takes: 32 and up)."""
+    import json
+    import os
+
+    if model.config.head_dim < 32 or __import__("importlib").util.find_spec("vllm") is None:
+        return {}
+    requests = {name: (ids[0].tolist(), path) for name, (ids, path, _, _) in cases.items()}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    run = subprocess.run(
+        [sys.executable, "-c", VLLM_SCRIPT, conv, json.dumps(requests)], capture_output=True, text=True, env=env
+    )
+    line = next((x for x in run.stdout.splitlines() if x.startswith("LOGPROBS ")), None)
+    if line is None:
+        return {name: f"vLLM failed: {run.stderr.strip().splitlines()[-1:]}" for name in cases}
+    got = json.loads(line.removeprefix("LOGPROBS "))
+    errors = {}
+    for name, (_, _, _, expected) in cases.items():
+        reference = torch.log_softmax(expected[0, -1].double(), -1)
+        errors[name] = max(abs(p - float(reference[int(t)])) for t, p in got[name].items())
+    return errors
+
+
+if pictures:  # the released path made the pixels from picture files; ours makes them from the same files
+    processor = load_image_processor(conv, model.config)
+    vllm_errors = vllm_logprob_errors(oracle["cases"])
+    for name, (ids, path, released, expected) in oracle["cases"].items():
+        pixels = prepare_pictures([open_image(path)], model.config.mm_image_aspect_ratio, processor)
+        pixel_error = float((pixels - released).abs().max())
+        with torch.no_grad():  # generate's path: the model prepares the picture itself
+            visual, visual_mask = model.model.encode_pictures([open_image(path)], processor)
+            got = model(ids, visual_key_values=visual, visual_mask=visual_mask).logits
+        ours = runtime.encode_images(pixels[None].numpy())  # validate's and genai's path: our graphs
+        vllm = vllm_errors.get(name)
+        print(
+            f"{pictures} {name:5s} pixels max abs error {pixel_error:.1e}   torch (generate) logits "
+            f"{float((got - expected).abs().max()):.2e}{ort_error(ids, [ours], expected)}"
+            + ("" if vllm is None else f"   vLLM first-token logprobs {vllm:.2e}" if isinstance(vllm, float) else vllm)
+        )
+    sys.exit()
 if anyres:
     points, tile = model.config.mm_image_grid_points, model.config.vision_config["image_size"]
     for name, (ids, tiles, sizes, expected) in oracle["cases"].items():

@@ -1,7 +1,7 @@
 """Run ByteDance's Vidi code (outside the project) as an oracle on CPU: build a tiny random model with its own
 classes, save it as its trainer does (sharded bf16 safetensors), and record its logits for image, text-only and
 mixed-batch prompts; with `video`, a video model's (frames and audio, samples without one).
-usage: VIDI_SRC=... python vidi_oracle.py {gemma2|mistral} OUT [video]  (see README.md)"""
+usage: VIDI_SRC=... python vidi_oracle.py {gemma2|mistral} OUT [video|anyres|clip-resize|clip-pad]  (see README.md)"""
 
 import json
 import os
@@ -9,10 +9,14 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import torch
 
 family, out = sys.argv[1], Path(sys.argv[2])
 video, anyres = sys.argv[3:] == ["video"], sys.argv[3:] == ["anyres"]
+# clip-resize / clip-pad: a CLIP tower (the released classes' default) and pictures prepared by the released
+# process_images under that mm_image_aspect_ratio
+picture_rule = sys.argv[3].removeprefix("clip-") if sys.argv[3:4] and sys.argv[3].startswith("clip-") else None
 VIDI_SRC = os.environ["VIDI_SRC"]  # a checkout of github.com/bytedance/vidi
 sys.path.insert(0, str(Path(__file__).parent))
 import flash_standin
@@ -50,6 +54,9 @@ sys.modules.update(
 )
 
 from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    CLIPVisionModel,
     PreTrainedTokenizerFast,
     SiglipImageProcessor,
     SiglipVisionConfig,
@@ -70,6 +77,7 @@ if family == "gemma2":
     shell.__path__ = [root + "/vidi/dataset"]
     sys.modules["vidi.dataset"] = shell
     from vidi.constants import IMAGE_TOKEN_INDEX
+    from vidi.dataset.img_utils import process_images
     from vidi.model.lmm.dattn.gemma import DattnGemma2Config as Config
     from vidi.model.lmm.dattn.gemma import DattnGemma2ForCausalLM as Model
 
@@ -85,6 +93,7 @@ else:
     root = f"{VIDI_SRC}/Vidi_7B"
     sys.path.insert(0, root)
     from model.constants import IMAGE_TOKEN_INDEX
+    from model.img_utils import process_images
     from model.lmm.dattn.mistral import DattnMistralConfig as Config
     from model.lmm.dattn.mistral import DattnMistralForCausalLM as Model
 
@@ -104,11 +113,18 @@ torch.manual_seed(0)
 towers = out / "towers"
 vision_dir, audio_dir, base = towers / "siglip-tiny", towers / "whisper-tiny", out / "base"
 size, patch = (28, 4) if video else (32, 8)  # video: 7 patches a side, pooled by 2
-vc = SiglipVisionConfig(
+tower = dict(
     hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, image_size=size, patch_size=patch
 )
-SiglipVisionModel(vc).save_pretrained(vision_dir)
-SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(vision_dir)
+if picture_rule:  # the released code picks the tower class by "clip" in its name
+    vision_dir = towers / "clip-tiny"
+    CLIPVisionModel(CLIPVisionConfig(**tower, projection_dim=48)).save_pretrained(vision_dir)
+    CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(
+        vision_dir
+    )
+else:
+    SiglipVisionModel(SiglipVisionConfig(**tower)).save_pretrained(vision_dir)
+    SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(vision_dir)
 ac = WhisperConfig(
     d_model=32,
     encoder_layers=2,
@@ -148,7 +164,7 @@ config = Config(
     mm_vision_tower=str(vision_dir),
     mm_audio_tower=str(audio_dir),
     mm_vision_select_layer=-2,
-    mm_image_aspect_ratio="anyres" if anyres else "resize",
+    mm_image_aspect_ratio="anyres" if anyres else picture_rule or "resize",
     mm_image_grid_points="[[1, 2], [2, 1], [2, 2]]",
     mm_input_type="video" if video else "image",
     mm_image_pool_size=2,
@@ -188,6 +204,28 @@ cases = {}
 ids = torch.randint(3, 512, (2, 14), generator=g)
 image_ids = torch.cat([ids[:, :1], torch.full((2, 1), IMAGE_TOKEN_INDEX), ids[:, 1:]], dim=1)  # <bos> <image> text
 mask = torch.ones_like(image_ids)
+if picture_rule:  # non-square pictures (a wide RGB, a tall RGBA, a wide greyscale) as files, opened as the released
+    # dataset opens them, prepared by its process_images with the tower's own processor
+    from PIL import Image
+
+    (out / "pictures").mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name, (width, height, mode) in {
+        "wide": (80, 64, "RGB"),
+        "tall": (47, 81, "RGBA"),
+        "grey": (120, 50, "L"),
+    }.items():
+        data = rng.integers(0, 256, (height, width, {"RGB": 3, "RGBA": 4, "L": 1}[mode]), dtype=np.uint8)
+        path = out / "pictures" / f"{name}.png"
+        Image.fromarray(data.squeeze(-1) if mode == "L" else data, mode).save(path)
+        picture = Image.open(path).convert("RGB")
+        pixels = process_images([picture], model.get_model().image_processor, model.config)
+        with torch.no_grad():
+            logits = model(image_ids[:1], attention_mask=mask[:1], images=pixels, use_cache=False).logits
+        cases[name] = (ids[:1], str(path), pixels, logits)
+    torch.save({"cases": cases, "pictures": picture_rule}, out / "oracle.pt")
+    print(family, f"pictures ({picture_rule}) saved", sorted(p.name for p in ckpt.iterdir()))
+    sys.exit()
 if anyres:  # a wide image (2 x 1 tiles) and a tall one (1 x 2), each a thumbnail plus its tiles; then no image
     tiles = [torch.randn(3, 3, size, size, generator=g) for _ in range(2)]
     sizes = [(70, 30), (30, 66)]

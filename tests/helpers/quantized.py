@@ -1,0 +1,92 @@
+"""Trained tiny models and damaged quantized exports, for the accuracy gate's tests and its bench.
+
+A random model's next-token distributions are nearly flat, so a gate on them means nothing: the gate is held on
+tiny models trained first, 150 AdamW steps on a short corpus with the demo image, until they predict its answers
+with confidence, as a trained model predicts its domain."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from dattn_export.checkpoints.source import load_model
+from dattn_export.processing import load_image_processor, load_images, load_tokenizer
+from dattn_export.stages.demo import CORPUS
+
+CORPORA = {
+    "demo": CORPUS[:3],  # the demo's questions and answers, which the gate's prompts ask
+    "colours": [
+        "USER: What colour is the circle?\nASSISTANT: The circle is red, and the background fades from green to blue.",
+        "USER: Is there any writing in the image?\nASSISTANT: No writing, only a shape on a smooth gradient.",
+        "USER: Where is the circle?\nASSISTANT: In the centre, a quarter of the way in from each edge.",
+    ],
+}
+
+
+def train(folder: Path, corpus: list[str], steps: int = 150, seed: int = 0):
+    """The model of the checkpoint at `folder` trained on `corpus` (the image as context); returns it."""
+    torch.manual_seed(seed)
+    model = load_model(folder).train()
+    tokenizer = load_tokenizer(folder, model.config)
+    pixels = load_images([folder / "demo.png"], model.config, load_image_processor(folder, model.config))
+    batch = tokenizer(corpus, return_tensors="pt", padding=True)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits = model(ids, pixels.expand(len(ids), -1, -1, -1, -1), mask).logits[:, :-1]
+        labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.1, loss.item()  # the corpus' answers are predicted with confidence
+    return model.eval()
+
+
+def quantized_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+
+
+def set_initializer(model: onnx.ModelProto, name: str, value: np.ndarray) -> None:
+    tensor = next(t for t in model.graph.initializer if t.name == name)
+    tensor.CopyFrom(onnx.numpy_helper.from_array(value, name))
+
+
+def initializer(model: onnx.ModelProto, name: str) -> np.ndarray:
+    return onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == name)).copy()
+
+
+def shift_scales(model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> None:
+    """Each node's scales shifted by one output row: a quantizer that misaligns its scales."""
+    for node in nodes:
+        size = next(a.i for a in node.attribute if a.name == "N")
+        scales = initializer(model, node.input[2])
+        set_initializer(model, node.input[2], np.roll(scales.reshape(size, -1), 1, axis=0).reshape(scales.shape))
+
+
+def swap_layers(model: onnx.ModelProto, layers: int) -> None:
+    """The quantized weights of the first two decoder layers exchanged (their MatMulNBits nodes come in order)."""
+    nodes = quantized_matmuls(model)
+    per_layer = len(nodes) // layers
+    for first, second in zip(nodes[:per_layer], nodes[per_layer : 2 * per_layer]):
+        for a, b in zip(first.input[1:], second.input[1:]):
+            value_a, value_b = initializer(model, a), initializer(model, b)
+            set_initializer(model, a, value_b)
+            set_initializer(model, b, value_a)
+
+
+def broken_export(source: Path, out: Path, damage: str) -> Path:
+    """A copy of a quantized export with its decoder damaged: `shift-one` (the first layer's down projection's
+    scales shifted a row), `shift` (every quantized matrix's), `swap` (the first two layers exchanged)."""
+    shutil.copytree(source, out)
+    model = onnx.load(out / "decoder.onnx")
+    nodes = quantized_matmuls(model)
+    layers = len(nodes) // 7  # q, k, v, o, gate, up, down
+    if damage == "swap":
+        swap_layers(model, layers)
+    else:
+        shift_scales(model, nodes if damage == "shift" else nodes[6:7])
+    onnx.save(model, out / "decoder.onnx")
+    return out
