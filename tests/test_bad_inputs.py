@@ -108,6 +108,14 @@ def remove(path: Path) -> Path:
 
 
 # name -> (setup(ws) -> (arguments, the path or option the line must name), exit code, text the line contains)
+def converting_with_config(**fields):
+    """A case: `convert` of the checkpoint whose config.json has `fields` changed."""
+    return lambda ws: (
+        ["convert", ws.folder("checkpoint"), "-o", ws.out],
+        ws.json(ws.folder("checkpoint") / "config.json", **fields),
+    )
+
+
 CASES = {
     # --- convert: safetensors headers, as the safetensors library validates them ---
     "overlapping data_offsets": (
@@ -214,10 +222,7 @@ CASES = {
         "is not a safetensors/bin index",
     ),
     "negative hidden size": (
-        lambda ws: (
-            ["convert", ws.folder("checkpoint"), "-o", ws.out],
-            ws.json(ws.folder("checkpoint") / "config.json", hidden_size=-64),
-        ),
+        converting_with_config(hidden_size=-64),
         2,
         "hidden_size must be a positive integer of at most 16777216, got -64",
     ),
@@ -236,26 +241,17 @@ CASES = {
         "vision_config.num_hidden_layers must be a positive integer",
     ),
     "query heads not a multiple of KV heads": (
-        lambda ws: (
-            ["convert", ws.folder("checkpoint"), "-o", ws.out],
-            ws.json(ws.folder("checkpoint") / "config.json", num_key_value_heads=3),
-        ),
+        converting_with_config(num_key_value_heads=3),
         2,
         "is not a multiple of num_key_value_heads 3",
     ),
     "unknown dtype in config": (
-        lambda ws: (
-            ["convert", ws.folder("checkpoint"), "-o", ws.out],
-            ws.json(ws.folder("checkpoint") / "config.json", torch_dtype="int8"),
-        ),
+        converting_with_config(torch_dtype="int8"),
         2,
         "is not one of float32",
     ),
     "select layer past the tower": (
-        lambda ws: (
-            ["convert", ws.folder("checkpoint"), "-o", ws.out],
-            ws.json(ws.folder("checkpoint") / "config.json", mm_vision_select_layer=-9),
-        ),
+        converting_with_config(mm_vision_select_layer=-9),
         2,
         "mm_vision_select_layer -9 is not a layer",
     ),
