@@ -32,12 +32,14 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from dattn_export.checkpoints.source import model_shapes
+from dattn_export.memory import AnonPeak
 
 SIGLIP_SO400M = dict(
     model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
@@ -153,46 +155,12 @@ def write_checkpoint(name: str, folder: Path, layout: str) -> int:
 
 def demo_media(folder: Path) -> dict:
     """A picture and a 4-second video with a sound track, the demo's."""
-    import numpy as np
-
     from dattn_export.stages.demo import demo_audio, demo_frames, demo_image, write_video
 
     demo_image(384).save(folder / "picture.png")
     frames = demo_frames(8, 384)
     write_video(folder / "clip.mov", frames, 2, demo_audio(4.0))
-    return {"image": folder / "picture.png", "video": folder / "clip.mov", "_": np}
-
-
-class AnonPeak(threading.Thread):
-    """The largest RssAnon of a process and its children, sampled every 20 ms."""
-
-    def __init__(self, pid: int):
-        super().__init__(daemon=True)
-        self.pid, self.peak, self.running = pid, 0, True
-
-    def tree(self) -> list[int]:
-        pids, queue = [], [self.pid]
-        while queue:
-            pid = queue.pop()
-            pids.append(pid)
-            try:
-                queue += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-            except OSError:
-                pass
-        return pids
-
-    def run(self):
-        while self.running:
-            total = 0
-            for pid in self.tree():
-                try:
-                    status = Path(f"/proc/{pid}/status").read_text()
-                except OSError:
-                    continue
-                line = next((x for x in status.splitlines() if x.startswith("RssAnon:")), "RssAnon: 0 kB")
-                total += int(line.split()[1]) * 1024
-            self.peak = max(self.peak, total)
-            time.sleep(0.02)
+    return {"image": folder / "picture.png", "video": folder / "clip.mov"}
 
 
 def measure(command: list, what: str, cwd: Path | None = None) -> dict:
@@ -202,13 +170,12 @@ def measure(command: list, what: str, cwd: Path | None = None) -> dict:
     sampler = AnonPeak(process.pid)
     sampler.start()
     _, status, usage = os.wait4(process.pid, 0)
-    sampler.running = False
-    sampler.join()
+    peak = sampler.stop()
     out, err = process.stdout.read().decode(), process.stderr.read().decode()
     row = dict(
         command=what,
         seconds=time.perf_counter() - start,
-        anon_gib=sampler.peak / 2**30,
+        anon_gib=peak / 2**30,
         rss_gib=usage.ru_maxrss * 1024 / 2**30,
         code=os.waitstatus_to_exitcode(status),
         last_line=(err.strip().splitlines() or out.strip().splitlines() or [""])[-1][:160],
@@ -284,13 +251,14 @@ def run_model(name: str, work: Path) -> list[dict]:
     converted = root / "converted"
     rows.append(measure(cli("info", checkpoint), "info"))
     rows.append(measure(cli("verify", converted, "--against", checkpoint), "verify --against"))
-    for dtype_args, label in ((["--dtype", "fp16"], "onnx --dtype fp16"), (["--quantize", "int4"], "onnx --quantize int4")):
-        out = root / ("onnx-fp16" if "fp16" in dtype_args else "onnx-int4")
-        row = measure(cli("onnx", converted, "-o", out, "--force", *dtype_args), label)
+    for kind, dtype_args in (("fp16", ["--dtype", "fp16"]), ("int4", ["--quantize", "int4"])):
+        out = root / f"onnx-{kind}"
+        row = measure(cli("onnx", converted, "-o", out, "--force", *dtype_args), f"onnx {' '.join(dtype_args)}")
         row["bytes"] = folder_bytes(out) if out.exists() else 0
         rows.append(row)
     media_args = ["--video", media["video"]] if config.is_video else ["--image", media["image"]]
-    rows.append(measure(cli("validate", root / "onnx-fp16", "--steps", "2", *media_args), "validate fp16 (refusal expected)"))
+    validate_fp16 = cli("validate", root / "onnx-fp16", "--steps", "2", *media_args)
+    rows.append(measure(validate_fp16, "validate fp16 (refusal expected)"))
     shutil.rmtree(root / "onnx-fp16", ignore_errors=True)
     rows.append(
         measure(
@@ -298,11 +266,21 @@ def run_model(name: str, work: Path) -> list[dict]:
             "validate int4 --against converted",
         )
     )
-    rows.append(measure(cli("generate", converted, "--prompt", PROMPT, "--max-new-tokens", "8", *media_args), "generate"))
+    generate = cli("generate", converted, "--prompt", PROMPT, "--max-new-tokens", "8", *media_args)
+    rows.append(measure(generate, "generate"))
     analyze_media = media_args if not config.is_video else ["--video", media["video"]]
     rows.append(
         measure(
-            cli("analyze", converted, "--prompt", "<image> " + PROMPT, "-o", root / "analysis", "--force", *analyze_media),
+            cli(
+                "analyze",
+                converted,
+                "--prompt",
+                f"<image> {PROMPT}",
+                "-o",
+                root / "analysis",
+                "--force",
+                *analyze_media,
+            ),
             "analyze",
         )
     )
@@ -319,12 +297,15 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.models:
-        print(f"== {name}: {sum(math.prod(s) for s in __import__('dattn_export.checkpoints.source', fromlist=['x']).model_shapes(model_config(name)).values()) / 1e9:.2f} B parameters", flush=True)
+        parameters = sum(math.prod(shape) for shape in model_shapes(model_config(name)).values())
+        print(f"== {name}: {parameters / 1e9:.2f} B parameters", flush=True)
         results[name] = run_model(name, args.work)
-        print(f"\n| {name} | wall | peak anonymous | peak RSS | exit | bytes |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+        print(f"\n| {name} | wall | peak anonymous | peak RSS | exit | bytes |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
         for r in results[name]:
             size = f"{r['bytes'] / 1e9:.1f} GB" if r.get("bytes") else ""
-            print(f"| {r['command']} | {r['seconds']:.0f} s | {r['anon_gib']:.2f} GiB | {r['rss_gib']:.2f} GiB | {r['code']} | {size} |")
+            memory = f"{r['anon_gib']:.2f} GiB | {r['rss_gib']:.2f} GiB"
+            print(f"| {r['command']} | {r['seconds']:.0f} s | {memory} | {r['code']} | {size} |")
     (Path(__file__).parent / "scale.json").write_text(json.dumps(results, indent=2, default=str))
 
 

@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from helpers.builders import build_model, checkpoint_of, images, left_padded_batch
+from helpers.builders import build_model, checkpoint_of, images, left_padded_batch, released_model
 from helpers.checks import ATOL, SHAPES, run_case
 from helpers.cli import run_cli
 from polygraphy.comparator import RunResults
@@ -190,3 +190,39 @@ def test_onnx_bad_input(tmp_path, args, expected):
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and expected in result.stderr, result.stderr
     assert not (tmp_path / "onnx").exists() and not list(tmp_path.glob(".onnx.partial-*"))
+
+
+@pytest.mark.parametrize("family, dtype", [("gemma2", "fp16"), ("video", "fp32")])
+def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path, monkeypatch, family, dtype):
+    """Our export traces stand-in weights and streams each weight from the checkpoint as it writes (lazy folds of the
+    weights included): every graph's .onnx.data is byte for byte what torch.onnx.export writes for the model with its
+    weights loaded."""
+    import warnings
+
+    from dattn_export.artifacts import DTYPES
+    from dattn_export.checkpoints.source import load_model
+    from dattn_export.plugins.onnx_node import fused_nodes
+    from dattn_export.stages import onnx_export
+
+    model = released_model("mistral", video=True) if family == "video" else build_model(family)
+    checkpoint = checkpoint_of(model, tmp_path / "ckpt")
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)  # keep every graph's .data file
+    manifest = export_onnx(checkpoint, tmp_path / "ours", dtype=dtype)
+    torch_dtype = DTYPES[dtype].torch
+    (tmp_path / "torch").mkdir()
+    for name, spec in onnx_export.graph_specs(load_model(checkpoint, torch_dtype), torch_dtype).items():
+        with torch.no_grad(), warnings.catch_warnings(), fused_nodes(spec["module"]):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                spec["module"],
+                spec["args"],
+                dynamic_shapes=spec["dynamic"],
+                input_names=spec["inputs"],
+                output_names=spec["outputs"],
+                dynamo=True,
+                opset_version=manifest.opset,
+                verbose=False,
+            )
+        program.save(tmp_path / "torch" / f"{name}.onnx", external_data=True)
+        ours = (tmp_path / "ours" / f"{name}.onnx.data").read_bytes()
+        assert ours == (tmp_path / "torch" / f"{name}.onnx.data").read_bytes(), name

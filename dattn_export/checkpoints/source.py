@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from ..artifacts import carried_files
+from .. import memory
+from ..artifacts import carried_files, dtype_name
 from ..errors import InputError
 from ..modeling.configuration_dattn import CONFIG_CLASSES, FLOAT_DTYPES
 from ..modeling.modeling_dattn import MODEL_CLASSES, DAttnForCausalLM
@@ -19,10 +20,10 @@ from ..processing import PROCESSOR_FILE, processor_folder
 from ..sidefiles import first_line, read_json
 from . import CheckpointReader, open_checkpoint
 from .names import LAYER_STACKS, canonical_name, stored_layers
-from .plan import cast_scratch, checked_cast
 from .registry import Lazy
 from .released import is_released, released_fields
 from .towers import resolve_audio_config, resolve_vision_config, tower_folder
+from .weights import empty_model, layers, materialize, parameter_bytes, stream
 
 
 def config_from_dict(fields: dict, source: Path):
@@ -173,19 +174,22 @@ def audit(reader: CheckpointReader, vision_heads: int | None = None) -> Source:
     return source
 
 
-def build_model(source: Source, dtype: torch.dtype = torch.float32) -> DAttnForCausalLM:
-    """The reference model in `dtype`; refuses NaN/Inf weights and, for fp16, values fp16 cannot hold."""
+def build_model(source: Source, dtype: torch.dtype = torch.float32, whole: bool | None = None) -> DAttnForCausalLM:
+    """The reference model in `dtype`, without random initialisation (`weights.py`); refuses NaN/Inf weights and,
+    for fp16, values fp16 cannot hold. `whole`: every weight in memory; otherwise (the default where the whole model
+    does not fit in the memory available) its layers read their weights as they run, the same numbers."""
     source.raise_first_problem()
-    model = MODEL_CLASSES[source.config.model_type](source.config).to(dtype).eval()
-    state = model.state_dict()  # views of the model's own storage
-    scratch = cast_scratch(source.tensors.values(), dtype)
-    with torch.no_grad():
-        for name, tensor in source.tensors.items():  # read into the model's storage: no tensor is held twice
-            param = state[name]
-            loaded = checked_cast(source.stored_names[name], tensor, dtype, param.view(-1).view(torch.uint8), scratch)
-            if loaded.data_ptr() != param.data_ptr():  # a tensor that was in memory already (legacy torch files)
-                param.copy_(loaded)
-    return model
+    model = empty_model(MODEL_CLASSES[source.config.model_type], source.config, dtype)
+    whole_bytes = parameter_bytes(model)
+    if whole if whole is not None else memory.fits(whole_bytes):
+        return materialize(model, source.tensors, source.stored_names, dtype)
+    units = [parameter_bytes(layer) for layer in layers(model).values()]
+    memory.require(
+        whole_bytes - sum(units) + max(units),
+        f"the reference model in {dtype_name(dtype)}, layer by layer (all of it: {memory.gib(whole_bytes)})",
+        "free memory, or use a machine with more",
+    )
+    return stream(model, source.tensors, source.stored_names, dtype)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, **open_args) -> DAttnForCausalLM:

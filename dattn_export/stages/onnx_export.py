@@ -22,18 +22,23 @@ function of standard ops attached; with `standard` the reference math is exporte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 import torch
+from onnxscript.optimizer import _constant_folding
 from torch import nn
 from torch.export import Dim
 
-from .. import __version__
+from .. import __version__, memory
 from ..artifacts import (
     DTYPES,
     AttentionExport,
@@ -49,9 +54,11 @@ from ..artifacts import (
     dtype_name,
 )
 from ..checkpoints.names import audio_tower_role
-from ..checkpoints.source import build_model, open_source
+from ..checkpoints.plan import checked_cast
+from ..checkpoints.source import open_source
+from ..checkpoints.weights import empty_model, is_stand_in, parameter_bytes, stand_in
 from ..errors import InputError
-from ..modeling.modeling_dattn import FramePool
+from ..modeling.modeling_dattn import MODEL_CLASSES, FramePool
 from ..plugins import contract
 from ..plugins.onnx_node import attach_function, fused_nodes
 from ..runtime.genai import GENAI_CONFIG, write_genai_config
@@ -234,9 +241,103 @@ def video_specs(model, dtype: torch.dtype) -> dict:
     }
 
 
-def export_graph(spec: dict, path: Path, opset: int, fused: bool, low_precision: bool, external: bool) -> None:
-    """Export one graph. Weights always stream to a .data file first, so only the small graph proto is ever edited
-    and checked in memory (the weights are never held twice); small graphs are then made single-file."""
+Weights = dict[str, Callable[[], torch.Tensor]]  # canonical name -> the tensor in the export's dtype, read when called
+
+
+def checkpoint_weights(source, dtype: torch.dtype) -> Weights:
+    """Each weight as the export will write it: read from the checkpoint (mapped), checked and cast when called; tied
+    weights (lm_head) read their target's tensor."""
+    weights = {
+        name: partial(checked_cast, source.stored_names[name], lazy, dtype) for name, lazy in source.tensors.items()
+    }
+    if source.config.tie_word_embeddings:
+        for name, target in MODEL_CLASSES[source.config.model_type]._tied_weights_keys.items():
+            weights.setdefault(name, weights[target])
+    return weights
+
+
+def ir_tensor(tensor: torch.Tensor) -> ir.Tensor:
+    """A torch tensor as the ONNX IR holds it (numpy has no bfloat16: the IR's own stands in)."""
+    if tensor.dtype == torch.bfloat16:
+        return ir.Tensor(tensor.view(torch.uint16).numpy().view(ir.DataType.BFLOAT16.numpy()))
+    return ir.Tensor(tensor.numpy())
+
+
+def bind_weights(graph: ir.Graph, module: nn.Module, weights: Weights) -> None:
+    """Every stand-in initializer of a traced graph bound to its checkpoint tensor, read when the graph is written.
+    The graph names a parameter by its path in the traced module: the graph module's `model.` and then the
+    canonical name."""
+    canonical = {name: name.removeprefix("model.") for name, _ in module.named_parameters(remove_duplicate=False)}
+    for name, value in graph.initializers.items():
+        held = value.const_value
+        if is_stand_in(held.raw):
+            load = weights[canonical[name]]
+            value.const_value = ir.LazyTensor(lambda load=load: ir_tensor(load()), held.dtype, held.shape, name=name)
+
+
+class LazyFolding(_constant_folding.FoldConstantsPass):
+    """onnxscript's constant folding, except that a fold of a bound weight stays lazy: computed from the checkpoint
+    when the graph is written. A weight's Transpose (folded into the weight it transposes) is not even computed here;
+    other folds are computed once to decide on them. Without it every folded weight of a 9 B model would sit in memory
+    until the save."""
+
+    def process_node(self, node: ir.Node, is_function: bool):
+        weight = node.inputs[0] if len(node.inputs) == 1 else None
+        transposes_weight = (node.domain, node.op_type) == ("", "Transpose") and weight is not None
+        if is_function or not transposes_weight or not isinstance(weight.const_value, ir.LazyTensor):
+            return super().process_node(node, is_function)
+        if len(weight.uses()) != 1:  # as onnxscript decides: a weight used elsewhere too stays as it is
+            return None
+        perm = node.attributes.get_ints("perm", None) or list(reversed(range(len(weight.shape))))
+        shape = ir.Shape([weight.shape[axis] for axis in perm])
+        name = node.outputs[0].name
+        value = ir.Value(
+            name=name, type=ir.TensorType(weight.dtype), shape=shape, const_value=self.later(node, shape, name)
+        )
+        node.graph.register_initializer(value)
+        return _constant_folding.Replacement([value], [])
+
+    def new_initializer(self, node: ir.Node, array):
+        value = super().new_initializer(node, array)
+        if value is not None and any(isinstance(x.const_value, ir.LazyTensor) for x in node.inputs if x is not None):
+            value.const_value = self.later(node, value.shape, value.name)
+        return value
+
+    def later(self, node: ir.Node, shape: ir.Shape, name: str) -> ir.LazyTensor:
+        """The node's output, computed from its (lazy) inputs when it is written."""
+        inputs = [None if x is None else x.const_value for x in node.inputs]
+        op = (node.domain, node.op_type, self._opset_imports[node.domain])
+        attributes = {
+            key: ir.serde.serialize_tensor(a.value) if a.type == ir.AttributeType.TENSOR else a.value
+            for key, a in node.attributes.items()
+        }
+
+        def fold() -> ir.Tensor:
+            arrays = [None if t is None else t.numpy() for t in inputs]
+            return ir.tensor(_constant_folding._reference_evaluator.evaluate(*op, *arrays, **attributes))
+
+        dtype = node.outputs[0].dtype or next(t.dtype for t in inputs if t is not None)
+        return ir.LazyTensor(fold, dtype, shape, name=name)
+
+
+@contextlib.contextmanager
+def lazy_folding():
+    """torch's optimisation of an exported graph (onnxscript's optimize_ir and fusions, the same passes in the same
+    order, so the graph and its data are what a plain torch.onnx.export writes) with `LazyFolding`."""
+    plain = _constant_folding.FoldConstantsPass
+    _constant_folding.FoldConstantsPass = LazyFolding
+    try:
+        yield
+    finally:
+        _constant_folding.FoldConstantsPass = plain
+
+
+def export_graph(
+    spec: dict, weights: Weights, path: Path, opset: int, fused: bool, low_precision: bool, external: bool
+) -> None:
+    """Export one graph. The module is traced with stand-in weights (no memory); each weight then streams from the
+    checkpoint into a .data file as the graph is written, so only the small graph proto is ever edited and checked in
+    memory; small graphs are then made single-file."""
     with torch.no_grad(), warnings.catch_warnings(), fused_nodes(spec["module"]) if fused else nullcontext():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -247,10 +348,15 @@ def export_graph(spec: dict, path: Path, opset: int, fused: bool, low_precision:
             output_names=spec["outputs"],
             dynamo=True,
             opset_version=opset,
+            optimize=False,
             verbose=False,
         )
-        program.save(path, external_data=True)
-        del program
+    bind_weights(program.model.graph, spec["module"], weights)
+    with lazy_folding():
+        program.optimize()
+    # as torch's ONNXProgram.save writes it, one tensor at a time: each read from the checkpoint as it is written
+    ir.save(program.model, path, external_data=path.name + ".data", max_workers=1)
+    del program
     graph = rms_norm_as_quotient(onnx.load(path, load_external_data=False))
     attach_function(graph, low_precision)
     graph.ir_version = min(graph.ir_version, MAX_IR_VERSION)
@@ -372,14 +478,19 @@ def export_onnx(
             "30 s chunk: audio.onnx pools chunk by chunk",
         )
     torch_dtype = DTYPES[dtype].torch
-    model = build_model(source, torch_dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    source.raise_first_problem()
+    model = stand_in(empty_model(MODEL_CLASSES[config.model_type], config, torch_dtype))
+    weights = checkpoint_weights(source, torch_dtype)
+    weight_bytes = parameter_bytes(model)
+    if quantize:  # ONNX Runtime's quantizer loads the whole fp32 decoder, and writes its quantized copy
+        memory.require(2 * weight_bytes, f"--quantize {quantize}", "use a machine with more memory")
     specs = graph_specs(model, torch_dtype)
     # the layers' weights are in visual_kv.onnx and in decoder.onnx
     with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=2 * weight_bytes) as tmp:
         for name, spec in specs.items():
             export_graph(
                 spec,
+                weights,
                 tmp / f"{name}.onnx",
                 opset,
                 attention == "fused",

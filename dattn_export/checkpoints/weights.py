@@ -1,0 +1,160 @@
+"""Where the reference model's weights live: never randomly initialised, never held twice.
+
+The model is built with its parameters on the meta device (no memory, no initialisation) and its buffers as usual
+(rotary tables, position ids: small, computed from the config); each weight is then read from the checkpoint, cast on
+the way, into a tensor of its own. Never a view of the mapped file: a tensor mapped where the file puts it is not
+64-byte aligned, and the matrix kernels then take other paths whose results differ in the last bits (measured: 1.7e-6
+on the logits of a tiny model), so the same checkpoint would give other numbers by where it lies.
+When the whole model does not fit, `stream` keeps only what is outside the layers in memory: each layer (every
+element of a ModuleList: the decoder's layers, the towers' encoder layers) reads its weights as it is entered and
+drops them as it leaves, the same checked casts into the same fresh tensors, so the numbers are the whole model's.
+`stand_in` gives each parameter a placeholder of its shape and dtype that takes no memory (one element, broadcast),
+so a model can be traced for export without its weights (`stages/onnx_weights.py` binds them afterwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .plan import checked_cast
+from .registry import Lazy
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """While active, every parameter a module registers is moved to the meta device as it is registered: building a
+    model allocates and initialises none of them (its initialisation runs on meta tensors: no work). Buffers are
+    made as usual."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def empty_model(model_class: type[nn.Module], config, dtype: torch.dtype) -> nn.Module:
+    """The model without weights: parameters on meta in `dtype`, floating buffers cast to `dtype` as a whole-model
+    `.to(dtype)` casts them."""
+    with parameters_on_meta():
+        model = model_class(config)
+    return model.to(dtype).eval()
+
+
+def set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """A parameter as a model's own are made (`requires_grad` on: PyTorch's matmul folds a non-contiguous input
+    differently when the weight does not require grad, even under no_grad, and the numbers then differ)."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    module._parameters[leaf] = nn.Parameter(tensor, requires_grad=tensor.is_floating_point())
+
+
+def tie(model: nn.Module) -> None:
+    """Tied parameters (lm_head to the embedding) share one tensor again after their weights were set."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        for name, target in getattr(model, "_tied_weights_keys", {}).items():
+            set_parameter(model, name, model.get_parameter(target))
+
+
+def materialize(
+    model: nn.Module,
+    tensors: dict[str, Lazy],
+    stored_names: dict[str, str],
+    dtype: torch.dtype,
+    complete: bool = True,
+) -> nn.Module:
+    """Every parameter of a model built by `empty_model` set from the checkpoint's tensors (canonical names);
+    `complete=False`: some are left for `stream`."""
+    for name, lazy in tensors.items():
+        set_parameter(model, name, checked_cast(stored_names[name], lazy, dtype))
+    tie(model)
+    if not complete:
+        return model
+    missing = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"no weight for {missing[0]} (and {len(missing) - 1} more)")
+    return model
+
+
+# A layer's entry points: the decoder layers' streams are methods of their own, the towers' layers are called.
+LAYER_ENTRY_POINTS = ("forward", "visual_forward", "text_forward")
+
+
+def layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every element of the outermost ModuleLists, by name: the units `stream` reads one at a time."""
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        inside = any(name.startswith(prefix + ".") for prefix in found)
+        if isinstance(module, nn.ModuleList) and not inside:
+            found |= {f"{name}.{k}": layer for k, layer in enumerate(module)}
+    return found
+
+
+def parameter_bytes(model: nn.Module, prefixes=("",)) -> int:
+    return sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if any(name.startswith(prefix) for prefix in prefixes)
+    )
+
+
+def stream(model: nn.Module, tensors: dict[str, Lazy], stored_names: dict[str, str], dtype: torch.dtype) -> nn.Module:
+    """A model built by `empty_model` whose layers read their weights when entered and drop them when they return;
+    every other weight is set now."""
+    units = layers(model)
+    in_unit = lambda name: any(name.startswith(prefix + ".") for prefix in units)  # noqa: E731
+    materialize(model, {n: t for n, t in tensors.items() if not in_unit(n)}, stored_names, dtype, complete=False)
+    for prefix, unit in units.items():
+        start = prefix + "."
+        own = {n.removeprefix(start): (stored_names[n], t) for n, t in tensors.items() if n.startswith(start)}
+        for method in LAYER_ENTRY_POINTS:
+            if hasattr(unit, method):
+                setattr(unit, method, with_weights(unit, getattr(type(unit), method), own, dtype))
+    return model
+
+
+def with_weights(unit: nn.Module, method, tensors: dict[str, tuple[str, Lazy]], dtype: torch.dtype):
+    """`method` of `unit` with the unit's weights (names relative to it) read before it runs and dropped after. The
+    unit is held weakly: a model whose layers hold their own wrapped methods would otherwise be a reference cycle,
+    freed only when the garbage collector runs, and two models would then be in memory at once."""
+    held = weakref.ref(unit)
+
+    def run(*args, **kwargs):
+        unit = held()
+        for name, (stored_name, lazy) in tensors.items():
+            set_parameter(unit, name, checked_cast(stored_name, lazy, dtype))
+        try:
+            return method(unit, *args, **kwargs)
+        finally:
+            for name, (_, lazy) in tensors.items():
+                set_parameter(unit, name, torch.empty(lazy.shape, dtype=lazy_dtype(lazy, dtype), device="meta"))
+
+    return run
+
+
+def lazy_dtype(lazy: Lazy, dtype: torch.dtype) -> torch.dtype:
+    return dtype if lazy.dtype.is_floating_point else lazy.dtype
+
+
+def stand_in(model: nn.Module) -> nn.Module:
+    """Every meta parameter replaced by a placeholder of its shape and dtype that takes no memory (a zero broadcast
+    to the shape): a model to trace whose weights are bound later."""
+    for name, param in list(model.named_parameters()):
+        set_parameter(model, name, torch.zeros((), dtype=param.dtype).expand(param.shape))
+    tie(model)
+    return model
+
+
+def is_stand_in(tensor: torch.Tensor) -> bool:
+    return tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())
