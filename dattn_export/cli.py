@@ -496,7 +496,8 @@ def quantization_rows(quantization: dict | None) -> list[tuple[str, str]]:
     detail += f"accuracy level {q['accuracy_level']}"
     head = "lm_head quantized" if q["lm_head"] else "lm_head kept fp32"
     head += ", embedding quantized" if q.get("embedding") else ", embedding kept fp32"
-    return [("quantization", f"decoder.onnx: {q['matmuls']} MatMuls -> MatMulNBits ({detail}; {head})")]
+    graphs = ", ".join(f"{name}.onnx {count}" for name, count in q["matmuls"].items())
+    return [("quantization", f"MatMuls -> MatMulNBits: {graphs} ({detail}; {head}; towers kept)")]
 
 
 def print_validation(report, folder: Path) -> None:

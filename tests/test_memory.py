@@ -68,7 +68,7 @@ def test_what_cannot_fit_is_refused_in_one_line_with_the_figures(tmp_path):
     assert cli("convert", checkpoint, "-o", tmp_path / "converted").returncode == 0
     cases = {
         "the reference model in float32, layer by layer": ("verify", tmp_path / "converted"),
-        "--quantize int4": ("onnx", checkpoint, "-o", tmp_path / "int4", "--quantize", "int4"),
+        "onnx: the largest weight": ("onnx", checkpoint, "-o", tmp_path / "int4", "--quantize", "int4"),
         "ONNX Runtime's sessions": ("validate", tmp_path / "onnx"),
     }
     for what, args in cases.items():

@@ -9,13 +9,15 @@ import json
 import numpy as np
 import onnx
 import pytest
-from helpers.builders import checkpoint_of
+from helpers.builders import build_model, checkpoint_of, released_model
 from helpers.cli import run_cli
 from helpers.quantized import CORPORA, broken_export, train
+from onnx import numpy_helper
 
+from dattn_export.stages import quantize
 from dattn_export.stages.demo import write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
-from dattn_export.stages.quantize import GATES, gate
+from dattn_export.stages.quantize import GATES, QUANTIZED_GRAPHS, Scheme, gate
 from dattn_export.stages.validate import validate
 
 
@@ -32,10 +34,13 @@ def test_quantized_decoder_passes_the_gate(trained, scheme):
     out = work / scheme
     assert run_cli("onnx", checkpoint, "-o", out, "--quantize", scheme).returncode == 0
     manifest = json.loads((out / "onnx_manifest.json").read_text())
-    assert manifest["quantization"]["scheme"] == scheme and manifest["quantization"]["matmuls"] == 21  # 3 layers x 7
+    assert manifest["quantization"]["scheme"] == scheme
+    visual_kv = [n.op_type for n in onnx.load(out / "visual_kv.onnx").graph.node]
+    assert manifest["quantization"]["matmuls"] == {"visual_kv": visual_kv.count("MatMulNBits"), "decoder": 21}
+    assert "MatMul" not in visual_kv  # the visual stream's layers: every weight quantized
     graph = onnx.load(out / "decoder.onnx")
     ops = [n.op_type for n in graph.graph.node]
-    assert ops.count("MatMulNBits") == 21 and ops.count("DecomposedAttention") == 3
+    assert ops.count("MatMulNBits") == 21 and ops.count("DecomposedAttention") == 3  # 3 layers x 7
     assert any(n.op_type == "MatMul" for n in graph.graph.node)  # the lm_head, kept fp32 by default
     report = validate(out, checkpoint, steps=12)
     assert report.passed, report.gate
@@ -93,3 +98,73 @@ def test_gate_metrics_are_literal():
     assert result.top5_mass == pytest.approx((1.0 + 0.92 / 0.95) / 2)
     assert result.agreement == 0.5
     assert result.mean_kl == pytest.approx(kl.mean()) and result.max_kl == pytest.approx(kl.max())
+
+
+def ort_quantized(path, scheme: Scheme, hidden: int, vocab: int) -> onnx.ModelProto:
+    """What ONNX Runtime's MatMulNBitsQuantizer makes of one graph of a plain fp32 export: the lm_head excluded
+    unless `scheme.lm_head` (as `onnx --quantize` does), the embedding's Gather quantized with `scheme.embedding`
+    (the decoder's: the graph that has the table)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(path)
+    weights = {i.name: tuple(i.dims) for i in model.graph.initializer}
+    head = [n.name for n in model.graph.node if n.op_type == "MatMul" and weights.get(n.input[1]) == (hidden, vocab)]
+    common = dict(block_size=scheme.block_size, is_symmetric=scheme.symmetric)
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=scheme.bits,
+        nodes_to_exclude=[] if scheme.lm_head else head,
+        accuracy_level=scheme.accuracy_level or None,
+        **common,
+    )
+    quantizer.process()
+    model = quantizer.model.model
+    if scheme.embedding and path.stem == "decoder":
+        quantizer = MatMulNBitsQuantizer(model, bits=4, op_types_to_quantize=("Gather",), **common)
+        quantizer.process()
+        model = quantizer.model.model
+    return model
+
+
+def graph_contents(model: onnx.ModelProto) -> tuple[dict, list, dict]:
+    tensors = {
+        i.name: (i.data_type, tuple(i.dims), numpy_helper.to_array(i).tobytes()) for i in model.graph.initializer
+    }
+    nodes = [
+        (n.op_type, n.domain, n.name, list(n.input), list(n.output), sorted(map(str, n.attribute)))
+        for n in model.graph.node
+    ]
+    return tensors, nodes, {o.domain: o.version for o in model.opset_import}
+
+
+@pytest.mark.parametrize(
+    "family, scheme",
+    [
+        ("mistral", Scheme("int4", 32, True, False, False, 4)),
+        ("gemma2", Scheme("int8", 16, False, False, True, 0)),  # tied head; asymmetric, the table quantized too
+        ("video", Scheme("int4", 16, False, True, False, 4)),  # the head quantized too
+    ],
+)
+def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_path, monkeypatch, family, scheme):
+    """`onnx --quantize` quantizes each weight as it streams from the checkpoint; ONNX Runtime's quantizer, run on
+    the whole plain fp32 export, is the reference: every graph's tensors (names, types, shapes, bytes), nodes and
+    opsets are the same."""
+    from dattn_export.stages import onnx_export
+
+    model = released_model("mistral", video=True) if family == "video" else build_model(family)
+    checkpoint = checkpoint_of(model, tmp_path / "ckpt")
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)  # both with .data files, as at full size
+    monkeypatch.setattr(quantize, "EMBEDDING_ROWS_BYTES", 1000)  # the table in many chunks of rows
+    options = dict(block_size=scheme.block_size, symmetric=scheme.symmetric, quantize_lm_head=scheme.lm_head)
+    options |= dict(accuracy_level=scheme.accuracy_level, quantize_embedding=scheme.embedding)
+    manifest = export_onnx(checkpoint, tmp_path / "streamed", quantize=scheme.scheme, **options)
+    export_onnx(checkpoint, tmp_path / "plain")
+    config = model.config
+    for name in QUANTIZED_GRAPHS:
+        expected = ort_quantized(tmp_path / "plain" / f"{name}.onnx", scheme, config.hidden_size, config.vocab_size)
+        got = onnx.load(tmp_path / "streamed" / f"{name}.onnx")
+        assert graph_contents(got) == graph_contents(expected), name
+        quantized = sum(n.op_type == "MatMulNBits" for n in got.graph.node)
+        assert quantized == manifest.quantization["matmuls"][name] > 0
+    gathers = [n.op_type for n in onnx.load(tmp_path / "streamed" / "decoder.onnx").graph.node if "Gather" in n.op_type]
+    assert ("GatherBlockQuantized" in gathers) == scheme.embedding

@@ -3,6 +3,7 @@ within fp16's range when cast to fp16) and cast on its way out, and bytes that n
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -65,6 +66,36 @@ def lazy_is_contiguous(lazy: Lazy) -> bool:
     return isinstance(lazy, LazyTensor) and lazy.stride in (None, contiguous_stride(lazy.shape))
 
 
+def mappable(lazy: Lazy) -> bool:
+    """Its elements can be read in order, mapped where they lie (`mapped_pieces`)."""
+    return bool(lazy.nbytes) and (isinstance(lazy, GatheredTensor) or lazy_is_contiguous(lazy))
+
+
+def checked_chunks(stored_name: str, lazy: Lazy, dtype: torch.dtype, elements: int) -> Iterator[torch.Tensor]:
+    """The tensor's elements in order, `elements` at a time (1-D, the last one shorter), each checked and cast on
+    its own from where it lies: a table of any size needs the memory of one chunk."""
+    if not mappable(lazy):
+        yield from checked_cast(stored_name, lazy, dtype).view(-1).split(elements)
+        return
+    pending, held = [], 0
+    for piece in lazy.mapped_pieces():
+        while piece.numel():
+            taken = piece[: elements - held]
+            pending.append(taken)
+            held, piece = held + taken.numel(), piece[taken.numel() :]
+            if held == elements:
+                yield _checked_chunk(stored_name, lazy, dtype, pending)
+                pending, held = [], 0
+    if pending:
+        yield _checked_chunk(stored_name, lazy, dtype, pending)
+
+
+def _checked_chunk(stored_name: str, lazy: Lazy, dtype: torch.dtype, pieces: list[torch.Tensor]) -> torch.Tensor:
+    chunk = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    check_values(stored_name, lazy.file, chunk, dtype)
+    return chunk.to(dtype if needs_cast(lazy, dtype) else lazy.dtype, copy=True)  # never a view of the mapped file
+
+
 def checked_in_place(stored_name: str, lazy: LazyTensor) -> torch.Tensor:
     """A tensor the output stores as it is: checked where it lies in its file (mapped, never copied to memory)."""
     tensor = lazy.mapped()
@@ -87,7 +118,6 @@ def plan_tensors(tensors: dict[str, Lazy], stored_names: dict[str, str], target:
     """How each tensor reaches the output in `target` (floating-point tensors; others keep their dtype): bytes that
     need no cast are copied in the kernel and checked where they lie; casts read mapped pieces, or (strided or
     in-memory tensors) are loaded through one scratch buffer."""
-    mappable = lambda t: t.nbytes and (isinstance(t, GatheredTensor) or lazy_is_contiguous(t))  # noqa: E731
     scratch = cast_scratch([t for t in tensors.values() if not mappable(t)], target)  # the producer's
     planned = []
     for name, lazy in tensors.items():

@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -54,7 +54,8 @@ from ..artifacts import (
     dtype_name,
 )
 from ..checkpoints.names import audio_tower_role
-from ..checkpoints.plan import checked_cast
+from ..checkpoints.plan import checked_cast, checked_chunks
+from ..checkpoints.registry import Lazy
 from ..checkpoints.source import open_source
 from ..checkpoints.weights import empty_model, is_stand_in, parameter_bytes, stand_in
 from ..errors import InputError
@@ -63,7 +64,7 @@ from ..plugins import contract
 from ..plugins.onnx_node import attach_function, fused_nodes
 from ..runtime.genai import GENAI_CONFIG, write_genai_config
 from ..sidefiles import read_json
-from .quantize import SCHEMES, quantize_decoder
+from .quantize import QUANTIZED_GRAPHS, SCHEMES, Quantization, Scheme, quantize_graph
 
 DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
 SUPPORTED_OPSETS = range(18, 24)
@@ -241,15 +242,30 @@ def video_specs(model, dtype: torch.dtype) -> dict:
     }
 
 
-Weights = dict[str, Callable[[], torch.Tensor]]  # canonical name -> the tensor in the export's dtype, read when called
+WRITE_CHUNK_BYTES = 64 << 20  # a weight is cast and written this much at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointWeight:
+    """One weight as the export writes it: read from the checkpoint (mapped), checked and cast on the way."""
+
+    stored_name: str
+    lazy: Lazy
+    dtype: torch.dtype
+
+    def load(self) -> torch.Tensor:
+        return checked_cast(self.stored_name, self.lazy, self.dtype)
+
+    def chunks(self, elements: int) -> Iterator[torch.Tensor]:
+        return checked_chunks(self.stored_name, self.lazy, self.dtype, elements)
+
+
+Weights = dict[str, CheckpointWeight]  # canonical name -> the weight
 
 
 def checkpoint_weights(source, dtype: torch.dtype) -> Weights:
-    """Each weight as the export will write it: read from the checkpoint (mapped), checked and cast when called; tied
-    weights (lm_head) read their target's tensor."""
-    weights = {
-        name: partial(checked_cast, source.stored_names[name], lazy, dtype) for name, lazy in source.tensors.items()
-    }
+    """Each weight of the checkpoint; tied weights (lm_head) are their target's."""
+    weights = {name: CheckpointWeight(source.stored_names[name], lazy, dtype) for name, lazy in source.tensors.items()}
     if source.config.tie_word_embeddings:
         for name, target in MODEL_CLASSES[source.config.model_type]._tied_weights_keys.items():
             weights.setdefault(name, weights[target])
@@ -263,6 +279,19 @@ def ir_tensor(tensor: torch.Tensor) -> ir.Tensor:
     return ir.Tensor(tensor.numpy())
 
 
+class StreamedWeight(ir.LazyTensor):
+    """A bound weight: computed whole only where a pass folds it; written to the .data file a chunk at a time, so
+    that writing a 3.7 GB embedding table needs 64 MiB."""
+
+    def __init__(self, weight: CheckpointWeight, dtype: ir.DataType, shape: ir.Shape, name: str):
+        super().__init__(lambda: ir_tensor(weight.load()), dtype, shape, name=name)
+        self.weight = weight
+
+    def tofile(self, file) -> None:
+        for chunk in self.weight.chunks(max(1, WRITE_CHUNK_BYTES // self.weight.dtype.itemsize)):
+            file.write(chunk.view(torch.uint8).numpy())
+
+
 def bind_weights(graph: ir.Graph, module: nn.Module, weights: Weights) -> None:
     """Every stand-in initializer of a traced graph bound to its checkpoint tensor, read when the graph is written.
     The graph names a parameter by its path in the traced module: the graph module's `model.` and then the
@@ -271,8 +300,7 @@ def bind_weights(graph: ir.Graph, module: nn.Module, weights: Weights) -> None:
     for name, value in graph.initializers.items():
         held = value.const_value
         if is_stand_in(held.raw):
-            load = weights[canonical[name]]
-            value.const_value = ir.LazyTensor(lambda load=load: ir_tensor(load()), held.dtype, held.shape, name=name)
+            value.const_value = StreamedWeight(weights[canonical[name]], held.dtype, held.shape, name)
 
 
 class LazyFolding(_constant_folding.FoldConstantsPass):
@@ -333,11 +361,18 @@ def lazy_folding():
 
 
 def export_graph(
-    spec: dict, weights: Weights, path: Path, opset: int, fused: bool, low_precision: bool, external: bool
+    spec: dict,
+    weights: Weights,
+    path: Path,
+    opset: int,
+    fused: bool,
+    low_precision: bool,
+    external: bool,
+    rewrite: Callable[[ir.Model], None] | None = None,
 ) -> None:
     """Export one graph. The module is traced with stand-in weights (no memory); each weight then streams from the
-    checkpoint into a .data file as the graph is written, so only the small graph proto is ever edited and checked in
-    memory; small graphs are then made single-file."""
+    checkpoint into a .data file as the graph is written (through `rewrite`'s lazy tensors where it quantizes), so
+    only the small graph proto is ever edited and checked in memory; small graphs are then made single-file."""
     with torch.no_grad(), warnings.catch_warnings(), fused_nodes(spec["module"]) if fused else nullcontext():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -354,6 +389,8 @@ def export_graph(
     bind_weights(program.model.graph, spec["module"], weights)
     with lazy_folding():
         program.optimize()
+    if rewrite:
+        rewrite(program.model)
     # as torch's ONNXProgram.save writes it, one tensor at a time: each read from the checkpoint as it is written
     ir.save(program.model, path, external_data=path.name + ".data", max_workers=1)
     del program
@@ -482,8 +519,15 @@ def export_onnx(
     model = stand_in(empty_model(MODEL_CLASSES[config.model_type], config, torch_dtype))
     weights = checkpoint_weights(source, torch_dtype)
     weight_bytes = parameter_bytes(model)
-    if quantize:  # ONNX Runtime's quantizer loads the whole fp32 decoder, and writes its quantized copy
-        memory.require(2 * weight_bytes, f"--quantize {quantize}", "use a machine with more memory")
+    # every weight is written a chunk at a time; a transposed one is computed whole, once, and so is a quantized one
+    largest = max(p.nbytes for name, p in model.named_parameters() if not name.endswith("embed_tokens.weight"))
+    memory.require(3 * largest, "onnx: the largest weight read, transposed and quantized", "a machine with more memory")
+    scheme = quantize and Scheme(quantize, block_size, symmetric, quantize_lm_head, quantize_embedding, accuracy_level)
+    matmuls = {}
+
+    def quantized(name: str, model: ir.Model) -> None:
+        matmuls[name] = quantize_graph(model, scheme, config.hidden_size, config.vocab_size)
+
     specs = graph_specs(model, torch_dtype)
     # the layers' weights are in visual_kv.onnx and in decoder.onnx
     with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=2 * weight_bytes) as tmp:
@@ -496,27 +540,15 @@ def export_onnx(
                 attention == "fused",
                 torch_dtype != torch.float32,
                 external=weight_bytes > EXTERNAL_DATA_BYTES,
+                rewrite=partial(quantized, name) if scheme and name in QUANTIZED_GRAPHS else None,
             )
             if on_graph:
                 on_graph(name)
-        quantization = None
-        if quantize:
-            quantization = quantize_decoder(
-                tmp / "decoder.onnx",
-                quantize,
-                block_size,
-                symmetric,
-                quantize_lm_head,
-                model.config.hidden_size,
-                model.config.vocab_size,
-                external=weight_bytes > EXTERNAL_DATA_BYTES,
-                accuracy_level=accuracy_level,
-                embedding=quantize_embedding,
-            )
         source.carry_files(tmp)
         (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")
         manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
-        manifest.quantization = None if quantization is None else dataclasses.asdict(quantization)
+        if scheme:
+            manifest.quantization = dataclasses.asdict(Quantization(**dataclasses.asdict(scheme), matmuls=matmuls))
         unsupported = write_genai_config(tmp, manifest, model.config)
         manifest.genai = f"cannot drive these graphs: {unsupported}" if unsupported else GENAI_CONFIG
         manifest.files = sorted(p.name for p in tmp.iterdir())
