@@ -223,14 +223,20 @@ def cli(*args) -> list:
     return [sys.executable, "-m", "dattn_export", *args]
 
 
-def run_model(name: str, work: Path) -> list[dict]:
+COMMANDS = [
+    "convert", "info", "verify", "onnx fp16", "validate fp16", "onnx int4", "validate int4", "generate", "analyze",
+    "push --dry-run",
+]  # fmt: skip
+
+
+def run_model(name: str, work: Path, commands: list[str]) -> list[dict]:
     root = work / name
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     media = demo_media(root)
     config = model_config(name)
     rows = []
-    for layout in ("bin", "safetensors"):  # the .bin layout first: measured, then deleted
+    for layout in ("bin", "safetensors") if "convert" in commands else ("safetensors",):  # .bin first, then deleted
         checkpoint = root / f"checkpoint-{layout}"
         start = time.perf_counter()
         weight_bytes = write_checkpoint(name, checkpoint, layout)
@@ -238,6 +244,8 @@ def run_model(name: str, work: Path) -> list[dict]:
         limits = floor(checkpoint, root)
         out = root / "converted"
         row = measure(cli("convert", checkpoint, "-o", out, "--force"), f"convert ({layout} shards)")
+        if "convert" not in commands:  # only what the other commands need
+            break
         subprocess.run(["sync"], check=True)
         row |= limits | dict(ratio=row["seconds"] / limits["floor"], bytes=folder_bytes(out))
         print(
@@ -249,42 +257,25 @@ def run_model(name: str, work: Path) -> list[dict]:
         if layout == "bin":
             shutil.rmtree(checkpoint)
     converted = root / "converted"
-    rows.append(measure(cli("info", checkpoint), "info"))
-    rows.append(measure(cli("verify", converted, "--against", checkpoint), "verify --against"))
-    for kind, dtype_args in (("fp16", ["--dtype", "fp16"]), ("int4", ["--quantize", "int4"])):
-        out = root / f"onnx-{kind}"
-        row = measure(cli("onnx", converted, "-o", out, "--force", *dtype_args), f"onnx {' '.join(dtype_args)}")
-        row["bytes"] = folder_bytes(out) if out.exists() else 0
-        rows.append(row)
     media_args = ["--video", media["video"]] if config.is_video else ["--image", media["image"]]
-    validate_fp16 = cli("validate", root / "onnx-fp16", "--steps", "2", *media_args)
-    rows.append(measure(validate_fp16, "validate fp16 (refusal expected)"))
-    shutil.rmtree(root / "onnx-fp16", ignore_errors=True)
-    rows.append(
-        measure(
-            cli("validate", root / "onnx-int4", "--against", converted, "--steps", "4", *media_args),
-            "validate int4 --against converted",
-        )
-    )
-    generate = cli("generate", converted, "--prompt", PROMPT, "--max-new-tokens", "8", *media_args)
-    rows.append(measure(generate, "generate"))
-    analyze_media = media_args if not config.is_video else ["--video", media["video"]]
-    rows.append(
-        measure(
-            cli(
-                "analyze",
-                converted,
-                "--prompt",
-                f"<image> {PROMPT}",
-                "-o",
-                root / "analysis",
-                "--force",
-                *analyze_media,
-            ),
-            "analyze",
-        )
-    )
-    rows.append(measure(cli("push", converted, "--repo-id", "me/scale-test", "--dry-run"), "push --dry-run"))
+
+    def run(command: str, *args, output: Path | None = None) -> None:
+        if command in commands:
+            rows.append(measure(cli(*args), command))
+            rows[-1]["bytes"] = folder_bytes(output) if output and output.exists() else 0
+
+    run("info", "info", checkpoint)
+    run("verify", "verify", converted, "--against", checkpoint)
+    fp16, int4 = root / "onnx-fp16", root / "onnx-int4"
+    run("onnx fp16", "onnx", converted, "-o", fp16, "--force", "--dtype", "fp16", output=fp16)
+    run("validate fp16", "validate", fp16, "--steps", "2", *media_args)  # refused on this machine: too big
+    shutil.rmtree(fp16, ignore_errors=True)
+    run("onnx int4", "onnx", converted, "-o", int4, "--force", "--quantize", "int4", output=int4)
+    run("validate int4", "validate", int4, "--against", converted, "--steps", "4", *media_args)
+    run("generate", "generate", converted, "--prompt", PROMPT, "--max-new-tokens", "8", *media_args)
+    analysis = ("analyze", converted, "--prompt", f"<image> {PROMPT}", "-o", root / "analysis", "--force")
+    run("analyze", *analysis, *media_args)
+    run("push --dry-run", "push", converted, "--repo-id", "me/scale-test", "--dry-run")
     shutil.rmtree(root, ignore_errors=True)
     return rows
 
@@ -293,20 +284,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--work", type=Path, default=Path("/tmp/dattn-scale"))
+    parser.add_argument("--commands", nargs="+", choices=COMMANDS, default=COMMANDS)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.models:
         parameters = sum(math.prod(shape) for shape in model_shapes(model_config(name)).values())
         print(f"== {name}: {parameters / 1e9:.2f} B parameters", flush=True)
-        results[name] = run_model(name, args.work)
+        results[name] = run_model(name, args.work, args.commands)
         print(f"\n| {name} | wall | peak anonymous | peak RSS | exit | bytes |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
         for r in results[name]:
             size = f"{r['bytes'] / 1e9:.1f} GB" if r.get("bytes") else ""
             memory = f"{r['anon_gib']:.2f} GiB | {r['rss_gib']:.2f} GiB"
             print(f"| {r['command']} | {r['seconds']:.0f} s | {memory} | {r['code']} | {size} |")
-    (Path(__file__).parent / "scale.json").write_text(json.dumps(results, indent=2, default=str))
+    (Path(__file__).parent / f"scale-{'-'.join(args.models)}.json").write_text(
+        json.dumps(results, indent=2, default=str)
+    )
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ from ..plugins import contract
 from ..plugins.onnx_node import attach_function, fused_nodes
 from ..runtime.genai import GENAI_CONFIG, write_genai_config
 from ..sidefiles import read_json
-from .quantize import QUANTIZED_GRAPHS, SCHEMES, Quantization, Scheme, quantize_graph
+from .quantize import QUANTIZED_GRAPHS, SCHEMES, Quantization, Scheme, quantize_graph, quantized_bytes
 
 DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
 SUPPORTED_OPSETS = range(18, 24)
@@ -530,7 +530,8 @@ def export_onnx(
 
     specs = graph_specs(model, torch_dtype)
     # the layers' weights are in visual_kv.onnx and in decoder.onnx
-    with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=2 * weight_bytes) as tmp:
+    needed = 2 * (weight_bytes if not scheme else quantized_bytes(model, scheme))
+    with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=needed) as tmp:
         for name, spec in specs.items():
             export_graph(
                 spec,

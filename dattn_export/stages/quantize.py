@@ -90,6 +90,18 @@ GATES = {
 }
 
 
+def quantized_bytes(model, scheme: Scheme) -> int:
+    """About the bytes of the quantized model's weights: each decoder layer's matrix in `scheme.bits` per weight
+    plus a 4-byte scale (and a zero point) per block; everything else as it is."""
+    per_weight = scheme.bits / 8 + (4 + (not scheme.symmetric)) / scheme.block_size
+    return int(
+        sum(
+            p.numel() * per_weight if p.dim() == 2 and ".layers." in name and "mm_" not in name else p.nbytes
+            for name, p in model.named_parameters()
+        )
+    )
+
+
 class QuantizedMatrix:
     """One MatMul weight's blocks, scales (and zero points): ORT's `qbits_block_quant` of the weight, computed when
     the first of them is written and dropped once each has been."""
