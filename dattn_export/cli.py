@@ -353,8 +353,8 @@ def verify(out: Path, against: Path | None, base, vision_heads):
 @click.option(
     "--quantize",
     type=click.Choice(["int4", "int8"]),
-    help="Weight-only quantization of decoder.onnx's MatMuls (ONNX Runtime's MatMulNBits); validate then applies "
-    "the accuracy gate instead of the fp32 tolerance.",
+    help="Weight-only quantization of the LLM's MatMuls in visual_kv.onnx and decoder.onnx (ONNX Runtime's "
+    "MatMulNBits); validate then applies the accuracy gate instead of the fp32 tolerance.",
 )
 @click.option(
     "--block-size",

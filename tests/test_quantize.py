@@ -127,11 +127,14 @@ def ort_quantized(path, scheme: Scheme, hidden: int, vocab: int) -> onnx.ModelPr
 
 
 def graph_contents(model: onnx.ModelProto) -> tuple[dict, list, dict]:
+    """Tensors, nodes (computed values named by the order they are made in: the rewriter after the quantizer numbers
+    its own) and opsets."""
     tensors = {
         i.name: (i.data_type, tuple(i.dims), numpy_helper.to_array(i).tobytes()) for i in model.graph.initializer
     }
+    made = {name: f"#{k}" for k, name in enumerate(o for n in model.graph.node for o in n.output)}
     nodes = [
-        (n.op_type, n.domain, n.name, list(n.input), list(n.output), sorted(map(str, n.attribute)))
+        (n.op_type, n.domain, n.name, [made.get(i, i) for i in n.input], sorted(map(str, n.attribute)))
         for n in model.graph.node
     ]
     return tensors, nodes, {o.domain: o.version for o in model.opset_import}
@@ -164,6 +167,9 @@ def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_pa
         expected = ort_quantized(tmp_path / "plain" / f"{name}.onnx", scheme, config.hidden_size, config.vocab_size)
         got = onnx.load(tmp_path / "streamed" / f"{name}.onnx")
         assert graph_contents(got) == graph_contents(expected), name
+        listed = onnx.load(tmp_path / "streamed" / f"{name}.onnx", load_external_data=False).graph.initializer
+        written = sum(int(e.value) for i in listed for e in i.external_data if e.key == "length")
+        assert (tmp_path / "streamed" / f"{name}.onnx.data").stat().st_size == written  # no weight written unread
         quantized = sum(n.op_type == "MatMulNBits" for n in got.graph.node)
         assert quantized == manifest.quantization["matmuls"][name] > 0
     gathers = [n.op_type for n in onnx.load(tmp_path / "streamed" / "decoder.onnx").graph.node if "Gather" in n.op_type]

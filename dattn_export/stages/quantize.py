@@ -245,6 +245,9 @@ def quantize_graph(model: ir.Model, scheme: Scheme, hidden: int, vocab: int) -> 
             matmuls += 1
         elif node.op_type == "Gather" and scheme.embedding and (table := constant_matrix(node.inputs[0])) is not None:
             quantize_gather(graph, node, table, scheme)
+    for name, value in list(graph.initializers.items()):  # as ORT's clean_initializers: else written, never read
+        if not value.uses() and not value.is_graph_output():
+            graph.initializers.pop(name)
     return matmuls
 
 
