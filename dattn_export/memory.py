@@ -7,6 +7,7 @@ limit the kernel does not report).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -35,6 +36,20 @@ def available() -> int:
         return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):  # not Linux: all of physical memory
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_blocks() -> None:
+    """From now on every block of 1 MiB or more is mapped on its own and given back to the system when freed. glibc
+    otherwise serves blocks under 32 MiB from per-thread arenas that keep what is freed, and a model streamed layer
+    by layer grows by the fragments (verify of a 1 GB model: a peak of 0.74-0.99 GB, 0.57 GB with this, 10% slower).
+    Without glibc (no mallopt): nothing changes."""
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
 
 
 def fits(needed: int) -> bool:

@@ -3,7 +3,8 @@ within fp16's range when cast to fp16) and cast on its way out, and bytes that n
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -37,9 +38,17 @@ def needs_cast(lazy: Lazy, dtype: torch.dtype) -> bool:
     return lazy.dtype.is_floating_point and lazy.dtype != dtype
 
 
-def cast_scratch(tensors, dtype: torch.dtype) -> torch.Tensor:
-    """A uint8 buffer for the largest of `tensors` that `checked_cast` reads in its own dtype before casting."""
-    return torch.empty(max((t.nbytes for t in tensors if needs_cast(t, dtype)), default=0), dtype=torch.uint8)
+def cast_scratch(tensors, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """A uint8 buffer for the largest of `tensors` that `checked_cast` reads in its own dtype before casting, one per
+    thread (shards are written in parallel), made when a thread first asks for it."""
+    size, local = max((t.nbytes for t in tensors if needs_cast(t, dtype)), default=0), threading.local()
+
+    def scratch() -> torch.Tensor:
+        if not hasattr(local, "buffer"):
+            local.buffer = torch.empty(size, dtype=torch.uint8)
+        return local.buffer
+
+    return scratch
 
 
 def checked_cast(
@@ -117,8 +126,8 @@ def checked_cast_mapped(stored_name: str, lazy: LazyTensor | GatheredTensor, dty
 def plan_tensors(tensors: dict[str, Lazy], stored_names: dict[str, str], target: torch.dtype) -> list[PlannedTensor]:
     """How each tensor reaches the output in `target` (floating-point tensors; others keep their dtype): bytes that
     need no cast are copied in the kernel and checked where they lie; casts read mapped pieces, or (strided or
-    in-memory tensors) are loaded through one scratch buffer."""
-    scratch = cast_scratch([t for t in tensors.values() if not mappable(t)], target)  # the producer's
+    in-memory tensors) are loaded through a scratch buffer."""
+    scratch = cast_scratch([t for t in tensors.values() if not mappable(t)], target)  # one per producer thread
     planned = []
     for name, lazy in tensors.items():
         stored_name = stored_names[name]
@@ -130,7 +139,7 @@ def plan_tensors(tensors: dict[str, Lazy], stored_names: dict[str, str], target:
             produce, copy_from = lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast_mapped(n, t, d, out), None
         else:
             produce, copy_from = (
-                lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast(n, t, d, out, scratch),
+                lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast(n, t, d, out, scratch()),
                 None,
             )
         planned.append(PlannedTensor(name, out_dtype, tuple(lazy.shape), produce, copy_from))

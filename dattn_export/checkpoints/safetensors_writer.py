@@ -213,15 +213,19 @@ def write_shards(
     copier: RangeCopier | None = None,
 ) -> dict[str, WrittenFile]:
     """Write every shard and, when there are several, the index; returns each file written. `copier` (its `method`
-    says how bytes stored as they are were copied) is shared by the shards."""
+    says how bytes stored as they are were copied) is shared by the shards. Shards are written one per core at a
+    time: each shard's sha256 is sequential, the slowest stage, and the shards' hashes are independent."""
     out_dir = Path(out_dir)
-    files = {}
-    weight_map = {}
     copier = copier or RangeCopier()
-    for name, tensors in zip(shard_names(len(shards)), shards):
-        files[name] = write_safetensors(out_dir / name, tensors, on_written=on_written, copier=copier)
-        weight_map.update(dict.fromkeys((t.name for t in tensors), name))
+    names = shard_names(len(shards))
+    with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, len(shards)))) as pool:
+        written = [
+            pool.submit(write_safetensors, out_dir / name, tensors, on_written=on_written, copier=copier)
+            for name, tensors in zip(names, shards)
+        ]
+        files = {name: future.result() for name, future in zip(names, written)}
     if len(shards) > 1:
+        weight_map = {t.name: name for name, tensors in zip(names, shards) for t in tensors}
         total = sum(t.nbytes for tensors in shards for t in tensors)
         index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
         (out_dir / INDEX_NAME).write_text(index)

@@ -23,7 +23,7 @@ from .names import LAYER_STACKS, canonical_name, stored_layers
 from .registry import Lazy
 from .released import is_released, released_fields
 from .towers import resolve_audio_config, resolve_vision_config, tower_folder
-from .weights import empty_model, layers, materialize, parameter_bytes, stream
+from .weights import empty_model, materialize, parameter_bytes, stream, streamed_bytes
 
 
 def config_from_dict(fields: dict, source: Path):
@@ -183,9 +183,8 @@ def build_model(source: Source, dtype: torch.dtype = torch.float32, whole: bool 
     whole_bytes = parameter_bytes(model)
     if whole if whole is not None else memory.fits(whole_bytes):
         return materialize(model, source.tensors, source.stored_names, dtype)
-    units = [parameter_bytes(layer) for layer in layers(model).values()]
     memory.require(
-        whole_bytes - sum(units) + max(units),
+        streamed_bytes(model),
         f"the reference model in {dtype_name(dtype)}, layer by layer (all of it: {memory.gib(whole_bytes)})",
         "free memory, or use a machine with more",
     )

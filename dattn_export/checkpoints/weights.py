@@ -5,9 +5,12 @@ The model is built with its parameters on the meta device (no memory, no initial
 the way, into a tensor of its own. Never a view of the mapped file: a tensor mapped where the file puts it is not
 64-byte aligned, and the matrix kernels then take other paths whose results differ in the last bits (measured: 1.7e-6
 on the logits of a tiny model), so the same checkpoint would give other numbers by where it lies.
-When the whole model does not fit, `stream` keeps only what is outside the layers in memory: each layer (every
-element of a ModuleList: the decoder's layers, the towers' encoder layers) reads its weights as it is entered and
-drops them as it leaves, the same checked casts into the same fresh tensors, so the numbers are the whole model's.
+When the whole model does not fit, `stream` keeps only the small weights outside the layers in memory: each layer
+(every element of a ModuleList: the decoder's layers, the towers' encoder layers) reads its weights as it is entered
+and drops them as it leaves, the same checked casts into the same fresh tensors, so the numbers are the whole
+model's; the two tables outside them (the token embedding and the lm_head: 3.7 GB each in fp32 for Gemma 2's
+vocabulary) are read a chunk of rows at a time, the embedding only for the rows its tokens pick, the head a slice of the logits
+per chunk (each logit is the same dot product of the same fresh, aligned row, so the same number).
 `stand_in` gives each parameter a placeholder of its shape and dtype that takes no memory (one element, broadcast),
 so a model can be traced for export without its weights (`stages/onnx_weights.py` binds them afterwards).
 """
@@ -21,8 +24,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .plan import checked_cast
+from .plan import checked_cast, checked_chunks
 from .registry import Lazy
+
+TABLE_CHUNK_BYTES = 64 << 20  # the token embedding and the lm_head are read this much (in the model's dtype) at a time
 
 
 @contextlib.contextmanager
@@ -109,18 +114,40 @@ def parameter_bytes(model: nn.Module, prefixes=("",)) -> int:
     )
 
 
+def tables(model: nn.Module) -> dict[str, nn.Module]:
+    """The token embedding and the lm_head, by the name of their weight: what `stream` reads a chunk of rows at a
+    time."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return {f"{names[id(m)]}.weight": m for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+
+
+def streamed_bytes(model: nn.Module) -> int:
+    """The weights `stream` holds at once: those outside the layers and tables, the largest layer and a chunk of a
+    table."""
+    table_bytes = {id(m.weight): m.weight.numel() * m.weight.element_size() for m in tables(model).values()}
+    layer_bytes = [parameter_bytes(layer) for layer in layers(model).values()]
+    held = parameter_bytes(model) - sum(layer_bytes) - sum(table_bytes.values())
+    return held + max(layer_bytes) + min(TABLE_CHUNK_BYTES, max(table_bytes.values()))
+
+
 def stream(model: nn.Module, tensors: dict[str, Lazy], stored_names: dict[str, str], dtype: torch.dtype) -> nn.Module:
-    """A model built by `empty_model` whose layers read their weights when entered and drop them when they return;
-    every other weight is set now."""
+    """A model built by `empty_model` whose layers read their weights when entered and drop them when they return,
+    and whose embedding and lm_head read theirs a chunk of rows at a time; every other weight is set now."""
     units = layers(model)
-    in_unit = lambda name: any(name.startswith(prefix + ".") for prefix in units)  # noqa: E731
-    materialize(model, {n: t for n, t in tensors.items() if not in_unit(n)}, stored_names, dtype, complete=False)
+    table_modules = tables(model)
+    tied = getattr(model, "_tied_weights_keys", {}) if getattr(model.config, "tie_word_embeddings", False) else {}
+    streamed = lambda name: name in table_modules or any(name.startswith(p + ".") for p in units)  # noqa: E731
+    materialize(model, {n: t for n, t in tensors.items() if not streamed(n)}, stored_names, dtype, complete=False)
     for prefix, unit in units.items():
         start = prefix + "."
         own = {n.removeprefix(start): (stored_names[n], t) for n, t in tensors.items() if n.startswith(start)}
         for method in LAYER_ENTRY_POINTS:
             if hasattr(unit, method):
                 setattr(unit, method, with_weights(unit, getattr(type(unit), method), own, dtype))
+    for name, module in table_modules.items():
+        stored = tied.get(name, name)
+        read = with_rows if isinstance(module, nn.Embedding) else with_row_chunks
+        module.forward = read(module, type(module).forward, stored_names[stored], tensors[stored], dtype)
     return model
 
 
@@ -145,6 +172,54 @@ def with_weights(unit: nn.Module, method, tensors: dict[str, tuple[str, Lazy]], 
 
 def lazy_dtype(lazy: Lazy, dtype: torch.dtype) -> torch.dtype:
     return dtype if lazy.dtype.is_floating_point else lazy.dtype
+
+
+def rows_per_chunk(lazy: Lazy, dtype: torch.dtype) -> int:
+    """A multiple of 64 rows: a matrix-vector product over a row count that is not a multiple of the vector width
+    (16 floats) takes another path for its tail, and the logits of a one-token step then differ in the last bit
+    (measured on this machine's oneDNN/MKL; whole vocabularies of 32000 and 256000 rows end on a multiple of 64)."""
+    rows = TABLE_CHUNK_BYTES // (lazy.shape[1] * dtype.itemsize)
+    return max(64, rows - rows % 64)
+
+
+def with_rows(module: nn.Embedding, method, stored_name: str, lazy: Lazy, dtype: torch.dtype):
+    """An embedding's `method` with a weight of only the rows its ids pick (read a chunk of rows at a time), the ids
+    renumbered into it: the same vectors, without the table in memory."""
+    held = weakref.ref(module)
+
+    def run(ids: torch.Tensor, *args, **kwargs):
+        module, (picked, renumbered) = held(), torch.unique(ids, return_inverse=True)
+        width, start, rows = lazy.shape[1], 0, []
+        for chunk in checked_chunks(stored_name, lazy, dtype, rows_per_chunk(lazy, dtype) * width):
+            chunk = chunk.view(-1, width)
+            inside = picked[(picked >= start) & (picked < start + len(chunk))]
+            rows.append(chunk[inside - start])
+            start += len(chunk)
+        set_parameter(module, "weight", torch.cat(rows))
+        try:
+            return method(module, renumbered, *args, **kwargs)
+        finally:
+            set_parameter(module, "weight", torch.empty(lazy.shape, dtype=dtype, device="meta"))
+
+    return run
+
+
+def with_row_chunks(module: nn.Linear, method, stored_name: str, lazy: Lazy, dtype: torch.dtype):
+    """A bias-free linear map's `method` run once per chunk of its weight's rows, the outputs joined: the same
+    numbers, with one chunk in memory."""
+    held = weakref.ref(module)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        module, width, outputs = held(), lazy.shape[1], []
+        try:
+            for chunk in checked_chunks(stored_name, lazy, dtype, rows_per_chunk(lazy, dtype) * width):
+                set_parameter(module, "weight", chunk.view(-1, width))
+                outputs.append(method(module, x))
+        finally:
+            set_parameter(module, "weight", torch.empty(lazy.shape, dtype=dtype, device="meta"))
+        return torch.cat(outputs, dim=-1)
+
+    return run
 
 
 def stand_in(model: nn.Module) -> nn.Module:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -360,6 +361,19 @@ def lazy_folding():
         _constant_folding.FoldConstantsPass = plain
 
 
+@contextlib.contextmanager
+def errors_only(logger: str):
+    """A logger's warnings silenced: torch's exporter logs a line per torchvision op it cannot register when
+    torchvision is absent, which would bury a one-line error (we export no torchvision op)."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def export_graph(
     spec: dict,
     weights: Weights,
@@ -373,7 +387,8 @@ def export_graph(
     """Export one graph. The module is traced with stand-in weights (no memory); each weight then streams from the
     checkpoint into a .data file as the graph is written (through `rewrite`'s lazy tensors where it quantizes), so
     only the small graph proto is ever edited and checked in memory; small graphs are then made single-file."""
-    with torch.no_grad(), warnings.catch_warnings(), fused_nodes(spec["module"]) if fused else nullcontext():
+    quiet = errors_only("torch.onnx._internal.exporter._registration")
+    with torch.no_grad(), warnings.catch_warnings(), quiet, fused_nodes(spec["module"]) if fused else nullcontext():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             spec["module"],

@@ -77,19 +77,14 @@ def probe_logits(model, seed: int = 0) -> torch.Tensor:
     return model(ids, **streams).logits
 
 
-def check_model(out: Path, against) -> Check:
-    """The folder loads as the reference model and gives finite logits (the source's, when it has the same dtype)."""
-    source = open_source(out)
+def check_model(out: Path) -> Check:
+    """The folder loads as the reference model and gives finite logits. (Against a source, the tensors' check has
+    already found every tensor bit-exact after the cast: the source's model computes the same numbers, so it is
+    not run again.)"""
     with torch.no_grad():
-        logits = probe_logits(build_model(source))
-        if not torch.isfinite(logits).all():
-            return Check("model loads and runs", False, "non-finite logits")
-        same_dtype = against is not None and all(
-            t.dtype == source.tensors[n].dtype for n, t in against.tensors.items() if n in source.tensors
-        )
-        if same_dtype:
-            error = (probe_logits(build_model(against)) - logits).abs().max().item()
-            return Check("model loads and runs", error == 0, f"logits equal the source's (max abs error {error:.3g})")
+        logits = probe_logits(build_model(open_source(out)))
+    if not torch.isfinite(logits).all():
+        return Check("model loads and runs", False, "non-finite logits")
     return Check("model loads and runs", True, f"logits {list(logits.shape)} finite")
 
 
@@ -102,4 +97,4 @@ def verify(
     if against is not None:
         source = open_source(against, base, vision_heads)
         source.raise_first_problem()
-    return [check_files(out, manifest), check_tensors(out, manifest, source), check_model(out, source)]
+    return [check_files(out, manifest), check_tensors(out, manifest, source), check_model(out)]
