@@ -11,9 +11,10 @@ checkpoint as `model.mm_vis.*` / `model.mm_aud.*`):
               and the Whisper large-v3 tower every released checkpoint carries
 For each, in this order (outputs are deleted once measured, so the disk holds one model's files at a time: about
 70 GB at most):
-  floor      `cp -r` of the checkpoint folder and sha256 of its bytes on all cores, each after dropping nothing: the
-             source is in the page cache for both, as it is for convert
-  convert    the safetensors checkpoint (5 GB shards), and the same model as Trainer `.bin` shards
+  floor      `cp -r` of the checkpoint folder then `sync`, and sha256 of its bytes on all cores, each after dropping
+             nothing: the source is in the page cache for both, as it is for convert
+  convert    the safetensors checkpoint (5 GB shards), and the same model as Trainer `.bin` shards; timed with a
+             `sync` after it, as cp is (each starts with nothing left to write back)
   info, verify, onnx --dtype fp16, onnx --quantize int4, validate (the int4 export against the converted folder),
   generate (an image, or a video with its sound for the video model), analyze, push --dry-run
 Each command runs in its own process; its peak anonymous memory (RssAnon of it and its children) is sampled every
@@ -210,6 +211,7 @@ def sha256_all_cores(folder: Path) -> float:
 def floor(folder: Path, work: Path) -> dict:
     """convert's floor for this folder: max(cp -r of it, synced; sha256 of its bytes on all cores)."""
     copy = work / "cp-copy"
+    subprocess.run(["sync"], check=True)  # earlier writes are not cp's
     start = time.perf_counter()
     subprocess.run(["cp", "-r", folder, copy], check=True)
     subprocess.run(["sync"], check=True)
@@ -243,10 +245,13 @@ def run_model(name: str, work: Path, commands: list[str]) -> list[dict]:
         print(f"{name}: wrote {weight_bytes / 1e9:.1f} GB of {layout} shards in {time.perf_counter() - start:.0f} s")
         limits = floor(checkpoint, root)
         out = root / "converted"
+        subprocess.run(["sync"], check=True)  # the floor's copy is not convert's to write back
         row = measure(cli("convert", checkpoint, "-o", out, "--force"), f"convert ({layout} shards)")
         if "convert" not in commands:  # only what the other commands need
             break
-        subprocess.run(["sync"], check=True)
+        start = time.perf_counter()
+        subprocess.run(["sync"], check=True)  # its output on the disk, as cp's is in the floor
+        row["seconds"] += time.perf_counter() - start
         row |= limits | dict(ratio=row["seconds"] / limits["floor"], bytes=folder_bytes(out))
         print(
             f"  floor: cp -r {limits['cp']:.1f} s, sha256 on all cores {limits['sha256']:.1f} s; convert / floor "

@@ -126,10 +126,10 @@ def test_peak_memory_of_a_1gb_model_is_bounded_by_its_bytes(tmp_path):
     # each command on a tiny model: the interpreter and the libraries it imports, no weights to speak of
     (tmp_path / "tiny").mkdir()
     baseline = peaks(tmp_path / "tiny", checkpoint_of(build_model("mistral"), tmp_path / "tiny" / "ckpt"))
-    # verify's fp32 reference (2 GB) made not to fit: the embedding, the head and one layer at a time (0.7 GB)
+    # verify's fp32 reference (2 GB) made not to fit: one layer (0.18 GB) and a chunk of the embedding or head at a time
     big = peaks(tmp_path / "big", checkpoint, verify_memory_gib=2.3)
     above = {command: (big[command] - baseline[command]) / weight_bytes for command in big}
     print(f"{weight_bytes / 1e9:.2f} GB of weights; peak anonymous memory above a tiny model's, per byte: {above}")
     assert above["onnx"] < 0.5  # one tensor at a time (the largest: the head, 0.13 GB)
     assert above["convert"] < 0.25
-    assert above["verify"] < 1.2  # the whole fp32 model: 2.0; streamed, the fp32 embedding and head are 0.5 of it
+    assert above["verify"] < 0.45  # the whole fp32 model: 2.0 per byte; streamed, measured 0.25

@@ -92,17 +92,22 @@ def materialize(
     return model
 
 
-# A layer's entry points: the decoder layers' streams are methods of their own, the towers' layers are called.
-LAYER_ENTRY_POINTS = ("forward", "visual_forward", "text_forward")
+# A unit's entry points: the decoder layers' streams are methods of their own, the towers' layers are called, a
+# position embedding is also asked for some positions (`at`).
+LAYER_ENTRY_POINTS = ("forward", "visual_forward", "text_forward", "at")
 
 
 def layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Every element of the outermost ModuleLists, by name: the units `stream` reads one at a time."""
+    """Every element of the outermost ModuleLists, and the modules of the classes the model names in
+    `_streamed_modules`, by name: the units `stream` reads one at a time."""
     found: dict[str, nn.Module] = {}
+    streamed = getattr(model, "_streamed_modules", ())
     for name, module in model.named_modules():
         inside = any(name.startswith(prefix + ".") for prefix in found)
         if isinstance(module, nn.ModuleList) and not inside:
             found |= {f"{name}.{k}": layer for k, layer in enumerate(module)}
+        elif type(module).__name__ in streamed and not inside:
+            found[name] = module
     return found
 
 
@@ -159,6 +164,8 @@ def with_weights(unit: nn.Module, method, tensors: dict[str, tuple[str, Lazy]], 
 
     def run(*args, **kwargs):
         unit = held()
+        if not any(p.is_meta for p in unit.parameters()):  # called from another of its entry points
+            return method(unit, *args, **kwargs)
         for name, (stored_name, lazy) in tensors.items():
             set_parameter(unit, name, checked_cast(stored_name, lazy, dtype))
         try:

@@ -440,6 +440,9 @@ class DAttnPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["DAttnDecoderLayer"]
+    # read from the checkpoint on each call where the model runs layer by layer (`checkpoints/weights.py`), as the
+    # layers are: the context streams' large modules (0.6 GB of fp32 weights at Vidi-7B's width)
+    _streamed_modules = ("LearnablePositionEmbedding", "MLPProjector")
 
     @torch.no_grad()
     def _init_weights(self, module):
