@@ -11,9 +11,10 @@ from ..artifacts import OnnxManifest
 from ..errors import InputError
 from .graph import GraphRuntime
 
-# ONNX Runtime's CPU provider holds a graph's weights and its prepacked copies of them: measured 1.9x the data of
-# fp16 graphs at Vidi-7B's width
-SESSION_BYTES_PER_DATA_BYTE = 2
+# ONNX Runtime's CPU provider holds a graph's weights, and fp32 copies of fp16 ones (it has few fp16 kernels):
+# measured 1.9x the data of fp16 graphs at Vidi-7B's width; 0.87x of fp32 graphs and 0.70x of int4 ones (towers in
+# fp32) of a 1 GB model (peaks while the sessions are made)
+SESSION_BYTES_PER_DATA_BYTE = {"float16": 2.0, "float32": 1.0}
 
 
 class OrtModel(GraphRuntime):
@@ -39,9 +40,11 @@ class OrtModel(GraphRuntime):
         files = [f for path in graphs for f in (path, path.with_name(path.name + ".data")) if f.exists()]
         data = sum(f.stat().st_size for f in files)
         memory.require(
-            SESSION_BYTES_PER_DATA_BYTE * data,
+            int(SESSION_BYTES_PER_DATA_BYTE.get(self.manifest.dtype, 2.0) * data),
             f"ONNX Runtime's sessions for {self.folder} ({memory.gib(data)} of graphs, {self.manifest.dtype})",
-            "export with --quantize int4 (or --dtype fp16), or use a machine with more memory",
+            "use a machine with more memory"
+            if self.manifest.quantization
+            else "export with --quantize int4, or use a machine with more memory",
         )
         self.sessions = {}
         for name, graph in self.manifest.graphs.items():
