@@ -12,9 +12,9 @@ import torch
 from helpers.builders import build_model, checkpoint_of, released_model
 
 from dattn_export import memory
+from dattn_export.checkpoints import weights
 from dattn_export.checkpoints.source import build_model as build_reference
 from dattn_export.checkpoints.source import open_source
-from dattn_export.checkpoints import weights
 from dattn_export.checkpoints.weights import layers, parameter_bytes, streamed_bytes, tables
 from dattn_export.stages.verify import probe_logits
 

@@ -9,10 +9,10 @@ When the whole model does not fit, `stream` keeps only the small weights outside
 (every element of a ModuleList: the decoder's layers, the towers' encoder layers) reads its weights as it is entered
 and drops them as it leaves, the same checked casts into the same fresh tensors, so the numbers are the whole
 model's; the two tables outside them (the token embedding and the lm_head: 3.7 GB each in fp32 for Gemma 2's
-vocabulary) are read a chunk of rows at a time, the embedding only for the rows its tokens pick, the head a slice of the logits
-per chunk (each logit is the same dot product of the same fresh, aligned row, so the same number).
+vocabulary) are read a chunk of rows at a time, the embedding only for the rows its tokens pick, the head a slice of
+the logits per chunk (each logit is the same dot product of the same fresh, aligned row, so the same number).
 `stand_in` gives each parameter a placeholder of its shape and dtype that takes no memory (one element, broadcast),
-so a model can be traced for export without its weights (`stages/onnx_weights.py` binds them afterwards).
+so a model can be traced for export without its weights (`stages/onnx_export.py` binds them afterwards).
 """
 
 from __future__ import annotations
@@ -172,13 +172,15 @@ def with_weights(unit: nn.Module, method, tensors: dict[str, tuple[str, Lazy]], 
             return method(unit, *args, **kwargs)
         finally:
             for name, (_, lazy) in tensors.items():
-                set_parameter(unit, name, torch.empty(lazy.shape, dtype=lazy_dtype(lazy, dtype), device="meta"))
+                drop(unit, name, lazy, dtype)
 
     return run
 
 
-def lazy_dtype(lazy: Lazy, dtype: torch.dtype) -> torch.dtype:
-    return dtype if lazy.dtype.is_floating_point else lazy.dtype
+def drop(module: nn.Module, name: str, lazy: Lazy, dtype: torch.dtype) -> None:
+    """A weight read for one call let go: back on the meta device, with the shape and dtype it was read in."""
+    kept = dtype if lazy.dtype.is_floating_point else lazy.dtype
+    set_parameter(module, name, torch.empty(lazy.shape, dtype=kept, device="meta"))
 
 
 def rows_per_chunk(lazy: Lazy, dtype: torch.dtype) -> int:
@@ -206,7 +208,7 @@ def with_rows(module: nn.Embedding, method, stored_name: str, lazy: Lazy, dtype:
         try:
             return method(module, renumbered, *args, **kwargs)
         finally:
-            set_parameter(module, "weight", torch.empty(lazy.shape, dtype=dtype, device="meta"))
+            drop(module, "weight", lazy, dtype)
 
     return run
 
@@ -223,7 +225,7 @@ def with_row_chunks(module: nn.Linear, method, stored_name: str, lazy: Lazy, dty
                 set_parameter(module, "weight", chunk.view(-1, width))
                 outputs.append(method(module, x))
         finally:
-            set_parameter(module, "weight", torch.empty(lazy.shape, dtype=dtype, device="meta"))
+            drop(module, "weight", lazy, dtype)
         return torch.cat(outputs, dim=-1)
 
     return run
