@@ -9,8 +9,8 @@ checkpoint as `model.mm_vis.*` / `model.mm_aud.*`):
   vidi1.5-9b  Gemma-2-9B (hidden 3584, 42 layers, 16/8 heads of 256, MLP 14336, vocab 256000, tied embeddings),
               SigLIP so400m-patch14-384 (the Vidi1.5 tree's image path, so that an image prompt runs at full size)
               and the Whisper large-v3 tower every released checkpoint carries
-For each, in this order (outputs are deleted once measured, so the disk holds one model's files at a time: about
-70 GB at most):
+For each, in this order (outputs are deleted once measured, so the disk holds two copies of one model at a time:
+about 50 GB at most for Vidi1.5-9B):
   floor      `cp -r` of the checkpoint folder then `sync`, and sha256 of its bytes on all cores, each after dropping
              nothing: the source is in the page cache for both, as it is for convert
   convert    the safetensors checkpoint (5 GB shards), and the same model as Trainer `.bin` shards; timed with a
@@ -18,7 +18,8 @@ For each, in this order (outputs are deleted once measured, so the disk holds on
   info, verify, onnx --dtype fp16, onnx --quantize int4, validate (the int4 export against the converted folder),
   generate (an image, or a video with its sound for the video model), analyze, push --dry-run
 Each command runs in its own process; its peak anonymous memory (RssAnon of it and its children) is sampled every
-20 ms, and its peak RSS comes from the kernel. Prints one table per model and writes scale.json.
+20 ms (not the kernel's peak RSS: a child forked from this process starts with this process's, and the mapped
+checkpoint's pages count in it). Prints one table per model and writes scale.json.
 
     python bench/scale.py [--models vidi-7b vidi1.5-9b] [--work DIR]
 """
@@ -165,24 +166,23 @@ def demo_media(folder: Path) -> dict:
 
 
 def measure(command: list, what: str, cwd: Path | None = None) -> dict:
-    """Runs one command, prints and returns its wall time, peak anonymous memory, peak RSS and exit code."""
+    """Runs one command, prints and returns its wall time, peak anonymous memory and exit code."""
     start = time.perf_counter()
     process = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
     sampler = AnonPeak(process.pid)
     sampler.start()
-    _, status, usage = os.wait4(process.pid, 0)
+    _, status = os.waitpid(process.pid, 0)
     peak = sampler.stop()
     out, err = process.stdout.read().decode(), process.stderr.read().decode()
     row = dict(
         command=what,
         seconds=time.perf_counter() - start,
         anon_gib=peak / 2**30,
-        rss_gib=usage.ru_maxrss * 1024 / 2**30,
         code=os.waitstatus_to_exitcode(status),
         last_line=(err.strip().splitlines() or out.strip().splitlines() or [""])[-1][:160],
     )
     print(
-        f"  {what:42s} {row['seconds']:8.1f} s  anon {row['anon_gib']:6.2f} GiB  rss {row['rss_gib']:6.2f} GiB  "
+        f"  {what:42s} {row['seconds']:8.1f} s  anon {row['anon_gib']:6.2f} GiB  "
         f"exit {row['code']}" + (f"  {row['last_line']}" if row["code"] else ""),
         flush=True,
     )
@@ -240,6 +240,7 @@ def run_model(name: str, work: Path, commands: list[str]) -> list[dict]:
     rows = []
     for layout in ("bin", "safetensors") if "convert" in commands else ("safetensors",):  # .bin first, then deleted
         checkpoint = root / f"checkpoint-{layout}"
+        shutil.rmtree(root / "converted", ignore_errors=True)  # the disk holds two copies of the model at most
         start = time.perf_counter()
         weight_bytes = write_checkpoint(name, checkpoint, layout)
         print(f"{name}: wrote {weight_bytes / 1e9:.1f} GB of {layout} shards in {time.perf_counter() - start:.0f} s")
@@ -271,6 +272,7 @@ def run_model(name: str, work: Path, commands: list[str]) -> list[dict]:
 
     run("info", "info", checkpoint)
     run("verify", "verify", converted, "--against", checkpoint)
+    shutil.rmtree(checkpoint)  # the rest reads the converted folder
     fp16, int4 = root / "onnx-fp16", root / "onnx-int4"
     run("onnx fp16", "onnx", converted, "-o", fp16, "--force", "--dtype", "fp16", output=fp16)
     run("validate fp16", "validate", fp16, "--steps", "2", *media_args)  # refused on this machine: too big
@@ -297,12 +299,11 @@ def main() -> None:
         parameters = sum(math.prod(shape) for shape in model_shapes(model_config(name)).values())
         print(f"== {name}: {parameters / 1e9:.2f} B parameters", flush=True)
         results[name] = run_model(name, args.work, args.commands)
-        print(f"\n| {name} | wall | peak anonymous | peak RSS | exit | bytes |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        print(f"\n| {name} | wall | peak anonymous | exit | bytes |")
+        print("| --- | ---: | ---: | ---: | ---: |")
         for r in results[name]:
             size = f"{r['bytes'] / 1e9:.1f} GB" if r.get("bytes") else ""
-            memory = f"{r['anon_gib']:.2f} GiB | {r['rss_gib']:.2f} GiB"
-            print(f"| {r['command']} | {r['seconds']:.0f} s | {memory} | {r['code']} | {size} |")
+            print(f"| {r['command']} | {r['seconds']:.0f} s | {r['anon_gib']:.2f} GiB | {r['code']} | {size} |")
     (Path(__file__).parent / f"scale-{'-'.join(args.models)}.json").write_text(
         json.dumps(results, indent=2, default=str)
     )

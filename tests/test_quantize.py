@@ -12,7 +12,7 @@ import pytest
 from helpers.builders import build_model, checkpoint_of, released_model
 from helpers.cli import run_cli
 from helpers.quantized import CORPORA, broken_export, train
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from dattn_export.stages import quantize
 from dattn_export.stages.demo import write_demo_checkpoint
@@ -143,7 +143,7 @@ def graph_contents(model: onnx.ModelProto) -> tuple[dict, list, dict]:
 @pytest.mark.parametrize(
     "family, scheme",
     [
-        ("mistral", Scheme("int4", 32, True, False, False, 4)),
+        ("mistral", Scheme("int4", 32, True, False, False, 4)),  # o_proj above onnxscript's folding size
         ("gemma2", Scheme("int8", 16, False, False, True, 0)),  # tied head; asymmetric, the table quantized too
         ("video", Scheme("int4", 16, False, True, False, 4)),  # the head quantized too
     ],
@@ -154,7 +154,8 @@ def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_pa
     opsets are the same."""
     from dattn_export.stages import onnx_export
 
-    model = released_model("mistral", video=True) if family == "video" else build_model(family)
+    wide = dict(hidden_size=128, intermediate_size=256, head_dim=32) if family == "mistral" else {}
+    model = released_model("mistral", video=True) if family == "video" else build_model(family, **wide)
     checkpoint = checkpoint_of(model, tmp_path / "ckpt")
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)  # both with .data files, as at full size
     monkeypatch.setattr(quantize, "EMBEDDING_ROWS_BYTES", 1000)  # the table in many chunks of rows
@@ -172,5 +173,12 @@ def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_pa
         assert (tmp_path / "streamed" / f"{name}.onnx.data").stat().st_size == written  # no weight written unread
         quantized = sum(n.op_type == "MatMulNBits" for n in got.graph.node)
         assert quantized == manifest.quantization["matmuls"][name] > 0
+        if name == "visual_kv":  # every matrix, o_proj's group sum (folded whatever its size) too: each layer's
+            # k_proj and v_proj, and o_proj and the MLP's three of all layers but the last (whose output is not read)
+            layers = config.num_hidden_layers
+            scales = {n.input[2] for n in got.graph.node if n.op_type == "MatMulNBits"}
+            floats = [i.name for i in got.graph.initializer if len(i.dims) == 2 and i.data_type == TensorProto.FLOAT]
+            matrices = [name for name in floats if name not in scales]
+            assert not matrices and quantized == 2 * layers + 4 * (layers - 1), matrices
     gathers = [n.op_type for n in onnx.load(tmp_path / "streamed" / "decoder.onnx").graph.node if "Gather" in n.op_type]
     assert ("GatherBlockQuantized" in gathers) == scheme.embedding

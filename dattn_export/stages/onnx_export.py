@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -306,25 +307,38 @@ def bind_weights(graph: ir.Graph, module: nn.Module, weights: Weights) -> None:
 
 class LazyFolding(_constant_folding.FoldConstantsPass):
     """onnxscript's constant folding, except that a fold of a bound weight stays lazy: computed from the checkpoint
-    when the graph is written. A weight's Transpose (folded into the weight it transposes) is not even computed here;
-    other folds are computed once to decide on them. Without it every folded weight of a 9 B model would sit in memory
-    until the save."""
+    when the graph is written. A weight-only node that makes nothing larger (a Transpose, the GQA group sum of a
+    Reshape and a ReduceSum) is folded whatever its size, without being computed here: onnxscript leaves large ones
+    in the graph, where no quantizer sees a constant matrix. Other folds are computed once to decide on them. Without
+    it every folded weight of a 9 B model would sit in memory until the save."""
 
     def process_node(self, node: ir.Node, is_function: bool):
-        weight = node.inputs[0] if len(node.inputs) == 1 else None
-        transposes_weight = (node.domain, node.op_type) == ("", "Transpose") and weight is not None
-        if is_function or not transposes_weight or not isinstance(weight.const_value, ir.LazyTensor):
+        weights = [x for x in node.inputs if x is not None and isinstance(x.const_value, ir.LazyTensor)]
+        constant = all(x is None or x.const_value is not None for x in node.inputs)
+        shape = self.folded_shape(node)
+        if is_function or not weights or not constant or node.domain != "" or shape is None:
             return super().process_node(node, is_function)
-        if len(weight.uses()) != 1:  # as onnxscript decides: a weight used elsewhere too stays as it is
-            return None
-        perm = node.attributes.get_ints("perm", None) or list(reversed(range(len(weight.shape))))
-        shape = ir.Shape([weight.shape[axis] for axis in perm])
+        if any(len(w.uses()) != 1 for w in weights):  # as onnxscript decides: a weight used elsewhere too stays
+            return None if node.op_type == "Transpose" else super().process_node(node, is_function)
+        if math.prod(shape.numpy()) > sum(w.const_value.size for w in weights):
+            return super().process_node(node, is_function)
         name = node.outputs[0].name
-        value = ir.Value(
-            name=name, type=ir.TensorType(weight.dtype), shape=shape, const_value=self.later(node, shape, name)
-        )
+        folded = self.later(node, shape, name)
+        value = ir.Value(name=name, type=ir.TensorType(folded.dtype), shape=shape, const_value=folded)
         node.graph.register_initializer(value)
         return _constant_folding.Replacement([value], [])
+
+    @staticmethod
+    def folded_shape(node: ir.Node) -> ir.Shape | None:
+        """The one output's static shape, known without computing it (a Transpose's from its perm)."""
+        if len(node.outputs) != 1:
+            return None
+        if node.op_type == "Transpose" and len(node.inputs) == 1:
+            weight = node.inputs[0]
+            perm = node.attributes.get_ints("perm", None) or list(reversed(range(len(weight.shape))))
+            return ir.Shape([weight.shape[axis] for axis in perm])
+        shape = node.outputs[0].shape
+        return shape if shape is not None and shape.is_static() else None
 
     def new_initializer(self, node: ir.Node, array):
         value = super().new_initializer(node, array)
