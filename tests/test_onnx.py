@@ -195,8 +195,8 @@ def test_onnx_bad_input(tmp_path, args, expected):
 @pytest.mark.parametrize("family, dtype", [("gemma2", "fp16"), ("video", "fp32")])
 def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path, monkeypatch, family, dtype):
     """Our export traces stand-in weights and streams each weight from the checkpoint as it writes (lazy folds of the
-    weights included): every graph's .onnx.data is byte for byte what torch.onnx.export writes for the model with its
-    weights loaded."""
+    weights included, the tied head's transpose a block of rows at a time): every graph's .onnx.data is byte for byte
+    what torch.onnx.export writes for the model with its weights loaded."""
     import warnings
 
     from dattn_export.artifacts import DTYPES
@@ -207,6 +207,8 @@ def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path,
     model = released_model("mistral", video=True) if family == "video" else build_model(family)
     checkpoint = checkpoint_of(model, tmp_path / "ckpt")
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)  # keep every graph's .data file
+    monkeypatch.setattr(onnx_export, "WRITE_CHUNK_BYTES", 1000)  # weights, and transposed ones, in many pieces
+    monkeypatch.setattr(onnx_export, "TRANSPOSE_BLOCK_BYTES", 3000)
     manifest = export_onnx(checkpoint, tmp_path / "ours", dtype=dtype)
     torch_dtype = DTYPES[dtype].torch
     (tmp_path / "torch").mkdir()

@@ -245,6 +245,7 @@ def video_specs(model, dtype: torch.dtype) -> dict:
 
 
 WRITE_CHUNK_BYTES = 64 << 20  # a weight is cast and written this much at a time
+TRANSPOSE_BLOCK_BYTES = 256 << 20  # a transposed weight is written this much at a time, a pass over it each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +293,31 @@ class StreamedWeight(ir.LazyTensor):
     def tofile(self, file) -> None:
         for chunk in self.weight.chunks(max(1, WRITE_CHUNK_BYTES // self.weight.dtype.itemsize)):
             file.write(chunk.view(torch.uint8).numpy())
+
+
+class TransposedWeight(ir.LazyTensor):
+    """A folded Transpose of a 2-D bound weight (a Linear's, as MatMul takes it): computed whole only where a pass
+    needs it (a quantizer); written a block of its rows at a time, each block the same columns of every chunk of the
+    checkpoint's rows. Writing Gemma 2's tied 3.7 GB head then holds one block, not the weight twice, for a few
+    passes over the mapped weight."""
+
+    def __init__(self, fold: Callable, dtype: ir.DataType, shape: ir.Shape, name: str, weight: CheckpointWeight):
+        super().__init__(fold, dtype, shape, name=name)
+        self.weight = weight
+
+    def tofile(self, file) -> None:
+        columns, rows = self.shape.numpy()  # the checkpoint's weight is (rows, columns)
+        itemsize = self.weight.dtype.itemsize
+        block = max(1, TRANSPOSE_BLOCK_BYTES // (rows * itemsize))
+        rows_per_chunk = max(1, WRITE_CHUNK_BYTES // (columns * itemsize))
+        for first in range(0, columns, block):
+            out = torch.empty(min(block, columns - first), rows, dtype=self.weight.dtype)
+            row = 0
+            for chunk in self.weight.chunks(rows_per_chunk * columns):
+                piece = chunk.view(-1, columns)
+                out[:, row : row + len(piece)] = piece[:, first : first + block].T
+                row += len(piece)
+            file.write(out.view(torch.uint8).numpy())
 
 
 def bind_weights(graph: ir.Graph, module: nn.Module, weights: Weights) -> None:
@@ -360,6 +386,9 @@ class LazyFolding(_constant_folding.FoldConstantsPass):
             return ir.tensor(_constant_folding._reference_evaluator.evaluate(*op, *arrays, **attributes))
 
         dtype = node.outputs[0].dtype or next(t.dtype for t in inputs if t is not None)
+        weight = inputs[0]
+        if node.op_type == "Transpose" and isinstance(weight, StreamedWeight) and len(shape) == 2:
+            return TransposedWeight(fold, dtype, shape, name, weight.weight)
         return ir.LazyTensor(fold, dtype, shape, name=name)
 
 
