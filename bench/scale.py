@@ -34,6 +34,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -168,12 +169,13 @@ def demo_media(folder: Path) -> dict:
 def measure(command: list, what: str, cwd: Path | None = None) -> dict:
     """Runs one command, prints and returns its wall time, peak anonymous memory and exit code."""
     start = time.perf_counter()
-    process = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
-    sampler = AnonPeak(process.pid)
-    sampler.start()
-    _, status = os.waitpid(process.pid, 0)
-    peak = sampler.stop()
-    out, err = process.stdout.read().decode(), process.stderr.read().decode()
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:  # a pipe nobody reads blocks it
+        process = subprocess.Popen([str(c) for c in command], stdout=stdout, stderr=stderr, cwd=cwd)
+        sampler = AnonPeak(process.pid)
+        sampler.start()
+        _, status = os.waitpid(process.pid, 0)
+        peak = sampler.stop()
+        out, err = (f.seek(0) or f.read().decode(errors="replace") for f in (stdout, stderr))
     row = dict(
         command=what,
         seconds=time.perf_counter() - start,

@@ -15,6 +15,7 @@ The quantized decoder is not held to the fp32 tolerance: `validate` applies the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -47,11 +48,17 @@ class Scheme:
         return SCHEMES[self.scheme]
 
     def quantizer(self, bits: int | None = None):
+        # its import calls logging.basicConfig(level=INFO): every later pass's INFO line (thousands at full size)
+        # would reach the user's terminal, so the root logger is put back as it was
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
         from onnxruntime.quantization.matmul_nbits_quantizer import (
             DefaultWeightOnlyQuantConfig,
             DefaultWeightOnlyQuantizer,
         )
 
+        root.handlers[:] = handlers
+        root.setLevel(level)
         config = DefaultWeightOnlyQuantConfig(
             block_size=self.block_size, is_symmetric=self.symmetric, bits=bits or self.bits
         )

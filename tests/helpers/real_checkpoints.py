@@ -53,8 +53,12 @@ def train_all(root: Path) -> None:
         plan = [{**run, "out": str(root / name)} for name, (w, run) in RUNS.items() if w == world]
         plan_file = root / f"plan-w{world}.json"
         plan_file.write_text(json.dumps(plan))
-        command = [launcher, "--num_gpus", str(world), "--master_port", str(free_port()), SCRIPT, plan_file]
+        port = free_port()
+        command = [launcher, "--num_gpus", str(world), "--master_port", str(port), SCRIPT, plan_file]
         done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=root)
+        # DeepSpeed's CPU all-reduce leaves its shared-memory buffers (69 MB each) in RAM after the ranks exit
+        for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            buffer.unlink(missing_ok=True)
         if done.returncode:
             raise RuntimeError(
                 f"DeepSpeed training (world size {world}) failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}"
