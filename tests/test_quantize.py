@@ -179,7 +179,7 @@ def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_pa
             layers = config.num_hidden_layers
             scales = {n.input[2] for n in got.graph.node if n.op_type == "MatMulNBits"}
             floats = [i.name for i in got.graph.initializer if len(i.dims) == 2 and i.data_type == TensorProto.FLOAT]
-            matrices = [name for name in floats if name not in scales]
+            matrices = [f for f in floats if f not in scales]
             assert not matrices and quantized == 2 * layers + 4 * (layers - 1), matrices
     gathers = [n.op_type for n in onnx.load(tmp_path / "streamed" / "decoder.onnx").graph.node if "Gather" in n.op_type]
     assert ("GatherBlockQuantized" in gathers) == scheme.embedding

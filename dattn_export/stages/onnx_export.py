@@ -577,8 +577,13 @@ def export_onnx(
     model = stand_in(empty_model(MODEL_CLASSES[config.model_type], config, torch_dtype))
     weights = checkpoint_weights(source, torch_dtype)
     weight_bytes = parameter_bytes(model)
-    # every weight is written a chunk at a time; a transposed one is computed whole, once, and so is a quantized one
-    largest = max(p.nbytes for name, p in model.named_parameters() if not name.endswith("embed_tokens.weight"))
+    # every weight is written a chunk at a time (a transposed one a block of rows at a time); a quantized one is read,
+    # transposed and quantized whole: the head too with --quantize-lm-head, tied or not (the table is in row chunks)
+    largest = max(
+        p.nbytes
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if not name.endswith("embed_tokens.weight") and (quantize_lm_head or not name.startswith("lm_head."))
+    )
     memory.require(3 * largest, "onnx: the largest weight read, transposed and quantized", "a machine with more memory")
     scheme = quantize and Scheme(quantize, block_size, symmetric, quantize_lm_head, quantize_embedding, accuracy_level)
     matmuls = {}
