@@ -387,7 +387,8 @@ class LazyFolding(_constant_folding.FoldConstantsPass):
 
         dtype = node.outputs[0].dtype or next(t.dtype for t in inputs if t is not None)
         weight = inputs[0]
-        if node.op_type == "Transpose" and isinstance(weight, StreamedWeight) and len(shape) == 2:
+        swaps_axes = len(shape) == 2 and list(node.attributes.get_ints("perm", [1, 0])) == [1, 0]  # not [0, 1]
+        if node.op_type == "Transpose" and isinstance(weight, StreamedWeight) and swaps_axes:
             return TransposedWeight(fold, dtype, shape, name, weight.weight)
         return ir.LazyTensor(fold, dtype, shape, name=name)
 
