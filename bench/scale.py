@@ -14,14 +14,15 @@ about 50 GB at most for Vidi1.5-9B):
   floor      `cp -r` of the checkpoint folder then `sync`, and sha256 of its bytes on all cores, each after dropping
              nothing: the source is in the page cache for both, as it is for convert
   convert    the safetensors checkpoint (5 GB shards), and the same model as Trainer `.bin` shards; timed with a
-             `sync` after it, as cp is (each starts with nothing left to write back)
+             `sync` after it, as cp is (each starts with nothing left to write back); floor and convert in turn,
+             --rounds times (3), the medians reported
   info, verify, onnx --dtype fp16, onnx --quantize int4, validate (the int4 export against the converted folder),
   generate (an image, or a video with its sound for the video model), analyze, push --dry-run
 Each command runs in its own process; its peak anonymous memory (RssAnon of it and its children) is sampled every
 20 ms (not the kernel's peak RSS: a child forked from this process starts with this process's, and the mapped
-checkpoint's pages count in it). Prints one table per model and writes scale.json.
+checkpoint's pages count in it). Prints one table per model and writes scale-MODELS.json beside this file.
 
-    python bench/scale.py [--models vidi-7b vidi1.5-9b] [--work DIR]
+    python bench/scale.py [--models vidi-7b vidi1.5-9b] [--commands ...] [--rounds 3] [--work DIR]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -223,6 +225,30 @@ def floor(folder: Path, work: Path) -> dict:
     return dict(cp=cp_seconds, sha256=hash_seconds, floor=max(cp_seconds, hash_seconds))
 
 
+def convert_against_floor(checkpoint: Path, out: Path, work: Path, layout: str, rounds: int) -> dict:
+    """The floor then convert, `rounds` times in turn (cp of the same bytes took 12.8 to 22.2 s in different runs
+    here: the page cache's state); the median of each round's ratio, and of each time. The disk holds two copies of
+    the checkpoint at most: the converted folder is deleted before each floor's copy."""
+    results = []
+    for _ in range(rounds):
+        shutil.rmtree(out, ignore_errors=True)
+        limits = floor(checkpoint, work)
+        subprocess.run(["sync"], check=True)  # the floor's copy is not convert's to write back
+        row = measure(cli("convert", checkpoint, "-o", out, "--force"), f"convert ({layout} shards)")
+        start = time.perf_counter()
+        subprocess.run(["sync"], check=True)  # its output on the disk, as cp's is in the floor
+        row["seconds"] += time.perf_counter() - start
+        row |= limits | dict(ratio=row["seconds"] / limits["floor"])
+        print(
+            f"  floor: cp -r {row['cp']:.1f} s, sha256 on all cores {row['sha256']:.1f} s; convert + sync "
+            f"{row['seconds']:.1f} s; convert / floor {row['ratio']:.2f}",
+            flush=True,
+        )
+        results.append(row)
+    median = {key: statistics.median(r[key] for r in results) for key in ("seconds", "cp", "sha256", "ratio")}
+    return results[-1] | median | dict(rounds=[r["ratio"] for r in results], bytes=folder_bytes(out))
+
+
 def cli(*args) -> list:
     return [sys.executable, "-m", "dattn_export", *args]
 
@@ -233,7 +259,7 @@ COMMANDS = [
 ]  # fmt: skip
 
 
-def run_model(name: str, work: Path, commands: list[str]) -> list[dict]:
+def run_model(name: str, work: Path, commands: list[str], rounds: int) -> list[dict]:
     root = work / name
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -242,25 +268,15 @@ def run_model(name: str, work: Path, commands: list[str]) -> list[dict]:
     rows = []
     for layout in ("bin", "safetensors") if "convert" in commands else ("safetensors",):  # .bin first, then deleted
         checkpoint = root / f"checkpoint-{layout}"
-        shutil.rmtree(root / "converted", ignore_errors=True)  # the disk holds two copies of the model at most
+        shutil.rmtree(root / "converted", ignore_errors=True)  # two copies of the model on the disk at most
         start = time.perf_counter()
         weight_bytes = write_checkpoint(name, checkpoint, layout)
         print(f"{name}: wrote {weight_bytes / 1e9:.1f} GB of {layout} shards in {time.perf_counter() - start:.0f} s")
-        limits = floor(checkpoint, root)
         out = root / "converted"
-        subprocess.run(["sync"], check=True)  # the floor's copy is not convert's to write back
-        row = measure(cli("convert", checkpoint, "-o", out, "--force"), f"convert ({layout} shards)")
         if "convert" not in commands:  # only what the other commands need
+            measure(cli("convert", checkpoint, "-o", out, "--force"), f"convert ({layout} shards)")
             break
-        start = time.perf_counter()
-        subprocess.run(["sync"], check=True)  # its output on the disk, as cp's is in the floor
-        row["seconds"] += time.perf_counter() - start
-        row |= limits | dict(ratio=row["seconds"] / limits["floor"], bytes=folder_bytes(out))
-        print(
-            f"  floor: cp -r {limits['cp']:.1f} s, sha256 on all cores {limits['sha256']:.1f} s; convert / floor "
-            f"{row['ratio']:.2f}",
-            flush=True,
-        )
+        row = convert_against_floor(checkpoint, out, root, layout, rounds)
         rows.append(row)
         if layout == "bin":
             shutil.rmtree(checkpoint)
@@ -294,18 +310,22 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--work", type=Path, default=Path("/tmp/dattn-scale"))
     parser.add_argument("--commands", nargs="+", choices=COMMANDS, default=COMMANDS)
+    parser.add_argument("--rounds", type=int, default=3, help="convert and its floor in turn, this many times")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.models:
         parameters = sum(math.prod(shape) for shape in model_shapes(model_config(name)).values())
         print(f"== {name}: {parameters / 1e9:.2f} B parameters", flush=True)
-        results[name] = run_model(name, args.work, args.commands)
-        print(f"\n| {name} | wall | peak anonymous | exit | bytes |")
-        print("| --- | ---: | ---: | ---: | ---: |")
+        results[name] = run_model(name, args.work, args.commands, args.rounds)
+        print(f"\n| {name} | wall (median) | peak anonymous | exit | bytes | / floor (median; rounds) |")
+        print("| --- | ---: | ---: | ---: | ---: | --- |")
         for r in results[name]:
             size = f"{r['bytes'] / 1e9:.1f} GB" if r.get("bytes") else ""
-            print(f"| {r['command']} | {r['seconds']:.0f} s | {r['anon_gib']:.2f} GiB | {r['code']} | {size} |")
+            ratio = f"{r['ratio']:.2f}x ({', '.join(f'{x:.2f}' for x in r['rounds'])})" if "ratio" in r else ""
+            print(
+                f"| {r['command']} | {r['seconds']:.0f} s | {r['anon_gib']:.2f} GiB | {r['code']} | {size} | {ratio} |"
+            )
     (Path(__file__).parent / f"scale-{'-'.join(args.models)}.json").write_text(
         json.dumps(results, indent=2, default=str)
     )

@@ -203,6 +203,7 @@ class Graph:
     fused_attention_nodes: int
     inputs: list[GraphValue]
     outputs: list[GraphValue]
+    weight_bytes_in_decoder_data: int = 0  # its weights that decoder.onnx.data holds, read from there
 
 
 @dataclass

@@ -432,6 +432,7 @@ def onnx_command(
         ),
         ("dtype / opset", f"{manifest.dtype} / {manifest.opset}"),
         *quantization_rows(manifest.quantization),
+        *shared_weight_rows(manifest),
         ("onnxruntime-genai", manifest.genai),
         ("output", str(out)),
     ]
@@ -487,6 +488,13 @@ def validate(
             stdout.print(command, markup=False, soft_wrap=True)
     if not report.passed:
         raise SystemExit(1)
+
+
+def shared_weight_rows(manifest) -> list[tuple[str, str]]:
+    from .artifacts import human_bytes
+
+    shared = manifest.graphs["visual_kv"].weight_bytes_in_decoder_data
+    return [("shared weights", f"visual_kv.onnx reads {human_bytes(shared)} from decoder.onnx.data")] if shared else []
 
 
 def quantization_rows(quantization: dict | None) -> list[tuple[str, str]]:

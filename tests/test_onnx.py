@@ -84,6 +84,38 @@ def test_large_graphs_keep_weights_in_external_data(tmp_path, monkeypatch):
     run_case(model, OrtModel(tmp_path / "onnx"), 3, 52, 0, 2, seed=3)
 
 
+def test_visual_kv_reads_the_decoders_weights_from_its_data_file(tmp_path, monkeypatch):
+    """Every layer weight visual_kv.onnx has in common with decoder.onnx (the norms, K/V projections and MLPs) is on
+    the disk once, in decoder.onnx.data, at the bytes the decoder reads; o_proj's folded group sum is visual_kv's own.
+    Each data file holds exactly what the graphs read from it."""
+    import dattn_export.stages.onnx_export as onnx_export
+    from dattn_export.runtime.ort import external_tensors
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
+    model = build_model("mistral")
+    manifest = export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
+    folder = tmp_path / "onnx"
+    ranges = {
+        g: external_tensors(onnx.load(folder / f"{g}.onnx", load_external_data=False).graph) for g in manifest.graphs
+    }
+    decoder_ranges = set(ranges["decoder"].values())
+    shared = {name: r for name, r in ranges["visual_kv"].items() if r[0] == "decoder.onnx.data"}
+    assert set(shared.values()) <= decoder_ranges
+    assert sum(length for _, _, length in shared.values()) == manifest.graphs["visual_kv"].weight_bytes_in_decoder_data
+    layers = model.config.num_hidden_layers
+    # k_proj, v_proj and the MLP's three of each layer (the last layer's o_proj and MLP are dropped: their output is
+    # never read), and both norms where they are used
+    assert len([r for r in shared.values() if r[2] > 4 * model.config.hidden_size]) == 2 * layers + 3 * (layers - 1)
+    own = [length for file, _, length in ranges["visual_kv"].values() if file == "visual_kv.onnx.data"]
+    config = model.config  # o_proj summed over each query group: (kv heads x head dim, hidden) in fp32
+    assert own == [config.num_key_value_heads * config.head_dim * config.hidden_size * 4] * (layers - 1)
+    for graph, found in ranges.items():
+        assert {r[0] for r in found.values()} <= {f"{graph}.onnx.data", "decoder.onnx.data"}, graph
+    for file in {r[0] for found in ranges.values() for r in found.values()}:
+        read = {(offset, length) for found in ranges.values() for f, offset, length in found.values() if f == file}
+        assert sum(length for _, length in read) == (folder / file).stat().st_size, file  # no byte unread
+
+
 def test_fused_node_and_function(tmp_path):
     model = build_model("gemma2")
     export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
@@ -196,7 +228,8 @@ def test_onnx_bad_input(tmp_path, args, expected):
 def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path, monkeypatch, family, dtype):
     """Our export traces stand-in weights and streams each weight from the checkpoint as it writes (lazy folds of the
     weights included, the tied head's transpose a block of rows at a time): every graph's .onnx.data is byte for byte
-    what torch.onnx.export writes for the model with its weights loaded."""
+    what torch.onnx.export writes for the model with its weights loaded (visual_kv's tensor for tensor: it reads those
+    the decoder holds from decoder.onnx.data)."""
     import warnings
 
     from dattn_export.artifacts import DTYPES
@@ -227,4 +260,9 @@ def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path,
             )
         program.save(tmp_path / "torch" / f"{name}.onnx", external_data=True)
         ours = (tmp_path / "ours" / f"{name}.onnx.data").read_bytes()
-        assert ours == (tmp_path / "torch" / f"{name}.onnx.data").read_bytes(), name
+        if name != "visual_kv":
+            assert ours == (tmp_path / "torch" / f"{name}.onnx.data").read_bytes(), name
+        else:  # most of its tensors are read from decoder.onnx.data: each tensor's bytes are torch's
+            assert len(ours) < (tmp_path / "torch" / f"{name}.onnx.data").stat().st_size / 2
+            ours, theirs = (onnx.load(tmp_path / d / f"{name}.onnx").graph.initializer for d in ("ours", "torch"))
+            assert {t.name: t.raw_data for t in ours} == {t.name: t.raw_data for t in theirs}

@@ -14,6 +14,7 @@ from helpers.cli import run_cli
 from helpers.quantized import CORPORA, broken_export, train
 from onnx import TensorProto, numpy_helper
 
+from dattn_export.runtime.ort import external_tensors
 from dattn_export.stages import quantize
 from dattn_export.stages.demo import write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
@@ -169,8 +170,8 @@ def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_pa
         expected = ort_quantized(tmp_path / "plain" / f"{name}.onnx", scheme, config.hidden_size, config.vocab_size)
         got = onnx.load(tmp_path / "streamed" / f"{name}.onnx")
         assert graph_contents(got) == graph_contents(expected), name
-        listed = onnx.load(tmp_path / "streamed" / f"{name}.onnx", load_external_data=False).graph.initializer
-        written = sum(int(e.value) for i in listed for e in i.external_data if e.key == "length")
+        listed = external_tensors(onnx.load(tmp_path / "streamed" / f"{name}.onnx", load_external_data=False).graph)
+        written = sum(length for file, _, length in listed.values() if file == f"{name}.onnx.data")
         assert (tmp_path / "streamed" / f"{name}.onnx.data").stat().st_size == written  # no weight written unread
         quantized = sum(n.op_type == "MatMulNBits" for n in got.graph.node)
         assert quantized == manifest.quantization["matmuls"][name] > 0

@@ -17,6 +17,27 @@ from .graph import GraphRuntime
 SESSION_BYTES_PER_DATA_BYTE = {"float16": 2.0, "float32": 1.0}
 
 
+def external_tensors(graph) -> dict[str, tuple[str, int, int]]:
+    """The graph's initializers kept in external data: name -> (file, offset, length)."""
+    import onnx
+
+    found = {}
+    for tensor in graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = onnx.external_data_helper.ExternalDataInfo(tensor)
+            found[tensor.name] = (info.location, info.offset, info.length)
+    return found
+
+
+def weight_bytes(path: Path) -> int:
+    """The bytes of weights a session of the graph holds: its own file's and every range of external data it reads
+    (visual_kv.onnx reads most of its weights from decoder.onnx.data)."""
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    return path.stat().st_size + sum(length for _, _, length in external_tensors(graph).values())
+
+
 class OrtModel(GraphRuntime):
     """ONNX Runtime's CPU provider."""
 
@@ -37,8 +58,7 @@ class OrtModel(GraphRuntime):
             options.intra_op_num_threads = threads
         options.log_severity_level = 3
         graphs = [self.folder / g.file for g in self.manifest.graphs.values()]
-        files = [f for path in graphs for f in (path, path.with_name(path.name + ".data")) if f.exists()]
-        data = sum(f.stat().st_size for f in files)
+        data = sum(weight_bytes(path) for path in graphs if path.is_file())  # a missing one is named below
         memory.require(
             int(SESSION_BYTES_PER_DATA_BYTE.get(self.manifest.dtype, 2.0) * data),
             f"ONNX Runtime's sessions for {self.folder} ({memory.gib(data)} of graphs, {self.manifest.dtype})",
