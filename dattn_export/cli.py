@@ -606,6 +606,8 @@ def push(
         )
         for f in result.files:
             click.echo(f"{f.sha256}  {f.size:>14,}  {f.path_in_repo}")
+        if rewritten := [f.path_in_repo for f in result.files if f.rewritten]:
+            click.echo(f"{', '.join(rewritten)}: published without this machine's paths (towers as Hub ids or null)")
         click.echo("\nmodel card (README.md):\n" + result.card)
         return
     rows = [

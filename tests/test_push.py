@@ -1,5 +1,6 @@
 """push: the real huggingface_hub client over HTTP against a Hub-compatible server on loopback."""
 
+import hashlib
 import json
 import os
 import re
@@ -147,6 +148,20 @@ def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp
         == "modeling_dattn.DAttnGemma2ForCausalLM"
     )
     assert TOKEN.encode() not in b"".join(data for data, _ in files.values()), "the token was uploaded"
+    # no path of this machine leaves it: the checkpoint, its tower folders and the converted folder all live under
+    # the fixture's folder; the manifest lists the bytes published (config.json's towers as no local folder)
+    machine = str(converted.parent).encode()
+    assert machine in (converted / "config.json").read_bytes()  # the local config names the tower folders
+    assert [name for name, (data, _) in files.items() if machine in data] == []
+    published = json.loads(files["config.json"][0])
+    assert (
+        published["mm_vision_tower"] is None
+        and published["vision_config"] == load_model(converted).config.vision_config
+    )
+    listed = json.loads(files["dattn_manifest.json"][0])["files"]
+    assert {name: hashlib.sha256(files[name][0]).hexdigest() for name in listed} == {
+        name: entry["sha256"] for name, entry in listed.items()
+    }
 
     script = tmp_path / "fresh.py"
     script.write_text(FRESH_PROCESS)
@@ -186,8 +201,11 @@ def test_dry_run_lists_everything_and_contacts_nothing(converted, tmp_path):
     result = push_cli(tmp_path, "http://127.0.0.1:9", converted, "--repo-id", "alice/x", "--dry-run")
     assert result.returncode == 0, result.stderr
     manifest = json.loads((converted / "dattn_manifest.json").read_text())
+    rewritten = ["config.json", "dattn_manifest.json"]  # the local config names the tower folders
+    assert f"{', '.join(rewritten)}: published without this machine's paths" in result.stdout
     for name, entry in manifest["files"].items():
-        assert re.search(rf"^{entry['sha256']}\s+{entry['size']:,}\s+{re.escape(name)}$", result.stdout, re.M), name
+        listed = re.search(rf"^{entry['sha256']}\s+{entry['size']:,}\s+{re.escape(name)}$", result.stdout, re.M)
+        assert bool(listed) == (name not in rewritten) and re.search(rf"\s{re.escape(name)}$", result.stdout, re.M)
     assert "library_name: transformers" in result.stdout and "README.md" in result.stdout
 
 
@@ -318,3 +336,27 @@ def test_validation_report_goes_into_the_card(converted, tmp_path):
         tmp_path, "http://127.0.0.1:9", converted, "--repo-id", "alice/x", "--dry-run", "--validation-report", path
     )
     assert result.returncode == 2 and "not a readable validation_report.json" in result.stderr
+
+
+def test_tower_folders_are_published_as_their_hub_ids(tmp_path):
+    """A tower folder saved from the Hub is published as its Hub id: the vision tower's by its config's
+    `_name_or_path`, the audio tower's by its place in the Hub cache; nothing names this machine's folders."""
+    import shutil
+
+    from dattn_export.stages.push import push
+
+    checkpoint = write_demo_checkpoint(tmp_path / "checkpoint", "gemma2")
+    towers = tmp_path / "towers"
+    vision_config = towers / "tiny-siglip" / "config.json"
+    vision_config.write_text(json.dumps(json.loads(vision_config.read_text()) | {"_name_or_path": "google/tiny-sig"}))
+    cached = tmp_path / "hub" / "models--openai--whisper-tiny" / "snapshots" / "0123abc"
+    shutil.move(towers / "tiny-whisper", cached)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps(config | {"mm_audio_tower": str(cached)}))
+    convert(checkpoint, tmp_path / "converted")
+    result = push(tmp_path / "converted", "alice/tiny", dry_run=True)
+    published = {f.path_in_repo: f.content if f.content is not None else f.local.read_bytes() for f in result.files}
+    fields = json.loads(published["config.json"])
+    assert (fields["mm_vision_tower"], fields["mm_audio_tower"]) == ("google/tiny-sig", "openai/whisper-tiny")
+    assert "| vision tower | google/tiny-sig: siglip_vision_model" in published["README.md"].decode()
+    assert [name for name, data in published.items() if str(tmp_path).encode() in data] == []

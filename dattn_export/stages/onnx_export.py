@@ -6,6 +6,8 @@
   decoder.onnx    input_ids, position_ids, attention_mask (B, past + T), visual_attention_mask,
                   past_key_values.{i}.key/.value, visual_key_values.{i}.key/.value
                   -> logits, present.{i}.key/.value; one graph for prefill and decode
+Large graphs keep their weights in `NAME.onnx.data`; visual_kv.onnx reads the layer weights it shares with the
+decoder (norms, K/V projections, MLPs) from decoder.onnx.data, so each is on the disk once.
 A layer with WINGS learners also caches `.wings_key/.wings_value` (B, hidden / D, S, D) in each of these.
 
 A video model (mm_input_type "video") has two context streams, frames and audio, each run through its own graph

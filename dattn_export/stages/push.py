@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ from pathlib import Path
 from .. import __version__
 from ..artifacts import ConvertManifest, sha256_file
 from ..checkpoints.source import folder_config
+from ..checkpoints.towers import tower_folder
 from ..errors import EnvironmentFailure, InputError
-from ..sidefiles import first_line
+from ..sidefiles import first_line, read_json
 from .validate import ValidationReport
 from .verify import Check, verify
 
@@ -41,6 +43,7 @@ class UploadFile:
     sha256: str
     local: Path | None = None
     content: bytes | None = None
+    rewritten: bool = False  # the folder's file, published without this machine's paths
 
 
 def usage_snippet(repo_id: str, prompt: str, video: bool = False) -> str:
@@ -130,6 +133,7 @@ def model_card(
         tags=["dattn", "custom_code", "vision-language", config.model_type, family],
     )
     params = manifest.model.parameters
+    tower = without_local_paths({"mm_vision_tower": config.mm_vision_tower}, local_paths(folder))["mm_vision_tower"]
     facts = [
         ("architecture", f"{family} decoder with D-Attn (decomposed attention), `dattn_mode={config.dattn_mode}`"),
         (
@@ -157,9 +161,9 @@ def model_card(
         ),
         (
             "vision tower",
-            f"{config.mm_vision_tower} ({vision['model_type']}, {vision['image_size']}px, "
-            f"patch {vision['patch_size']}, "
-            f"{config.tokens_per_image} visual tokens per image)",
+            (f"{tower}: " if tower else "")
+            + f"{vision['model_type']}, {vision['image_size']}px, patch {vision['patch_size']}, "
+            f"{config.tokens_per_image} visual tokens per image",
         ),
         ("parameters", ", ".join(f"{k} {v:,}" for k, v in params.items()) + f" (total {sum(params.values()):,})"),
         (
@@ -210,20 +214,120 @@ def model_card(
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
+@dataclass
+class LocalPaths:
+    """This machine's paths a converted folder's files name, each with what is published instead."""
+
+    paths: dict[str, str]  # absolute path -> its public name; the longest first, so a path goes before its parent
+    towers: dict[str, str | None]  # a tower name as written (a folder) -> its Hub id, or None where none is known
+
+
+def local_paths(folder: Path) -> LocalPaths:
+    """The checkpoint the folder came from (published as its folder's name), the folder itself, and the tower folders
+    (published as their Hub ids where one is known, else as their folders' names)."""
+    manifest, config = ConvertManifest.read(folder), folder_config(folder)
+    source = Path(manifest.source.path)
+    paths = {str(source): source.name, str(folder.absolute()): folder.name, str(folder.resolve()): folder.name}
+    towers = {}
+    for name in (config.mm_vision_tower, config.mm_audio_tower):
+        tower = tower_folder(name, source) or tower_folder(name, folder)
+        if tower is None or is_hub_id(name):
+            continue
+        towers[name] = tower_hub_id(tower)
+        public = towers[name] or tower.name
+        paths |= {str(tower.absolute()): public, str(tower.resolve()): public}
+        if Path(name).is_absolute():
+            paths[name] = public
+    paths = {path: public for path, public in paths.items() if Path(path).is_absolute() and len(Path(path).parts) > 1}
+    return LocalPaths(dict(sorted(paths.items(), key=lambda item: -len(item[0]))), towers)
+
+
+def is_hub_id(name: str | None) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not name or name.count("/") != 1 or Path(name).expanduser().exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def tower_hub_id(tower: Path) -> str | None:
+    """The Hub id a tower folder was saved from: its config's `_name_or_path`, or its place in the Hub cache."""
+    named = read_json(tower / "config.json", "tower config.json").get("_name_or_path")
+    if isinstance(named, str) and is_hub_id(named):
+        return named
+    cached = next((part for part in tower.resolve().parts if part.startswith("models--")), None)
+    return cached.removeprefix("models--").replace("--", "/", 1) if cached and cached.count("--") >= 2 else None
+
+
+def without_local_paths(value, local: LocalPaths):
+    """`value` (parsed JSON) with every local path in its strings replaced by its public name, and a tower key that
+    names a local folder by the tower's Hub id, or null where none is known (the config carries the tower's config)."""
+    if isinstance(value, dict):
+        cleaned = {k: without_local_paths(v, local) for k, v in value.items()}
+        for key in ("mm_vision_tower", "mm_audio_tower"):
+            if isinstance(value.get(key), str) and value[key] in local.towers:
+                cleaned[key] = local.towers[value[key]]
+        return cleaned
+    if isinstance(value, list):
+        return [without_local_paths(v, local) for v in value]
+    if isinstance(value, str):
+        for path, public in local.paths.items():
+            value = value.replace(path, public)
+    return value
+
+
 def plan_upload(folder: Path, card: str) -> list[UploadFile]:
-    """Every file of the folder (hashes from the manifest where it has them) plus the model card."""
-    manifest = ConvertManifest.read(folder)
+    """Every file of the folder (hashes from the manifest where it has them) plus the model card. JSON files that
+    name this machine's paths are published without them (the manifest then lists the published bytes); any other
+    file that names one is refused rather than published."""
+    folder = Path(folder)
+    manifest, local = ConvertManifest.read(folder), local_paths(folder)
+    published: dict[str, bytes] = {}
+    for path in sorted(folder.glob("*.json")):
+        fields = read_json(path, path.name)
+        if (cleaned := without_local_paths(fields, local)) != fields:
+            published[path.name] = (json.dumps(cleaned, indent=2) + "\n").encode()
+    if published:  # the manifest lists each file's published bytes
+        listed = json.loads(published.get(manifest.FILE) or (folder / manifest.FILE).read_bytes())
+        for name, data in published.items():
+            if name in listed["files"]:
+                listed["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        published[manifest.FILE] = (json.dumps(listed, indent=2) + "\n").encode()
     files = []
     for path in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
         if path.name == "README.md":
             continue
+        if path.name in published:
+            data = published[path.name]
+            digest = hashlib.sha256(data).hexdigest()
+            files.append(UploadFile(path.name, len(data), digest, content=data, rewritten=True))
+            continue
+        refuse_local_paths(path, local)
         known = manifest.files.get(path.name)
         files.append(
             UploadFile(path.name, path.stat().st_size, known.sha256 if known else sha256_file(path), local=path)
         )
     data = card.encode()
+    refuse_local_paths(Path("README.md"), local, data)
     files.append(UploadFile("README.md", len(data), hashlib.sha256(data).hexdigest(), content=data))
     return files
+
+
+LOCAL_PATH_SCAN_BYTES = 64 << 20  # files larger than this are weights, whose bytes name no path
+
+
+def refuse_local_paths(path: Path, local: LocalPaths, data: bytes | None = None) -> None:
+    if data is None:
+        if path.stat().st_size > LOCAL_PATH_SCAN_BYTES or path.suffix == ".safetensors":
+            return
+        data = path.read_bytes()
+    named = next((p for p in local.paths if p.encode() in data), None)
+    if named is not None:
+        raise InputError(path, f"names a path of this machine ({named}): remove it, then push again")
 
 
 def network_errors() -> tuple[type[BaseException], ...]:
