@@ -700,8 +700,10 @@ def analyze(checkpoint: Path, image, video, frames, audio, prompt: str, out: Pat
     show_default=True,
     help="Ranks (GPUs, or CPU core groups).",
 )
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on.")
+@click.option(
+    "--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port the server listens on."
+)
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(out: Path, tensor_parallel_size: int, host: str, port: int, vllm_args: tuple[str, ...]):
     """Serve a converted folder with vLLM (an OpenAI-compatible server): `vllm serve OUT` with our plugin, a chat
@@ -712,7 +714,7 @@ def serve(out: Path, tensor_parallel_size: int, host: str, port: int, vllm_args:
     from .stages.serve import vllm_serve_command
 
     command, env = vllm_serve_command(out, tensor_parallel_size, host, port, vllm_args)
-    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    click.echo(f"running: {shown} {shlex.join(['vllm', 'serve', str(out), *command[6:]])}", err=True)
+    shown = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    click.echo(f"running: {' '.join([*shown, shlex.join(command)])}", err=True)  # exactly what runs
     sys.stdout.flush()
     os.execvpe(command[0], command, {**os.environ, **env})

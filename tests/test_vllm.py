@@ -4,8 +4,11 @@ OpenAI chat requests with an image, and refuses bad ones with vLLM's error respo
 
 import base64
 import io
+import itertools
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -221,6 +224,10 @@ def serving(folder: Path, log: Path, *options: str):
             except Exception:
                 assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
                 time.sleep(2)
+        # the command serve prints is the one running (it replaced itself with it: the same process)
+        printed = shlex.split(next(line for line in log.read_text().splitlines() if line.startswith("running: ")))
+        command = list(itertools.dropwhile(lambda word: re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", word), printed[1:]))
+        assert command == Path(f"/proc/{server.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
 
         def chat(text: str, media: dict | None):
             content = [{"type": "text", "text": text}] + ([] if media is None else [media])
