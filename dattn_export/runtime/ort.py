@@ -33,8 +33,12 @@ def weight_bytes(path: Path) -> int:
     """The bytes of weights a session of the graph holds: its own file's and every range of external data it reads
     (visual_kv.onnx reads most of its weights from decoder.onnx.data)."""
     import onnx
+    from google.protobuf.message import DecodeError
 
-    graph = onnx.load(path, load_external_data=False).graph
+    try:
+        graph = onnx.load(path, load_external_data=False).graph
+    except DecodeError:  # not a graph: ONNX Runtime names the problem when it loads it
+        return path.stat().st_size
     return path.stat().st_size + sum(length for _, _, length in external_tensors(graph).values())
 
 
