@@ -482,7 +482,8 @@ def share_weights(folder: Path, sharer: str, owner: str) -> int:
     protos = {graph: onnx.load(path, load_external_data=False) for graph, path in paths.items()}
     kind = {graph: {t.name: (t.data_type, tuple(t.dims)) for t in protos[graph].graph.initializer} for graph in paths}
     ranges = {graph: external_tensors(protos[graph].graph) for graph in paths}
-    wanted = {kind[sharer][name] for name in ranges[sharer]}
+    # only a type and shape both graphs have can be shared: the rest is not hashed
+    wanted = {kind[sharer][name] for name in ranges[sharer]} & {kind[owner][name] for name in ranges[owner]}
     candidates = {graph: [n for n in ranges[graph] if kind[graph][n] in wanted] for graph in paths}
     digests = {graph: dict(zip(candidates[graph], range_digests(folder, [ranges[graph][n] for n in candidates[graph]])))
                for graph in paths}  # fmt: skip
@@ -503,7 +504,11 @@ def share_weights(folder: Path, sharer: str, owner: str) -> int:
                 copier.copy(source.fileno(), rest.fileno(), start, length)
                 point_at(tensor, data.name, offset, length)
                 offset += length
-    partial.replace(data) if offset else (partial.unlink(), data.unlink())
+    if offset:
+        partial.replace(data)
+    else:  # every tensor is read from the owner's file
+        partial.unlink()
+        data.unlink()
     onnx.save(protos[sharer], paths[sharer])
     onnx.checker.check_model(str(paths[sharer]), full_check=True)
     return shared
