@@ -80,12 +80,13 @@ PROMPT = "USER: What happens here?\nASSISTANT:"
 
 
 def model_config(name: str):
-    from dattn_export.modeling.configuration_dattn import CONFIG_CLASSES, RELEASED_POOL_RULES
+    from dattn_export.modeling.configuration_dattn import CONFIG_CLASSES
+    from dattn_export.modeling.families import BY_MODEL_TYPE
 
     fields = dict(MODELS[name])
     model_type = fields.pop("model_type")
     if fields["mm_input_type"] == "video":
-        fields |= dict(dattn_mode="dattn-sum", mm_pool_rule=RELEASED_POOL_RULES[model_type])
+        fields |= dict(dattn_mode="dattn-sum", mm_pool_rule=BY_MODEL_TYPE[model_type].released_pool_rule)
     return CONFIG_CLASSES[model_type](
         **fields, vision_config=dict(SIGLIP_SO400M), audio_config=whisper_encoder(), pad_token_id=0, bos_token_id=1,
         eos_token_id=2, dtype="bfloat16",

@@ -46,6 +46,7 @@ REMOTE_CODE = (
     "modeling_dattn.py",
     "attention.py",
     "images.py",
+    "families.py",
 )  # so OUT loads with trust_remote_code
 
 

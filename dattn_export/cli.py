@@ -14,8 +14,9 @@ import click
 
 from . import __version__, memory
 from .errors import one_line
+from .modeling import families  # plain Python: --help imports no torch
 
-FAMILIES = ("mistral", "gemma2")  # presets.TINY_TEXT's families (a test holds them equal): --help imports no torch
+FAMILIES = tuple(families.FAMILIES)
 DEBUG = os.environ.get("DATTN_DEBUG") == "1"  # show the traceback behind a one-line error
 
 
@@ -102,7 +103,7 @@ def print_prompt_result(
 
 @main.command()
 @click.argument("directory", default="dattn-demo", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--family", type=click.Choice(FAMILIES), default=FAMILIES[0], show_default=True)
+@click.option("--family", type=click.Choice(FAMILIES), default=families.DEFAULT_FAMILY, show_default=True)
 @click.option(
     "--input",
     "input_type",

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .modeling.configuration_dattn import CONFIG_CLASSES, RELEASED_POOL_RULES
-from .modeling.modeling_dattn import Gemma2RMSNorm, MMRMSNorm
+from .modeling.configuration_dattn import CONFIG_CLASSES
+from .modeling.families import DEFAULT_FAMILY, FAMILIES
+from .modeling.modeling_dattn import MMRMSNorm, family_part
 
 TINY_VISION = {
     "siglip": dict(
@@ -25,22 +26,6 @@ TINY_AUDIO = dict(
     num_mel_bins=16, max_source_positions=30, activation_function="gelu", scale_embedding=False,
 )  # fmt: skip
 
-TINY_TEXT = {
-    "mistral": dict(
-        model_type="dattn_mistral", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=None,
-        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    ),
-    "gemma2": dict(
-        model_type="dattn_gemma2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
-        sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    ),
-}  # fmt: skip
-
-
 # a released video model in miniature: 7 x 7 patches a frame, pooled by 2; audio pooled by 2
 TINY_VIDEO = dict(
     mm_input_type="video", dattn_mode="dattn-sum", mm_image_pool_size=2, mm_audio_pool_size=2, mm_time_interval=8,
@@ -48,27 +33,29 @@ TINY_VIDEO = dict(
 
 
 def tiny_config(
-    family: str = "mistral", *, vision: str = "siglip", audio: bool = False, video: bool = False, **overrides
+    family: str = DEFAULT_FAMILY, *, vision: str = "siglip", audio: bool = False, video: bool = False, **overrides
 ):
-    """A tiny D-Attn config of `family` (mistral | gemma2) with a tiny `vision` tower (siglip | clip) and, with
+    """A tiny D-Attn config of `family` (families.FAMILIES) with a tiny `vision` tower (siglip | clip) and, with
     `audio`, the tiny Whisper encoder the released models carry; `video`: a video model (frames and audio) that
     pools as the family's released model does."""
-    fields = {**TINY_TEXT[family], "mm_vision_tower": f"dattn-export/tiny-{vision}"}
+    spec = FAMILIES[family]
+    fields = {**spec.tiny, "mm_vision_tower": f"dattn-export/tiny-{vision}"}
     if video:
-        model_type = fields["model_type"]
-        fields |= {**TINY_VIDEO, "mm_pool_rule": RELEASED_POOL_RULES[model_type]}
+        fields |= {**TINY_VIDEO, "mm_pool_rule": spec.released_pool_rule}
         fields["vision_config"] = {**TINY_VISION[vision], "image_size": 28, "patch_size": 4}
         audio = True
     fields |= overrides
     fields.setdefault("vision_config", dict(TINY_VISION[vision]))
     if audio:
         fields |= {"mm_audio_tower": "dattn-export/tiny-whisper", "audio_config": dict(TINY_AUDIO)}
-    return CONFIG_CLASSES[fields.pop("model_type")](**fields)
+    return CONFIG_CLASSES[spec.model_type](**fields)
 
 
 @torch.no_grad()
 def randomize_weights(model: nn.Module, seed: int = 0) -> nn.Module:
     """Matrices ~ N(0, 1/fan_in); norm weights around their neutral value (+-10%); biases ~ N(0, 0.1)."""
+    family = model.config.family
+    llm_norm = family_part(family, "RMSNorm")
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=generator)
@@ -77,9 +64,10 @@ def randomize_weights(model: nn.Module, seed: int = 0) -> nn.Module:
             continue
         owner = model.get_submodule(name.rpartition(".")[0])
         is_norm = isinstance(owner, nn.LayerNorm) or "RMSNorm" in type(owner).__name__
-        if not (is_norm and name.endswith("weight")) or isinstance(owner, Gemma2RMSNorm):
-            param.copy_(0.1 * noise)  # biases, class embeddings, Gemma 2 norms (which scale by 1 + weight)
-        else:
-            neutral = owner.initial if isinstance(owner, MMRMSNorm) else 1.0
-            param.copy_(neutral * (1 + 0.1 * noise))
+        if not (is_norm and name.endswith("weight")):
+            param.copy_(0.1 * noise)  # biases, class embeddings
+        elif isinstance(owner, MMRMSNorm):
+            param.copy_(owner.initial * (1 + 0.1 * noise))
+        else:  # the LLM's norms scale by (its family's norm_offset + weight)
+            param.copy_(1.0 - family.norm_offset * isinstance(owner, llm_norm) + 0.1 * noise)
     return model

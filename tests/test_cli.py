@@ -27,9 +27,9 @@ def demo_checkpoint(tmp_path_factory):
 def test_choice_lists_are_the_presets_and_the_dtype_table():
     from dattn_export import cli
     from dattn_export.artifacts import DTYPES
-    from dattn_export.presets import TINY_TEXT
+    from dattn_export.modeling.families import FAMILIES
 
-    assert cli.FAMILIES == tuple(TINY_TEXT)
+    assert cli.FAMILIES == tuple(FAMILIES)
     dtype_choices = [p.type.choices for c in cli.main.commands.values() for p in c.params if p.name == "dtype"]
     assert len(dtype_choices) == 2 and all(set(choices) - {"auto"} == set(DTYPES) for choices in dtype_choices)
 

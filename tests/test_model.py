@@ -2,24 +2,9 @@
 
 import pytest
 import torch
-from helpers.builders import build_model, images, left_padded_batch
-from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+from helpers.builders import build_model, images, left_padded_batch, transformers_llm
 
-from dattn_export.checkpoints.source import saved_state_dict
-
-HF_CLASSES = {"dattn_mistral": (MistralConfig, MistralForCausalLM), "dattn_gemma2": (Gemma2Config, Gemma2ForCausalLM)}
 ATOL = 1e-5
-
-
-def transformers_llm(model):
-    """transformers' own causal LM with the same LLM weights (names are identical)."""
-    config_class, model_class = HF_CLASSES[model.config.model_type]
-    fields = {k: v for k, v in model.config.to_dict().items() if k in config_class.__dataclass_fields__}
-    hf = model_class(config_class(**fields, attn_implementation="eager")).eval()
-    llm_weights = {k: v for k, v in saved_state_dict(model).items() if not k.startswith("model.mm_")}
-    missing, unexpected = hf.load_state_dict(llm_weights, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    return hf
 
 
 def valid_positions(mask):

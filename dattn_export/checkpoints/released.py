@@ -1,5 +1,5 @@
-"""Configs saved by the released D-Attn training code (ByteDance's Vidi, GitHub bytedance/vidi: Vidi_7B on Mistral,
-Vidi1.5_9B on Gemma 2). They carry the `mm_*` keys and the tower names but none of this project's attention
+"""Configs saved by the released D-Attn training code (ByteDance's Vidi, GitHub bytedance/vidi: one released model
+per family, `families.py`). They carry the `mm_*` keys and the tower names but none of this project's attention
 switches, because that code has one behaviour; this module states it as those switches, each with the place in
 the released code that decides it, and records them in the config as `dattn_inferred`."""
 
@@ -9,10 +9,9 @@ import ast
 from pathlib import Path
 
 from ..errors import InputError
-from ..modeling.configuration_dattn import CONFIG_CLASSES, RELEASED_POOL_RULES
-from ..modeling.modeling_dattn import MODEL_CLASSES
+from ..modeling.configuration_dattn import CONFIG_CLASSES
+from ..modeling.families import BY_MODEL_TYPE
 
-RELEASED_ARCHITECTURES = {"dattn_mistral": "DattnMistralForCausalLM", "dattn_gemma2": "DattnGemma2ForCausalLM"}
 CODE = "bytedance/vidi lmm/dattn"
 
 
@@ -23,26 +22,27 @@ def is_released(fields: dict) -> bool:
 
 def released_fields(fields: dict, source: Path) -> dict:
     """config.json's fields with the released behaviour made explicit; `source` names the file in errors."""
-    model_type = fields["model_type"]
-    gemma = model_type == "dattn_gemma2"
+    family = BY_MODEL_TYPE[fields["model_type"]]
+    scales = family.released_scales_streams
     inferred = {
         "dattn_mode": ("dattn-sum", f"{CODE}: text, visual and audio attentions each softmaxed, outputs summed"),
         "window_rule": ("flash_attn", f"{CODE}: flash-attn window_size=(w, w), a query sees w + 1 text keys"),
         "mm_scale_streams": (
-            gemma,
-            f"{CODE}/gemma.py: visual and audio streams times sqrt(hidden)" if gemma else f"{CODE}: Mistral: none",
+            scales,
+            f"{CODE}: {family.released_model}'s visual and audio streams "
+            + ("times sqrt(hidden)" if scales else "unscaled"),
         ),
         "mm_mask_empty_images": (True, f"{CODE}/multimodal.py: image_masks, an all-zero image is masked"),
     }
     if fields.get("mm_input_type") == "video":
-        origin = "Vidi_7B" if model_type == "dattn_mistral" else "Vidi1.5_9B"
-        inferred["mm_pool_rule"] = (RELEASED_POOL_RULES[model_type], f"{origin} mm_vision/pool.py, multimodal.py")
+        origin = f"{family.released_model} mm_vision/pool.py, multimodal.py"
+        inferred["mm_pool_rule"] = (family.released_pool_rule, origin)
     if "mm_image_aspect_ratio" not in fields:  # the released config classes' attribute, when config.json has none
-        inferred["mm_image_aspect_ratio"] = ("resize", f"{CODE}: DattnMistralConfig / DattnGemma2Config default")
+        inferred["mm_image_aspect_ratio"] = ("resize", f"{CODE}: the released config classes' default")
     if fields.get("mm_std") is None:  # its norm is initialised from it; the checkpoint holds the trained weights
         inferred["mm_std"] = (1.0, "config.json mm_std is null")
     mapped = {**fields, **{key: value for key, (value, _) in inferred.items()}}
-    mapped["architectures"] = [MODEL_CLASSES[model_type].__name__]
+    mapped["architectures"] = [family.model_class_name]
     points = mapped.get("mm_image_grid_points")
     if isinstance(points, str):  # the training script takes it as a string; its model evaluates it
         try:
@@ -69,7 +69,7 @@ def released_config(config, vision_tower: str, audio_tower: str) -> dict:
     fields["rope_theta"] = fields.pop("rope_parameters")["rope_theta"]
     size = config.vision_config["image_size"]
     fields |= dict(
-        architectures=[RELEASED_ARCHITECTURES[config.model_type]],
+        architectures=[config.family.released_architecture],
         mm_vision_tower=vision_tower,
         mm_audio_tower=audio_tower,
         mm_image_grid_res=[[rows * size, cols * size] for rows, cols in config.mm_image_grid_points or []],
@@ -79,6 +79,4 @@ def released_config(config, vision_tower: str, audio_tower: str) -> dict:
         train_aud=False,
         train_llm=True,
     )
-    if config.model_type == "dattn_gemma2":
-        fields["cache_implementation"] = "hybrid"
-    return fields
+    return fields | config.family.released_extra_fields

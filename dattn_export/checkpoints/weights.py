@@ -8,7 +8,7 @@ on the logits of a tiny model), so the same checkpoint would give other numbers 
 When the whole model does not fit, `stream` keeps only the small weights outside the layers in memory: each layer
 (every element of a ModuleList: the decoder's layers, the towers' encoder layers) reads its weights as it is entered
 and drops them as it leaves, the same checked casts into the same fresh tensors, so the numbers are the whole
-model's; the two tables outside them (the token embedding and the lm_head: 3.7 GB each in fp32 for Gemma 2's
+model's; the two tables outside them (the token embedding and the lm_head: 3.7 GB each in fp32 for a 256000-token
 vocabulary) are read a chunk of rows at a time, the embedding only for the rows its tokens pick, the head a slice of
 the logits per chunk (each logit is the same dot product of the same fresh, aligned row, so the same number).
 `stand_in` gives each parameter a placeholder of its shape and dtype that takes no memory (one element, broadcast),

@@ -1,5 +1,5 @@
-"""D-Attn configs: a Mistral or Gemma 2 config plus the released `mm_*` keys (those ByteDance's Vidi code writes) and
-the full configs of the towers they name (`vision_config`, `audio_config`).
+"""D-Attn configs: the LLM family's config (`families.py`) plus the released `mm_*` keys (those ByteDance's Vidi code
+writes) and the full configs of the towers they name (`vision_config`, `audio_config`).
 
 Only torch and transformers are imported here so the file can ship inside a Hub repo as-is.
 """
@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import transformers
 from huggingface_hub.dataclasses import strict
-from transformers import CLIPVisionConfig, Gemma2Config, MistralConfig, SiglipVisionConfig, WhisperConfig
+from transformers import CLIPVisionConfig, SiglipVisionConfig, WhisperConfig
+
+from .families import BY_MODEL_TYPE, FAMILIES, Family
 
 ATTENTION_MODES = ("dattn", "dattn-sum", "sattn", "mmca")
 # how many text keys a sliding window of w shows a query: transformers' masks show w (itself and w - 1 before);
@@ -25,7 +28,6 @@ ASPECT_RATIOS = ("resize", "pad", "crop", "anyres")
 #   space-to-depth (Vidi1.5_9B): one zero row and column, then mm_image_pool_size-wide blocks stacked into
 #     channels; the audio conv maps to the LLM width
 POOL_RULES = ("conv-interpolate", "space-to-depth")
-RELEASED_POOL_RULES = {"dattn_mistral": "conv-interpolate", "dattn_gemma2": "space-to-depth"}
 
 
 LLM_SIZES = (
@@ -72,7 +74,7 @@ class DAttnFields:
     mm_pool_rule: str = "space-to-depth"  # video models: one of POOL_RULES
     dattn_mode: str = "dattn"  # one of ATTENTION_MODES (mmca: DeepSpeed-VisualChat's multi-modal causal attention)
     window_rule: str = "transformers"  # one of WINDOW_RULES
-    mm_scale_streams: bool = False  # Gemma 2 (released): the visual stream is scaled by sqrt(hidden) like the text
+    mm_scale_streams: bool = False  # the context streams times sqrt(hidden), as some families scale their text
     mm_mask_empty_images: bool = False  # released: an all-zero image is "no image", masked out of T2V
     dattn_inferred: dict | None = None  # the fields a released config lacked: {field: where its value came from}
     dattn_diagonal: bool = True  # V2V: each visual token attends only to itself
@@ -94,8 +96,8 @@ class DAttnFields:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
                 f"{self.num_key_value_heads}"
             )
-        if self.sliding_window is not None:
-            positive("sliding_window", self.sliding_window)
+        if self.text_window is not None:
+            positive("sliding_window", self.text_window)
         for config_key, keys in TOWER_SIZES.items():
             tower = getattr(self, config_key)
             if tower is None:
@@ -216,6 +218,43 @@ class DAttnFields:
         """The text keys a query sees under a sliding window of `window` (None: no window), by `window_rule`."""
         return None if window is None else window + WINDOW_RULES[self.window_rule]
 
+    def sliding_window_of(self, layer_idx: int) -> int | None:
+        """How many text keys (itself included) a query of this layer sees; None: all earlier ones."""
+        if self.family.window_per_layer and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.window_keys(self.text_window)
+
+    @property
+    def text_window(self) -> int | None:
+        """The sliding window as configured (None: none, or a family whose config has no such field)."""
+        return getattr(self, "sliding_window", None)
+
+    # the family's attention and head settings, with the defaults of the families whose configs lack them
+    @property
+    def family(self) -> Family:
+        return BY_MODEL_TYPE[self.model_type]
+
+    @property
+    def activation(self) -> str:
+        return getattr(self, self.family.activation_key)
+
+    @property
+    def attention_scale(self) -> float:
+        return getattr(self, "query_pre_attn_scalar", self.head_dim) ** -0.5
+
+    @property
+    def attention_softcap(self) -> float | None:
+        return getattr(self, "attn_logit_softcapping", None)
+
+    @property
+    def logits_softcap(self) -> float | None:
+        return getattr(self, "final_logit_softcapping", None)
+
+    @property
+    def projection_bias(self) -> bool:
+        """q, k, v and o projections with biases."""
+        return getattr(self, "attention_bias", False)
+
     @property
     def use_diagonal(self) -> bool:
         """sattn is conventional attention: full causal V2V; mmca: full attention within each image."""
@@ -272,22 +311,12 @@ class DAttnFields:
         return ("key", "value", "wings_key", "wings_value") if self.has_wings(layer_idx) else ("key", "value")
 
 
-@strict
-class DAttnMistralConfig(MistralConfig, DAttnFields):
-    model_type = "dattn_mistral"
-
-    def sliding_window_of(self, layer_idx: int) -> int | None:
-        """How many text keys (itself included) a query of this layer sees; None: all earlier ones."""
-        return self.window_keys(self.sliding_window)
+def config_class(family: Family) -> type:
+    """The family's transformers config with the D-Attn fields."""
+    base = getattr(transformers, f"{family.prefix}Config")
+    namespace = {"model_type": family.model_type, "__module__": __name__}
+    return strict(type(family.config_class_name, (base, DAttnFields), namespace))
 
 
-@strict
-class DAttnGemma2Config(Gemma2Config, DAttnFields):
-    model_type = "dattn_gemma2"
-
-    def sliding_window_of(self, layer_idx: int) -> int | None:
-        """How many text keys (itself included) a query of this layer sees; None: all earlier ones."""
-        return self.window_keys(self.sliding_window) if self.layer_types[layer_idx] == "sliding_attention" else None
-
-
-CONFIG_CLASSES = {cls.model_type: cls for cls in (DAttnMistralConfig, DAttnGemma2Config)}
+CONFIG_CLASSES = {family.model_type: config_class(family) for family in FAMILIES.values()}
+globals().update({cls.__name__: cls for cls in CONFIG_CLASSES.values()})  # where a Hub repo's auto_map finds them

@@ -3,7 +3,7 @@
 vision tower -> mlp2x_gelu adapter -> RMSNorm -> + row/column position embeddings -> LLM norm -> visual
 stream (video models, `mm_input_type="video"`: frames pooled, + time embeddings, and an audio stream from the
 Whisper tower; the audio stream runs the layers as the visual one does and text attends to it with its own
-softmax, summed); the LLM's decoder layers (Mistral or Gemma 2 weights and names) run two streams:
+softmax, summed); the LLM's decoder layers (its family's weights and names, `families.py`) run two streams:
   * visual: V2V is diagonal (each token attends only to itself) so a layer's visual K/V depend on the
     image alone: `encode_visual` computes them once per image and any prompt reuses them;
   * text: one op call (`dattn_op`) per layer over [context K/V (unrotated) ; text K/V (causal)]; a video model's
@@ -23,6 +23,7 @@ ship in a Hub repo for `trust_remote_code=True`.
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 
@@ -32,35 +33,23 @@ from torch import Tensor, nn
 from transformers import CLIPVisionModel, PreTrainedModel, SiglipVisionModel
 from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput
-from transformers.models.gemma2.modeling_gemma2 import (
-    Gemma2MLP,
-    Gemma2RMSNorm,
-    Gemma2RotaryEmbedding,
-    Gemma2TextScaledWordEmbedding,
-)
-from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSNorm, MistralRotaryEmbedding, rotate_half
+from transformers.models.llama.modeling_llama import rotate_half
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from .attention import causal_mask, dattn_op, decomposed_attention, segment_shares
-from .configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
+from .configuration_dattn import CONFIG_CLASSES
+from .families import FAMILIES, Family
 from .images import anyres_grid, anyres_tiles, prepare_pictures
 
 # one layer's cache: key, value (B, kv_heads, S, head_dim) [, WINGS key, value (B, hidden / head_dim, S, head_dim)]
 KV = tuple[Tensor, ...]
 
 
-@dataclass(frozen=True)
-class Family:
-    norm: type[nn.Module]
-    mlp: type[nn.Module]
-    rotary: type[nn.Module]
-    sandwich_norms: bool  # Gemma 2: norms after attention and around the MLP
-
-
-FAMILIES = {
-    "dattn_mistral": Family(MistralRMSNorm, MistralMLP, MistralRotaryEmbedding, sandwich_norms=False),
-    "dattn_gemma2": Family(Gemma2RMSNorm, Gemma2MLP, Gemma2RotaryEmbedding, sandwich_norms=True),
-}
+def family_part(family: Family, part: str) -> type[nn.Module]:
+    """One of transformers' modules of the family, by its name after the family's prefix ("RMSNorm", "MLP", ...)."""
+    name = family.transformers_module
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    return getattr(module, family.prefix + part)
 
 
 def rms_norm(x: Tensor, eps: float = 1e-5) -> Tensor:
@@ -208,14 +197,14 @@ class DAttnAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        bias = getattr(config, "attention_bias", False)
+        bias = config.projection_bias
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.scale = getattr(config, "query_pre_attn_scalar", self.head_dim) ** -0.5
-        self.softcap = getattr(config, "attn_logit_softcapping", None)
+        self.scale = config.attention_scale
+        self.softcap = config.attention_softcap
         self.merge = config.merge
         self.window = config.sliding_window_of(layer_idx)
         self.causal_visual = not config.use_debias
@@ -305,13 +294,13 @@ class LayerNorms:
     into this decoder layer and the vLLM plugin's, which hold the same modules under the same names."""
 
     def init_norms(self, config) -> None:
-        family = FAMILIES[config.model_type]
-        self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
-        self.sandwich_norms = family.sandwich_norms
-        if family.sandwich_norms:
-            self.pre_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
-            self.post_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        norm = family_part(config.family, "RMSNorm")
+        self.input_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.sandwich_norms = config.family.sandwich_norms
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_feedforward_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
 
     def residual_mlp(self, residual: Tensor, attn_out: Tensor) -> Tensor:
         """Everything after the attention: residual add, the MLP and the family's norms."""
@@ -325,9 +314,8 @@ class LayerNorms:
 class DAttnDecoderLayer(nn.Module, LayerNorms):
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        family = FAMILIES[config.model_type]
         self.self_attn = DAttnAttention(config, layer_idx)
-        self.mlp = family.mlp(config)
+        self.mlp = family_part(config.family, "MLP")(config)
         self.init_norms(config)
         self.diagonal = config.use_diagonal
         self.debias = config.use_debias
@@ -451,9 +439,9 @@ class DAttnPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, MMRMSNorm):
             init.constant_(module.weight, module.initial)
-        elif isinstance(module, Gemma2RMSNorm):
-            init.zeros_(module.weight)  # Gemma 2 scales by (1 + weight)
-        elif isinstance(module, Gemma2TextScaledWordEmbedding):
+        elif isinstance(module, family_part(self.config.family, "RMSNorm")):  # scales by (norm_offset + weight)
+            init.constant_(module.weight, 1.0 - self.config.family.norm_offset)
+        elif hasattr(module, "scalar_embed_scale"):  # a family's scaled embedding: its scale is a buffer not saved
             init.constant_(module.embed_scale, module.scalar_embed_scale)
         elif isinstance(module, WingsLearner):  # x(1 + AB) starts at x, and the learner's output at 0
             for proj in (module.q_proj, module.k_proj, module.v_proj, module.o_proj):
@@ -492,8 +480,8 @@ class ContextStreams:
             self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.position_grid)
 
     def scaled(self, stream: Tensor) -> Tensor:
-        """A context stream as the decoder takes it: with mm_scale_streams, times sqrt(hidden) where Gemma 2 scales
-        the text embeddings (in the stream's dtype, as Gemma 2 rounds its normalizer)."""
+        """A context stream as the decoder takes it: with mm_scale_streams, times sqrt(hidden) as a family with
+        embedding_scaled scales its text embeddings (rounded to the stream's dtype, as it rounds its normalizer)."""
         if not self.config.mm_scale_streams:
             return stream
         return stream * torch.tensor(self.config.hidden_size**0.5, dtype=stream.dtype)
@@ -626,17 +614,15 @@ class ContextStreams:
 class DAttnModel(DAttnPreTrainedModel, ContextStreams):
     def __init__(self, config):
         super().__init__(config)
-        family = FAMILIES[config.model_type]
-        hidden = config.hidden_size
-        if family.sandwich_norms:
-            self.embed_tokens = Gemma2TextScaledWordEmbedding(
-                config.vocab_size, hidden, config.pad_token_id, embed_scale=hidden**0.5
-            )
+        family, hidden = config.family, config.hidden_size
+        if family.embedding_scaled:
+            embedding = family_part(family, "TextScaledWordEmbedding")
+            self.embed_tokens = embedding(config.vocab_size, hidden, config.pad_token_id, embed_scale=hidden**0.5)
         else:
             self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
         self.layers = nn.ModuleList(DAttnDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = family.norm(hidden, eps=config.rms_norm_eps)
-        self.rotary_emb = family.rotary(config)
+        self.norm = family_part(family, "RMSNorm")(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = family_part(family, "RotaryEmbedding")(config)
         self.init_streams(config, audio_tower=config.audio_config is not None)
         self.post_init()
 
@@ -817,7 +803,7 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
             audio_mask,
         )
         logits = self.lm_head(hidden)
-        cap = getattr(self.config, "final_logit_softcapping", None)
+        cap = self.config.logits_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return DAttnOutput(
@@ -872,12 +858,11 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         return torch.cat(tokens, dim=1)
 
 
-class DAttnMistralForCausalLM(DAttnForCausalLM):
-    config_class = DAttnMistralConfig
+def model_class(family: Family) -> type:
+    """The family's D-Attn model (config.json's architectures and auto_map name it)."""
+    namespace = {"config_class": CONFIG_CLASSES[family.model_type], "__module__": __name__}
+    return type(family.model_class_name, (DAttnForCausalLM,), namespace)
 
 
-class DAttnGemma2ForCausalLM(DAttnForCausalLM):
-    config_class = DAttnGemma2Config
-
-
-MODEL_CLASSES = {"dattn_mistral": DAttnMistralForCausalLM, "dattn_gemma2": DAttnGemma2ForCausalLM}
+MODEL_CLASSES = {family.model_type: model_class(family) for family in FAMILIES.values()}
+globals().update({cls.__name__: cls for cls in MODEL_CLASSES.values()})  # where a Hub repo's auto_map finds them

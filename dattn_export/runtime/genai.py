@@ -21,7 +21,6 @@ from ..sidefiles import read_json, reading
 from .ort import OrtModel
 
 GENAI_CONFIG = "genai_config.json"
-GENAI_TYPES = {"dattn_mistral": "mistral", "dattn_gemma2": "gemma2"}
 
 
 def unsupported(manifest: OnnxManifest) -> str | None:
@@ -41,7 +40,7 @@ def genai_config(manifest: OnnxManifest, config, generation: dict) -> dict:
     context = getattr(config, "max_position_embeddings", 4096)
     return {
         "model": {
-            "type": GENAI_TYPES[config.model_type],
+            "type": config.family.genai_type,
             "bos_token_id": config.bos_token_id,
             "eos_token_id": generation.get("eos_token_id", config.eos_token_id),
             "pad_token_id": generation.get("pad_token_id", config.pad_token_id),

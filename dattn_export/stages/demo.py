@@ -13,6 +13,7 @@ from transformers import CLIPVisionConfig, PreTrainedTokenizerFast, SiglipVision
 from ..checkpoints.released import OWN_KEYS, released_config
 from ..checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
 from ..checkpoints.source import saved_state_dict
+from ..modeling.families import DEFAULT_FAMILY
 from ..modeling.modeling_dattn import MODEL_CLASSES
 from ..presets import randomize_weights, tiny_config
 from ..processing import AUDIO_RATE, IMAGE_PROCESSORS, default_audio_processor
@@ -115,7 +116,7 @@ def write_towers(folder: Path, config) -> tuple[Path, Path]:
 
 
 def write_demo_checkpoint(
-    out: Path, family: str = "mistral", seed: int = 0, video: bool = False, **config_overrides
+    out: Path, family: str = DEFAULT_FAMILY, seed: int = 0, video: bool = False, **config_overrides
 ) -> Path:
     """A checkpoint as the released training code (bytedance/vidi) saves it: its config.json keys (the towers named
     by folders, written beside in `towers/`), sharded safetensors with its names and shapes (the Whisper audio tower

@@ -75,7 +75,7 @@ def describe(path: Path, base: Path | None = None, vision_heads: int | None = No
             else {"visual_tokens_per_image": c.tokens_per_image}
         ),
         **({"anyres_tilings": f"{c.mm_image_grid_points} (columns, rows)"} if c.is_anyres else {}),
-        "sliding_window": "none" if c.sliding_window is None else f"{c.sliding_window} ({c.window_rule} rule)",
+        "sliding_window": "none" if c.text_window is None else f"{c.text_window} ({c.window_rule} rule)",
         "stream_scaling": c.mm_scale_streams,
         "mask_empty_images": c.mm_mask_empty_images,
         "inferred": c.dattn_inferred or {},

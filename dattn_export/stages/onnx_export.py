@@ -305,7 +305,7 @@ class StreamedWeight(ir.LazyTensor):
 class TransposedWeight(ir.LazyTensor):
     """A folded Transpose of a 2-D bound weight (a Linear's, as MatMul takes it): computed whole only where a pass
     needs it (a quantizer); written a block of its rows at a time, each block the same columns of every chunk of the
-    checkpoint's rows. Writing Gemma 2's tied 3.7 GB head then holds one block, not the weight twice, for a few
+    checkpoint's rows. Writing a tied 3.7 GB head (256000 rows) then holds one block, not the weight twice, for a few
     passes over the mapped weight."""
 
     def __init__(self, fold: Callable, dtype: ir.DataType, shape: ir.Shape, name: str, weight: CheckpointWeight):

@@ -6,9 +6,10 @@ vLLM loads it through the `vllm.general_plugins` entry point, in the server and 
 
 from __future__ import annotations
 
-from ..modeling.configuration_dattn import DAttnGemma2Config, DAttnMistralConfig
+from ..modeling.configuration_dattn import CONFIG_CLASSES
+from ..modeling.families import FAMILIES
 
-ARCHITECTURES = ("DAttnMistralForCausalLM", "DAttnGemma2ForCausalLM")
+ARCHITECTURES = tuple(family.model_class_name for family in FAMILIES.values())
 VIDEO_BACKEND = "dattn"  # the name our video loader (`media.py`) has among vLLM's video backends
 
 
@@ -36,12 +37,11 @@ class EncoderDecoder:
         self.is_encoder_decoder = True
 
 
-class DAttnMistralServingConfig(EncoderDecoder, DAttnMistralConfig):
-    pass
-
-
-class DAttnGemma2ServingConfig(EncoderDecoder, DAttnGemma2Config):
-    pass
+SERVING_CONFIGS = [
+    type(cls.__name__.replace("Config", "ServingConfig"), (EncoderDecoder, cls), {"__module__": __name__})
+    for cls in CONFIG_CLASSES.values()
+]
+globals().update({cls.__name__: cls for cls in SERVING_CONFIGS})  # vLLM pickles configs: importable by name
 
 
 def register() -> None:
@@ -50,7 +50,7 @@ def register() -> None:
 
     from . import media  # noqa: F401  (registers the `dattn` video loader)
 
-    for config_class in (DAttnMistralServingConfig, DAttnGemma2ServingConfig):
+    for config_class in SERVING_CONFIGS:
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     for architecture in ARCHITECTURES:
         if architecture not in ModelRegistry.get_supported_archs():

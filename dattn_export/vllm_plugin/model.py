@@ -30,7 +30,7 @@ from torch import nn
 from transformers import BatchFeature
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention, CrossAttention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -52,9 +52,9 @@ from vllm.v1.attention.backend import AttentionType
 
 from ..modeling import modeling_dattn
 from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower_side
-from ..modeling.modeling_dattn import FAMILIES
+from ..modeling.modeling_dattn import family_part
 from ..processing import audio_features, load_audio_processor, load_image_processor
-from . import VIDEO_BACKEND, unsupported
+from . import ARCHITECTURES, VIDEO_BACKEND, unsupported
 from .video import longest_sound_track, max_video_frames, video_tokens
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # a request's image may hold at most this many pixels (it is resized to the tower's)
@@ -300,7 +300,7 @@ class DAttnAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // ranks
         self.num_kv_heads = max(1, config.num_key_value_heads // ranks)  # fewer KV heads than ranks: replicated
-        bias = getattr(config, "attention_bias", False)
+        bias = config.projection_bias
         quant = vllm_config.quant_config
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -323,11 +323,11 @@ class DAttnAttention(nn.Module):
         )
         shared = dict(
             head_size=self.head_dim,
-            scale=getattr(config, "query_pre_attn_scalar", self.head_dim) ** -0.5,
+            scale=config.attention_scale,
             num_kv_heads=self.num_kv_heads,
             cache_config=vllm_config.cache_config,
             quant_config=quant,
-            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
+            logits_soft_cap=config.attention_softcap,
         )
         self.text_attn = Attention(
             self.num_heads,
@@ -387,8 +387,7 @@ class DAttnMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             config.intermediate_size, config.hidden_size, bias=False, quant_config=quant, prefix=f"{prefix}.down_proj"
         )
-        gemma = FAMILIES[config.model_type].sandwich_norms
-        self.act = GeluAndMul(approximate="tanh") if gemma else SiluAndMul()
+        self.act = get_act_and_mul_fn(config.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)[0]))[0]
@@ -419,13 +418,13 @@ class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
     def __init__(self, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         config = self.config = vllm_config.model_config.hf_config
-        hidden, family = config.hidden_size, FAMILIES[config.model_type]
+        hidden, family = config.hidden_size, config.family
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, prefix=f"{prefix}.embed_tokens")
-        self.embed_scale = hidden**0.5 if family.sandwich_norms else None  # Gemma 2 scales the text embeddings
+        self.embed_scale = hidden**0.5 if family.embedding_scaled else None
         self.layers = nn.ModuleList(
             DAttnDecoderLayer(config, i, vllm_config, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
         )
-        self.norm = family.norm(hidden, eps=config.rms_norm_eps)
+        self.norm = family_part(family, "RMSNorm")(hidden, eps=config.rms_norm_eps)
         self.init_streams(config, audio_tower=config.is_video)
 
     @property
@@ -463,9 +462,7 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
-        self.logits_processor = LogitsProcessor(
-            config.vocab_size, soft_cap=getattr(config, "final_logit_softcapping", None)
-        )
+        self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.logits_softcap)
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
@@ -527,9 +524,5 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         return loaded
 
 
-class DAttnMistralForCausalLM(DAttnForCausalLM):
-    pass
-
-
-class DAttnGemma2ForCausalLM(DAttnForCausalLM):
-    pass
+# one class per architecture name: vLLM's registry maps each name to a class
+globals().update({name: type(name, (DAttnForCausalLM,), {"__module__": __name__}) for name in ARCHITECTURES})

@@ -4,6 +4,7 @@ import json
 import os
 
 import torch
+import transformers
 from safetensors.torch import save_file
 
 from dattn_export.checkpoints.released import released_config, released_fields
@@ -16,6 +17,18 @@ from dattn_export.stages.demo import build_tokenizer, write_demo_checkpoint
 def build_model(family: str, seed: int = 0, **overrides):
     config = tiny_config(family, **overrides)
     return randomize_weights(MODEL_CLASSES[config.model_type](config), seed).eval()
+
+
+def transformers_llm(model):
+    """transformers' own causal LM of the model's family with the same LLM weights (names are identical)."""
+    prefix = model.config.family.prefix
+    config_class, model_class = getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
+    fields = {k: v for k, v in model.config.to_dict().items() if k in config_class.__dataclass_fields__}
+    hf = model_class(config_class(**fields, attn_implementation="eager")).eval()
+    llm_weights = {k: v for k, v in saved_state_dict(model).items() if not k.startswith("model.mm_")}
+    missing, unexpected = hf.load_state_dict(llm_weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return hf
 
 
 def left_padded_batch(lengths: list[int], vocab: int = 512, seed: int = 0):

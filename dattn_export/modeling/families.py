@@ -1,0 +1,100 @@
+"""The LLM families D-Attn models are built on, one registered spec each: every fact that differs between them.
+
+The configs, the reference model, the released-config reader, the presets, the graphs' runtime, genai's config and
+the vLLM model all read a family's facts from here; adding a family is one `Family` below (and its tests). Plain
+Python, no imports: the CLI lists the families without importing torch, and the file ships in a Hub repo beside
+the model files that import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # the CLI's and the presets' name; the model type is dattn_{name}
+    transformers_module: str  # transformers.models.{module}.modeling_{module} holds the parts below
+    prefix: str  # transformers' class prefix: {prefix}Config, {prefix}RMSNorm, {prefix}MLP, {prefix}RotaryEmbedding
+    activation_key: str  # the config field naming the MLP's activation (transformers' own MLP reads it)
+    sandwich_norms: bool  # norms after the attention and around the MLP
+    embedding_scaled: bool  # the text embeddings times sqrt(hidden) ({prefix}TextScaledWordEmbedding)
+    norm_offset: float  # its RMSNorm scales by (offset + weight): weights start at 1 - offset
+    window_per_layer: bool  # the sliding window applies to the layers layer_types marks sliding; else to all
+    genai_type: str  # onnxruntime-genai's model type
+    # the released D-Attn model on this family (GitHub bytedance/vidi) and what its code does that configs omit
+    released_model: str
+    released_architecture: str
+    released_pool_rule: str  # how its video model pools frames and audio (configuration_dattn.POOL_RULES)
+    released_scales_streams: bool  # its visual and audio streams times sqrt(hidden), like its text
+    released_extra_fields: dict = field(default_factory=dict)  # keys its saved config.json has beside ours
+    tiny: dict = field(default_factory=dict)  # a tiny text model (presets.py) that exercises the family's features
+
+    @property
+    def model_type(self) -> str:
+        return f"dattn_{self.name}"
+
+    @property
+    def config_class_name(self) -> str:
+        return f"DAttn{self.prefix}Config"
+
+    @property
+    def model_class_name(self) -> str:
+        return f"DAttn{self.prefix}ForCausalLM"
+
+
+DEFAULT_FAMILY = "mistral"  # the demo's and the presets'
+
+TINY_SIZES = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+FAMILIES = {
+    family.name: family
+    for family in (
+        Family(
+            name="mistral",
+            transformers_module="mistral",
+            prefix="Mistral",
+            activation_key="hidden_act",
+            sandwich_norms=False,
+            embedding_scaled=False,
+            norm_offset=0.0,
+            window_per_layer=False,
+            genai_type="mistral",
+            released_model="Vidi_7B",
+            released_architecture="DattnMistralForCausalLM",
+            released_pool_rule="conv-interpolate",
+            released_scales_streams=False,
+            tiny=dict(TINY_SIZES, num_key_value_heads=2, head_dim=16, sliding_window=None),
+        ),
+        Family(
+            name="gemma2",
+            transformers_module="gemma2",
+            prefix="Gemma2",
+            activation_key="hidden_activation",
+            sandwich_norms=True,
+            embedding_scaled=True,
+            norm_offset=1.0,
+            window_per_layer=True,
+            genai_type="gemma2",
+            released_model="Vidi1.5_9B",
+            released_architecture="DattnGemma2ForCausalLM",
+            released_pool_rule="space-to-depth",
+            released_scales_streams=True,
+            released_extra_fields={"cache_implementation": "hybrid"},
+            tiny=dict(
+                TINY_SIZES,
+                num_key_value_heads=1,
+                head_dim=32,
+                query_pre_attn_scalar=24,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0,
+            ),  # fmt: skip
+        ),
+    )
+}
+BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES.values()}
