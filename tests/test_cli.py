@@ -34,6 +34,7 @@ def test_choice_lists_are_the_presets_and_the_dtype_table():
     assert len(dtype_choices) == 2 and all(set(choices) - {"auto"} == set(DTYPES) for choices in dtype_choices)
 
 
+@pytest.mark.slow
 def test_debug_switch_shows_the_traceback(tmp_path):
     (tmp_path / "empty").mkdir()
     plain = run_cli("info", tmp_path / "empty")
@@ -71,6 +72,7 @@ def test_demo_end_to_end(tmp_path):
     assert not list((tmp_path / "out").glob(".checkpoint.partial-*"))
 
 
+@pytest.mark.slow
 def test_video_demo_end_to_end(tmp_path):
     """demo --input video: a tiny video model in the released layout and a clip with sound, through generate
     (its frames and sound track decoded from the file), convert + verify and the four ONNX graphs + validate; the

@@ -262,6 +262,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_malformed_input(sources, tmp_path, case):
     kind, damage, expected, extra = CASES[case]

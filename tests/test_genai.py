@@ -18,6 +18,7 @@ pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not instal
 PROMPTS = [DEMO_PROMPT, "USER: How many objects are there?\nASSISTANT:"]
 
 
+@pytest.mark.slow
 def test_genai_generates_the_reference_tokens(tmp_path, family):
     """20 greedy tokens, each from logits equal to the reference's on the same tokens (<= 1e-4), for two prompts
     over one image whose K/V our graphs computed once."""
@@ -42,6 +43,7 @@ def test_genai_generates_the_reference_tokens(tmp_path, family):
             assert tokens == reference[0].tolist()
 
 
+@pytest.mark.slow
 def test_generate_backend_genai_and_what_genai_cannot_drive(tmp_path):
     """`generate --backend genai` on an export gives the reference's tokens; a WINGS model's export says in its
     manifest why genai cannot drive it, and generate says so in one line."""

@@ -66,6 +66,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, dim, heads, shape, softcap, merge", CASES)
 def test_kernel_matches_reference(dtype, dim, heads, shape, softcap, merge):
     (q_heads, kv_heads), (queries, past, visual) = heads, shape
@@ -90,6 +91,7 @@ SEGMENTED_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, shape, merge, shuffled", SEGMENTED_CASES)
 def test_kernel_with_context_segments(dtype, shape, merge, shuffled):
     """Two and three context segments (num_contexts), with a row that lacks segment 2 and padded keys; the segment
@@ -147,6 +149,7 @@ print(json.dumps({"name": name, "ptx": ptx, "num_warps": metadata.num_warps}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype, merge", [("float16", "alpha"), ("bfloat16", "sum")])
 def test_kernel_compiles_to_ptx_without_a_gpu(arch, dtype, merge):

@@ -65,6 +65,7 @@ def cli(*args, memory_gib: float | None = None):
     )
 
 
+@pytest.mark.slow
 def test_what_cannot_fit_is_refused_in_one_line_with_the_figures(tmp_path):
     checkpoint = checkpoint_of(build_model("gemma2"), tmp_path / "ckpt")
     assert cli("onnx", checkpoint, "-o", tmp_path / "onnx").returncode == 0
@@ -117,6 +118,7 @@ def peaks(folder, checkpoint, verify_memory_gib: float | None = None) -> dict[st
     )
 
 
+@pytest.mark.slow
 def test_peak_memory_of_a_1gb_model_is_bounded_by_its_bytes(tmp_path):
     model = build_model("mistral", **ONE_GB).to(torch.bfloat16)
     checkpoint = checkpoint_of(model, tmp_path / "big" / "ckpt")

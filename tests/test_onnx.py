@@ -21,6 +21,7 @@ from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.validate import Comparison, validate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dattn", "dattn-sum", "sattn", "mmca"])
 def test_onnx_runtime_matches_reference(tmp_path, family, mode):
     model = build_model(family, dattn_mode=mode)
@@ -47,6 +48,7 @@ def test_onnx_runtime_matches_reference(tmp_path, family, mode):
         np.testing.assert_allclose(logits, scratch, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_chunked_visual_encoding_and_prompt_pieces_equal_one_run(tmp_path, monkeypatch):
     """Diagonal V2V: visual tokens never mix, so the runtime may encode a long image sequence in chunks; a prompt
     past the attention budget runs in pieces of tokens (left-padded batch), the same logits and cache."""
@@ -69,6 +71,7 @@ def test_chunked_visual_encoding_and_prompt_pieces_equal_one_run(tmp_path, monke
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_large_graphs_keep_weights_in_external_data(tmp_path, monkeypatch):
     """Graphs whose weights pass the threshold (1 GiB; 0 here) keep them in a .data file beside the .onnx."""
     import dattn_export.stages.onnx_export as onnx_export
@@ -139,6 +142,7 @@ def test_fused_node_and_function(tmp_path):
     assert optimized.count("SimplifiedLayerNormalization") == 3 * 4 + 1
 
 
+@pytest.mark.slow
 def test_standard_attention_and_fp16(tmp_path):
     model = build_model("mistral", dattn_diagonal=False)  # V2V is then attention too
     checkpoint = checkpoint_of(model, tmp_path / "ckpt")
@@ -166,6 +170,7 @@ def test_validate_command_writes_report(tmp_path):
     assert "logits (decode steps)" in [c["output"] for c in report["comparisons"]] and "6/6 agree" in result.stdout
 
 
+@pytest.mark.slow
 def test_polygraphy_checks_the_saved_data(tmp_path):
     """validate --save-polygraphy: polygraphy's own CLI reads every graph's inputs and reference outputs and passes
     on ONNX Runtime (prefill and each decode step); with the reference's logits nudged by 1e-3 it fails."""
@@ -202,7 +207,7 @@ def test_error_percentiles_are_numpys():
     [
         (["--opset", "13"], "'--opset': 13 is not in the range 18<=x<=23"),
         (["--dtype", "bf16"], "--dtype bf16: needs --opset 22 or later"),
-        (["--dtype", "fp16", "__overflow__"], "beyond fp16's 65504"),
+        pytest.param(["--dtype", "fp16", "__overflow__"], "beyond fp16's 65504", marks=pytest.mark.slow),
         (["__not_dattn__"], "is not a D-Attn model"),
     ],
 )
@@ -224,6 +229,7 @@ def test_onnx_bad_input(tmp_path, args, expected):
     assert not (tmp_path / "onnx").exists() and not list(tmp_path.glob(".onnx.partial-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, dtype", [("gemma2", "fp16"), ("video", "fp32")])
 def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path, monkeypatch, family, dtype):
     """Our export traces stand-in weights and streams each weight from the checkpoint as it writes (lazy folds of the

@@ -60,6 +60,7 @@ def one_line(result, code: int) -> str:
     return lines[-1]
 
 
+@pytest.mark.slow
 def test_output_on_another_filesystem_converts_and_verifies(checkpoint, tmp_path):
     """The checkpoint on this disk, OUT on a tmpfs: copy_file_range answers EXDEV, the bytes are read and written
     instead, hashed the same way, and the folder verifies bit for bit against the checkpoint."""
@@ -168,6 +169,7 @@ def test_a_bug_of_ours_is_exit_1_with_a_line_asking_for_the_traceback(checkpoint
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "KeyError" in debug.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fault, token, code, expected",
     [

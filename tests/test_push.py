@@ -209,6 +209,7 @@ def test_dry_run_lists_everything_and_contacts_nothing(converted, tmp_path):
     assert "library_name: transformers" in result.stdout and "README.md" in result.stdout
 
 
+@pytest.mark.slow
 def test_transient_5xx_is_retried(converted, hub, tmp_path):
     state, endpoint = hub
     state.fail("POST", r"/commit/", 500, times=2)
@@ -219,6 +220,7 @@ def test_transient_5xx_is_retried(converted, hub, tmp_path):
     assert [s for m, p, s in state.log if "/commit/" in p] == [500, 500, 200]
 
 
+@pytest.mark.slow
 def test_persistent_5xx_publishes_nothing(converted, hub, tmp_path):
     state, endpoint = hub
     state.fail("POST", r"/commit/", 502, times=-1)
@@ -229,6 +231,7 @@ def test_persistent_5xx_publishes_nothing(converted, hub, tmp_path):
     assert commits_on(state, "alice/down") == []
 
 
+@pytest.mark.slow
 def test_connection_dropped_mid_upload(converted, hub, tmp_path):
     state, endpoint = hub
     state.fail("PUT", r"/lfs-upload/", "drop", times=1)
@@ -268,6 +271,7 @@ def test_refuses_a_folder_that_does_not_verify(converted, hub, tmp_path):
     assert push_cli(tmp_path, endpoint, folder, "--repo-id", "alice/t", "--skip-verify").returncode == 0
 
 
+@pytest.mark.slow
 def test_rate_limit_is_retried(converted, hub, tmp_path):
     state, endpoint = hub
     state.fail("POST", r"/preupload/", 429, times=2)
@@ -277,6 +281,7 @@ def test_rate_limit_is_retried(converted, hub, tmp_path):
     assert len(commits_on(state, "alice/busy")) == 1
 
 
+@pytest.mark.slow
 def test_network_down(converted, tmp_path):
     result = push_cli(tmp_path, "http://127.0.0.1:9", converted, "--repo-id", "alice/offline")  # nothing listens
     assert result.returncode == 3  # the network's failure, not the input's

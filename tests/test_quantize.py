@@ -29,6 +29,7 @@ def trained(request, tmp_path_factory):
     return checkpoint_of(train(base, CORPORA[request.param]), work / "trained"), work
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_decoder_passes_the_gate(trained, scheme):
     checkpoint, work = trained
@@ -52,6 +53,7 @@ def test_quantized_decoder_passes_the_gate(trained, scheme):
     assert refused.returncode == 2 and len(lines) == 1 and "MatMulNBits" in lines[0], refused.stderr
 
 
+@pytest.mark.slow
 def test_quantized_embedding_passes_the_gate(trained):
     """--quantize-embedding: the table's Gather becomes GatherBlockQuantized (4 bits). On a hidden size of 64 it
     passes the int4 gate with blocks of 16, not of 32 (two blocks a row): why the embedding is not quantized by
@@ -67,6 +69,7 @@ def test_quantized_embedding_passes_the_gate(trained):
     assert report.passed, report.gate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["shift-one", "swap"])
 def test_broken_exports_fail_the_gate(trained, damage):
     """One matrix's scales shifted a row (a quantizer that misaligns them), or two layers exchanged."""
@@ -79,6 +82,7 @@ def test_broken_exports_fail_the_gate(trained, damage):
     assert report.gate["top5_mass"] < GATES["int4"].top5_mass and report.gate["mean_kl"] > GATES["int4"].mean_kl
 
 
+@pytest.mark.slow
 def test_the_gate_fails_for_graphs_of_another_model(trained):
     """Graphs of the base (untrained) model validated against the trained one: the same gate fails."""
     checkpoint, work = trained
@@ -146,8 +150,9 @@ def graph_contents(model: onnx.ModelProto) -> tuple[dict, list, dict]:
     "family, scheme",
     [
         ("mistral", Scheme("int4", 32, True, False, False, 4)),  # o_proj above onnxscript's folding size
-        ("gemma2", Scheme("int8", 16, False, False, True, 0)),  # tied head; asymmetric, the table quantized too
-        ("video", Scheme("int4", 16, False, True, False, 4)),  # the head quantized too
+        # tied head; asymmetric, the table quantized too
+        pytest.param("gemma2", Scheme("int8", 16, False, False, True, 0), marks=pytest.mark.slow),
+        pytest.param("video", Scheme("int4", 16, False, True, False, 4), marks=pytest.mark.slow),  # the head too
     ],
 )
 def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_path, monkeypatch, family, scheme):

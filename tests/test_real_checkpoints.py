@@ -37,6 +37,7 @@ def read_output(out):
     return {n: t for shard in sorted(out.glob("*.safetensors")) for n, t in load_file(shard).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, folder", list(sources()))
 def test_converts_to_what_deepspeed_gives(real_checkpoints, tmp_path, name, folder):
     source = (real_checkpoints[name] / folder).resolve()  # a Trainer folder's training_args.bin is never unpickled
@@ -65,6 +66,7 @@ def test_converts_to_what_deepspeed_gives(real_checkpoints, tmp_path, name, fold
     assert all(c.ok for c in checks), checks
 
 
+@pytest.mark.slow
 def test_bf16_output_of_fp32_masters_and_manifest(real_checkpoints, tmp_path):
     step = real_checkpoints["zero3-bf16-w2"] / "global_step2"
     assert open_checkpoint(step).layout == "deepspeed-zero"

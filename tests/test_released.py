@@ -82,6 +82,7 @@ def test_new_adapter_norms_start_as_released():
     assert torch.equal(model.model.mm_rand_llm_norm.weight, torch.full((64,), 0.3))
 
 
+@pytest.mark.slow
 def test_onnx_runtime_equals_released_forward(tmp_path, family):
     model = released_model(family)
     export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
@@ -196,6 +197,7 @@ def test_anyres_tiling_choice_equals_released():
         assert anyres_grid((width, height), points, 14) == (best[0] // 14, best[1] // 14), (width, height)
 
 
+@pytest.mark.slow
 def test_generate_tiles_an_image_for_anyres_models(tmp_path):
     """generate --image on an anyres checkpoint: a thumbnail and the best tiling's tiles (process_anyres_image:
     resize to the tiling's resolution, cut row by row), the same tokens as the model given exactly those tiles;
@@ -230,6 +232,7 @@ def test_generate_tiles_an_image_for_anyres_models(tmp_path):
     assert any(c["output"] == "visual K/V (2 x 2 tiles)" for c in report["comparisons"])
 
 
+@pytest.mark.slow
 def test_anyres_onnx_equals_released_forward(tmp_path, family):
     """The anyres vision graph (thumbnail, tiles as rows x columns) and the decoder on ONNX Runtime against the
     released forward written out (fp32, <= 1e-4): a wide image and a tall one, batched."""

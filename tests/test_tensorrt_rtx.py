@@ -20,6 +20,7 @@ from dattn_export.stages.trt_build import Limits, profile_shapes
 ANYRES = {"mm_image_aspect_ratio": "anyres", "mm_image_grid_points": [[1, 2], [2, 1], [2, 2]]}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("tensorrt_rtx_bindings") is None,
     reason="the tensorrt-rtx-cu13-libs/-bindings wheels are not installed (pip install '.[test]' on Linux x86-64)",

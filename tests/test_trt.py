@@ -56,6 +56,7 @@ def test_launch_grid_and_scalar_arguments():
     assert int_arguments(q.shape, k.shape, kv.shape) == expected
 
 
+@pytest.mark.slow
 def test_trt_command_says_what_is_missing(tmp_path):
     export_onnx(write_demo_checkpoint(tmp_path / "ckpt"), tmp_path / "onnx")
     result = subprocess.run(

@@ -120,6 +120,7 @@ def test_incremental_decoding_and_cached_streams(family):
         torch.testing.assert_close(model(second, **streams).logits, model(second, **fresh).logits, atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_released_video_folder_through_the_commands(tmp_path, family):
     """A folder as the released code saves a video model converts untouched, verifies, exports to ONNX and validates
     on ONNX Runtime with the demo video file."""
@@ -156,6 +157,7 @@ def exported_video(tmp_path, family):
     return load_model(folder), OrtModel(tmp_path / "onnx")
 
 
+@pytest.mark.slow
 def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
     """The four graphs on ONNX Runtime against the released forward written out (fp32, <= 1e-4): each sample's
     frames and audio built part by part (2 frames, 1 audio chunk a run), a batch whose second sample has no audio,
@@ -320,6 +322,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.slow
 def test_shipped_code_runs_video_and_audio_with_transformers_alone(tmp_path, family):
     """A converted video folder loads through transformers' remote code (the files push uploads) in a fresh
     process; the model card's video usage runs as written; its logits equal the reference's."""

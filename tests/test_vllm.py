@@ -100,6 +100,7 @@ def reference(folder: Path, prompt: str | list[int], media: DecodedMedia, steps:
     return tokens, logprobs
 
 
+@pytest.mark.slow
 @vllm_missing
 @pytest.mark.parametrize(
     "model, tensor_parallel",
@@ -254,6 +255,7 @@ def expected_text(folder: Path, text: str, media: DecodedMedia) -> str:
     return load_tokenizer(folder, folder_config(folder)).decode(reference(folder, text, media, 8)[0])
 
 
+@pytest.mark.slow
 @vllm_missing
 def test_serve_answers_openai_chat_and_refuses_bad_requests(served, tmp_path):
     from openai import BadRequestError
@@ -275,6 +277,7 @@ def test_serve_answers_openai_chat_and_refuses_bad_requests(served, tmp_path):
         assert chat(text, image_part(png_url(request_image(seed)))).message.content == expected  # still serving
 
 
+@pytest.mark.slow
 @vllm_missing
 def test_serve_answers_about_a_video_file(served, tmp_path):
     """A video model served: a chat request with a video file (a data URL) is answered as `generate --video`
@@ -305,6 +308,7 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
         assert chat(text, request).message.content == expected  # still serving
 
 
+@pytest.mark.slow
 @vllm_missing
 @torch.no_grad()
 def test_serve_budgets_the_longest_video(served):
@@ -356,6 +360,7 @@ def test_video_loader_keeps_the_sound_track_and_others_are_refused(tmp_path):
         sound_track(metadata)
 
 
+@pytest.mark.slow
 def test_serve_refuses_what_vllm_cannot_run(tmp_path):
     """One line, exit code 2, before vLLM starts: the alpha merge (one softmax over text and image) needs each
     attention's log-sum-exp, which vLLM's attention does not return."""

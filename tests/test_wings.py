@@ -162,6 +162,7 @@ def test_silent_learners_leave_the_base_model(family):
         assert (wings(ids, pixels, mask).logits - base(ids, pixels, mask).logits).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dattn", "sattn", "mmca"])
 def test_incremental_decoding_equals_full_forward(family, mode):
     model = wings_model(family, mode, wings_layers=[0, 2])
@@ -216,6 +217,7 @@ def test_converts_from_every_layout_with_the_learners(tmp_path):
     assert "model.layers.1.wings_router.bias" in " ".join(describe(tmp_path / "missing").problems)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family, mode", [("mistral", "dattn"), ("gemma2", "dattn"), ("mistral", "sattn"), ("gemma2", "mmca")]
 )

@@ -38,7 +38,8 @@ def released_fields(fields: dict, source: Path) -> dict:
         origin = f"{family.released_model} mm_vision/pool.py, multimodal.py"
         inferred["mm_pool_rule"] = (family.released_pool_rule, origin)
     if "mm_image_aspect_ratio" not in fields:  # the released config classes' attribute, when config.json has none
-        inferred["mm_image_aspect_ratio"] = ("resize", f"{CODE}: the released config classes' default")
+        released_class = family.released_architecture.replace("ForCausalLM", "Config")
+        inferred["mm_image_aspect_ratio"] = ("resize", f"{CODE}: {released_class} default")
     if fields.get("mm_std") is None:  # its norm is initialised from it; the checkpoint holds the trained weights
         inferred["mm_std"] = (1.0, "config.json mm_std is null")
     mapped = {**fields, **{key: value for key, (value, _) in inferred.items()}}
