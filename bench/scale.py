@@ -294,10 +294,10 @@ def run_model(name: str, work: Path, commands: list[str], rounds: int) -> list[d
     shutil.rmtree(checkpoint)  # the rest reads the converted folder
     fp16, int4 = root / "onnx-fp16", root / "onnx-int4"
     run("onnx fp16", "onnx", converted, "-o", fp16, "--force", "--dtype", "fp16", output=fp16)
-    run("validate fp16", "validate", fp16, "--steps", "2", *media_args)  # refused on this machine: too big
+    run("validate fp16", "validate", fp16, "--max-new-tokens", "2", *media_args)  # refused on this machine: too big
     shutil.rmtree(fp16, ignore_errors=True)
     run("onnx int4", "onnx", converted, "-o", int4, "--force", "--quantize", "int4", output=int4)
-    run("validate int4", "validate", int4, "--against", converted, "--steps", "4", *media_args)
+    run("validate int4", "validate", int4, "--against", converted, "--max-new-tokens", "4", *media_args)
     run("generate", "generate", converted, "--prompt", PROMPT, "--max-new-tokens", "8", *media_args)
     analysis = ("analyze", converted, "--prompt", f"<image> {PROMPT}", "-o", root / "analysis", "--force")
     run("analyze", *analysis, *media_args)

@@ -51,6 +51,24 @@ class DAttnGroup(click.Group):
             ctx.exit(report(*one_line(e)))
 
 
+def examples(*commands: str) -> str:
+    """A command's --help epilog: worked examples, kept on their lines."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  {command}" for command in commands)
+
+
+QUANTIZE_OPTIONS = ("block_size", "asymmetric", "quantize_lm_head", "quantize_embedding", "accuracy_level")
+
+
+def refuse_given_without(needed: str, names: tuple[str, ...]) -> None:
+    """A usage error when options that only refine `needed` were given without it (they would be ignored)."""
+    context = click.get_current_context()
+    given = [name for name in names if context.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
+    if given:
+        options = ", ".join("--" + name.replace("_", "-") for name in given)
+        verb = "applies" if len(given) == 1 else "apply"
+        raise click.UsageError(f"{options} {verb} only with {needed}: add {needed} int4 or int8, or drop it", context)
+
+
 def report(code: int, line: str) -> int:
     click.secho(f"Error: {' '.join(line.split())}", err=True, fg="red")
     return code
@@ -101,9 +119,15 @@ def print_prompt_result(
     out.print(summary_table(title, [*rows, ("time", timings)]))
 
 
-@main.command()
+@main.command(epilog=examples("dattn-export demo", "dattn-export demo ./gemma-video --family gemma2 --input video"))
 @click.argument("directory", default="dattn-demo", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--family", type=click.Choice(FAMILIES), default=families.DEFAULT_FAMILY, show_default=True)
+@click.option(
+    "--family",
+    type=click.Choice(FAMILIES),
+    default=families.DEFAULT_FAMILY,
+    show_default=True,
+    help="The LLM the tiny model is built on.",
+)
 @click.option(
     "--input",
     "input_type",
@@ -113,7 +137,9 @@ def print_prompt_result(
     help="image: a D-Attn image model and a picture; video: a video model (frames and audio, the released "
     "Vidi layout) and a short video file with a sound track.",
 )
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=12, show_default=True)
+@click.option(
+    "--max-new-tokens", type=click.IntRange(min=1), default=12, show_default=True, help="Greedy tokens to generate."
+)
 def demo(directory: Path, family: str, input_type: str, max_new_tokens: int):
     """The main job end to end on a tiny random-weight D-Attn checkpoint written to DIRECTORY/checkpoint:
     reference generation, convert + verify, ONNX export + validation on ONNX Runtime."""
@@ -170,12 +196,19 @@ VIDEO_OPTIONS = [
 ]
 
 
-@main.command()
+@main.command(
+    epilog=examples(
+        "dattn-export generate ./converted --prompt $'USER: <image>\\nWhat is shown?\\nASSISTANT:' --image cat.png",
+        'dattn-export generate ./onnx --backend genai --prompt "$(cat prompt.txt)" --image cat.png --max-new-tokens 64',
+    )
+)
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="Text prompt.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="Image file (repeatable).")
 @video_options
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option(
+    "--max-new-tokens", type=click.IntRange(min=1), default=20, show_default=True, help="Greedy tokens to generate."
+)
 @click.option(
     "--backend",
     type=click.Choice(["torch", "genai"]),
@@ -218,7 +251,7 @@ def source_options(command):
     )(command)
 
 
-@main.command()
+@main.command(epilog=examples("dattn-export info ./checkpoint-1200", "dattn-export info ./global_step1200 --json"))
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @source_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -248,7 +281,12 @@ def info(checkpoint: Path, base: Path | None, vision_heads: int | None, as_json:
     out.print(summary_table(f"dattn-export info {checkpoint}", rows))
 
 
-@main.command()
+@main.command(
+    epilog=examples(
+        "dattn-export convert ./checkpoint-1200 -o ./converted",
+        "dattn-export convert ./global_step1200 -o ./converted --dtype bf16 --max-shard-size 2GB --force",
+    )
+)
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option(
     "-o",
@@ -265,7 +303,9 @@ def info(checkpoint: Path, base: Path | None, vision_heads: int | None, as_json:
     show_default=True,
     help="auto: the dtype config.json declares, else the dtype most weights are stored in.",
 )
-@click.option("--max-shard-size", default="5GB", show_default=True)
+@click.option(
+    "--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file (e.g. 2GB, 500MB, 10GiB)."
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @source_options
 def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force: bool, base, vision_heads):
@@ -310,7 +350,9 @@ def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force:
     stdout.print(summary_table("dattn-export convert", rows))
 
 
-@main.command()
+@main.command(
+    epilog=examples("dattn-export verify ./converted", "dattn-export verify ./converted --against ./checkpoint-1200")
+)
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--against", type=click.Path(path_type=Path), help="The source checkpoint to compare every tensor with.")
 @source_options
@@ -332,9 +374,22 @@ def verify(out: Path, against: Path | None, base, vision_heads):
         raise SystemExit(1)
 
 
-@main.command("onnx")
+@main.command(
+    "onnx",
+    epilog=examples(
+        "dattn-export onnx ./converted -o ./onnx",
+        "dattn-export onnx ./converted -o ./onnx-int4 --quantize int4 --quantize-lm-head",
+    ),
+)
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Output folder for the graphs (written beside, then renamed into place).",
+)
 @click.option(
     "--attention",
     type=click.Choice(["fused", "standard"]),
@@ -343,7 +398,13 @@ def verify(out: Path, against: Path | None, base, vision_heads):
     help="fused: one dattn::DecomposedAttention node per attention (+ its ONNX function); "
     "standard: plain ONNX ops only.",
 )
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "fp16", "bf16"]),
+    default="fp32",
+    show_default=True,
+    help="The graphs' float type (bf16 needs --opset 22 and a GPU backend to run).",
+)
 @click.option(
     "--opset",
     type=click.IntRange(18, 23),
@@ -394,6 +455,8 @@ def onnx_command(
     vision_heads,
 ):
     """Export vision.onnx, visual_kv.onnx and decoder.onnx (+ onnx_manifest.json) from any checkpoint convert reads."""
+    if quantize is None:
+        refuse_given_without("--quantize", QUANTIZE_OPTIONS)
     from .stages.onnx_export import export_onnx
     from .ui import err, summary_table
     from .ui import out as stdout
@@ -440,7 +503,12 @@ def onnx_command(
     stdout.print(summary_table("dattn-export onnx", rows))
 
 
-@main.command()
+@main.command(
+    epilog=examples(
+        "dattn-export validate ./onnx",
+        "dattn-export validate ./engines --backend trt --image cat.png --prompt $'USER: <image>\\nWhat is it?'",
+    )
+)
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--against", type=click.Path(path_type=Path), help="Reference checkpoint (default: the export's source).")
 @click.option(
@@ -451,7 +519,13 @@ def onnx_command(
     help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU.",
 )
 @click.option(
-    "--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Greedy tokens to generate and compare."
+    "--max-new-tokens",
+    "--steps",
+    "steps",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Greedy tokens to generate and compare (--steps: its earlier name).",
 )
 @click.option("--prompt", default=None, help="Prompt (default: the demo's).")
 @click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
@@ -543,7 +617,12 @@ def print_validation(report, folder: Path) -> None:
     )
 
 
-@main.command()
+@main.command(
+    epilog=examples(
+        "dattn-export push ./converted --repo-id me/my-dattn --dry-run",
+        "dattn-export push ./converted --repo-id me/my-dattn --private --validation-report onnx/validation_report.json",
+    )
+)
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--repo-id", required=True, help="namespace/name on the Hub.")
 @click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
@@ -621,14 +700,40 @@ def push(
     stdout.print(summary_table("dattn-export push", rows))
 
 
-@main.command()
+@main.command(
+    epilog=examples(
+        "dattn-export trt ./onnx -o ./engines --fp16",
+        "dattn-export trt ./onnx -o ./engines --max-batch 4 --max-visual-tokens 4608 --timing-cache trt.cache",
+    )
+)
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "engines", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    "engines",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder for the engines and trt_manifest.json.",
+)
 @click.option("--fp16", "precision", flag_value="fp16", help="Allow fp16 tactics.")
 @click.option("--bf16", "precision", flag_value="bf16", help="Allow bf16 tactics.")
-@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--max-visual-tokens", type=click.IntRange(min=1), default=2304, show_default=True)
-@click.option("--max-text-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option(
+    "--max-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Most prompts an engine runs at once."
+)
+@click.option(
+    "--max-visual-tokens",
+    type=click.IntRange(min=1),
+    default=2304,
+    show_default=True,
+    help="Most context tokens a prompt carries (every image's, or a video's frames and audio).",
+)
+@click.option(
+    "--max-text-tokens",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Most text tokens: the prompt plus what is generated.",
+)
 @click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), help="Read and update this cache.")
 @click.option("--no-plugin", is_flag=True, help="Build fused nodes from their ONNX function instead of the plugin.")
 @click.option("--force", is_flag=True, help="Replace ENGINES if it exists.")
@@ -655,12 +760,24 @@ def trt(
     stdout.print(summary_table("dattn-export trt", rows))
 
 
-@main.command()
+@main.command(
+    epilog=examples(
+        "dattn-export analyze ./converted --image cat.png --prompt $'USER: <image>\\nWhat is it?\\nASSISTANT:' -o out",
+        "dattn-export analyze ./video-model --video clip.mp4 --prompt $'USER: What happens?\\nASSISTANT:' -o out",
+    )
+)
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--image", type=click.Path(path_type=Path), help="Image file.")
 @video_options
 @click.option("--prompt", required=True, help="Prompt; mark where the image sits with <image> for the LAWS curves.")
-@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Report folder: report.json, visual_mass.png, laws.png.",
+)
 @click.option("--force", is_flag=True, help="Replace the report folder if it exists.")
 def analyze(checkpoint: Path, image, video, frames, audio, prompt: str, out: Path, force: bool):
     """Per layer and text token, the attention mass on the image (a video model: on its frames and on its audio);
@@ -691,7 +808,12 @@ def analyze(checkpoint: Path, image, video, frames, audio, prompt: str, out: Pat
     stdout.print(summary_table("dattn-export analyze", rows))
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
+@main.command(
+    context_settings={"ignore_unknown_options": True},
+    epilog=examples(
+        "dattn-export serve ./converted", "dattn-export serve ./converted -tp 2 --port 8001 --max-model-len 8192"
+    ),
+)
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--tensor-parallel-size",

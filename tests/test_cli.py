@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import click
 import pytest
 import torch
 from helpers.cli import run_cli
@@ -182,3 +183,39 @@ def test_generate_with_image_matches_library(demo_checkpoint):
         model.model.embed_tokens.weight,
         load_file(demo_checkpoint / "model-00001-of-00005.safetensors")["model.embed_tokens.weight"],
     )
+
+
+def test_every_option_has_help_and_every_command_two_examples_that_parse(tmp_path, monkeypatch):
+    """Each --help ends with two worked examples; each example parses with its command's own options."""
+    import shlex
+
+    from dattn_export import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "onnx").mkdir()
+    for existing in ("cat.png", "onnx/validation_report.json"):  # options that must name an existing file
+        (tmp_path / existing).touch()
+    for name, command in cli.main.commands.items():
+        options = [param for param in command.params if isinstance(param, click.Option)]
+        assert all(option.help for option in options), [o.opts for o in options if not o.help]
+        examples = [line.strip() for line in command.epilog.splitlines() if line.strip().startswith("dattn-export")]
+        assert len(examples) == 2, name
+        for example in examples:
+            program, command_name, *args = shlex.split(example)
+            assert command_name == name, example
+            with command.make_context(name, args):  # a typo in an example raises a usage error here
+                pass
+
+
+@pytest.mark.parametrize("given", [["--asymmetric"], ["--block-size", "64", "--quantize-lm-head"]])
+def test_quantization_options_without_quantize_are_refused(tmp_path, given):
+    from click.testing import CliRunner
+
+    from dattn_export import cli
+
+    result = CliRunner().invoke(cli.main, ["onnx", str(tmp_path), "-o", str(tmp_path / "out"), *given])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "only with --quantize" in lines[0], result.stderr
+    assert all(option in lines[0] for option in given if option.startswith("--"))
+    assert not (tmp_path / "out").exists()

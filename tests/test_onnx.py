@@ -163,7 +163,7 @@ def test_standard_attention_and_fp16(tmp_path):
 def test_validate_command_writes_report(tmp_path):
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
     assert run_cli("onnx", checkpoint, "-o", tmp_path / "onnx").returncode == 0
-    result = run_cli("validate", tmp_path / "onnx", "--steps", "6")
+    result = run_cli("validate", tmp_path / "onnx", "--max-new-tokens", "6")
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
     assert report["passed"] and report["agreement"] == 6 and report["reference"] == str(checkpoint.absolute())

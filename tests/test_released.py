@@ -225,7 +225,7 @@ def test_generate_tiles_an_image_for_anyres_models(tmp_path):
     assert (width, height) == (64, 64) and result.visual_tokens == 16 + 64  # 90 x 50 keeps most in 2 x 2 tiles
     assert result.generated_ids == expected[0].tolist()
     assert run_cli("onnx", folder, "-o", tmp_path / "onnx").returncode == 0
-    validated = run_cli("validate", tmp_path / "onnx", "--image", tmp_path / "wide.png", "--steps", "5")
+    validated = run_cli("validate", tmp_path / "onnx", "--image", tmp_path / "wide.png", "--max-new-tokens", "5")
     assert validated.returncode == 0, validated.stdout
     report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
     assert report["passed"] and report["visual_tokens"] == 16 + 64

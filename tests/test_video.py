@@ -140,7 +140,7 @@ def test_released_video_folder_through_the_commands(tmp_path, family):
     verified = run_cli("verify", converted, "--against", folder)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert run_cli("onnx", converted, "-o", tmp_path / "onnx").returncode == 0
-    validated = run_cli("validate", tmp_path / "onnx", "--video", folder / "demo.mov", "--steps", "6")
+    validated = run_cli("validate", tmp_path / "onnx", "--video", folder / "demo.mov", "--max-new-tokens", "6")
     assert validated.returncode == 0, validated.stdout + validated.stderr
     report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
     assert report["passed"] and report["visual_tokens"] == 6 * architecture["visual_tokens_per_frame"]
