@@ -119,7 +119,9 @@ def print_prompt_result(
     out.print(summary_table(title, [*rows, ("time", timings)]))
 
 
-@main.command(epilog=examples("dattn-export demo", "dattn-export demo ./gemma-video --family gemma2 --input video"))
+@main.command(
+    epilog=examples("dattn-export demo", f"dattn-export demo ./video-demo --family {FAMILIES[-1]} --input video")
+)
 @click.argument("directory", default="dattn-demo", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--family",
@@ -180,6 +182,13 @@ def demo(directory: Path, family: str, input_type: str, max_new_tokens: int):
     print_prompt_result("dattn-export demo", result, rows, seconds)
     if not (report.passed and all(c.ok for c in checks)):
         raise SystemExit(1)
+
+
+def output_option(help: str, name: str = "out"):
+    """-o/--output: the folder a command writes."""
+    return click.option(
+        "-o", "--output", name, required=True, type=click.Path(file_okay=False, path_type=Path), help=help
+    )
 
 
 def video_options(command):
@@ -288,14 +297,7 @@ def info(checkpoint: Path, base: Path | None, vision_heads: int | None, as_json:
     )
 )
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    "out",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Output folder (written beside, then renamed into place).",
-)
+@output_option("Output folder (written beside, then renamed into place).")
 @click.option(
     "--dtype",
     type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
@@ -382,14 +384,7 @@ def verify(out: Path, against: Path | None, base, vision_heads):
     ),
 )
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    "out",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Output folder for the graphs (written beside, then renamed into place).",
-)
+@output_option("Output folder for the graphs (written beside, then renamed into place).")
 @click.option(
     "--attention",
     type=click.Choice(["fused", "standard"]),
@@ -707,14 +702,7 @@ def push(
     )
 )
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    "engines",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Folder for the engines and trt_manifest.json.",
-)
+@output_option("Folder for the engines and trt_manifest.json.", name="engines")
 @click.option("--fp16", "precision", flag_value="fp16", help="Allow fp16 tactics.")
 @click.option("--bf16", "precision", flag_value="bf16", help="Allow bf16 tactics.")
 @click.option(
@@ -770,14 +758,7 @@ def trt(
 @click.option("--image", type=click.Path(path_type=Path), help="Image file.")
 @video_options
 @click.option("--prompt", required=True, help="Prompt; mark where the image sits with <image> for the LAWS curves.")
-@click.option(
-    "-o",
-    "--output",
-    "out",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Report folder: report.json, visual_mass.png, laws.png.",
-)
+@output_option("Report folder: report.json, visual_mass.png, laws.png.")
 @click.option("--force", is_flag=True, help="Replace the report folder if it exists.")
 def analyze(checkpoint: Path, image, video, frames, audio, prompt: str, out: Path, force: bool):
     """Per layer and text token, the attention mass on the image (a video model: on its frames and on its audio);
