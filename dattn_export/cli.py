@@ -59,14 +59,16 @@ def examples(*commands: str) -> str:
 QUANTIZE_OPTIONS = ("block_size", "asymmetric", "quantize_lm_head", "quantize_embedding", "accuracy_level")
 
 
-def refuse_given_without(needed: str, names: tuple[str, ...]) -> None:
-    """A usage error when options that only refine `needed` were given without it (they would be ignored)."""
+def refuse_quantize_options() -> None:
+    """A usage error for options that refine --quantize given without it (they would be ignored)."""
     context = click.get_current_context()
-    given = [name for name in names if context.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
+    given = [o for o in QUANTIZE_OPTIONS if context.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
     if given:
         options = ", ".join("--" + name.replace("_", "-") for name in given)
         verb = "applies" if len(given) == 1 else "apply"
-        raise click.UsageError(f"{options} {verb} only with {needed}: add {needed} int4 or int8, or drop it", context)
+        raise click.UsageError(
+            f"{options} {verb} only with --quantize: add --quantize int4 or int8, or drop it", context
+        )
 
 
 def report(code: int, line: str) -> int:
@@ -451,7 +453,7 @@ def onnx_command(
 ):
     """Export vision.onnx, visual_kv.onnx and decoder.onnx (+ onnx_manifest.json) from any checkpoint convert reads."""
     if quantize is None:
-        refuse_given_without("--quantize", QUANTIZE_OPTIONS)
+        refuse_quantize_options()
     from .stages.onnx_export import export_onnx
     from .ui import err, summary_table
     from .ui import out as stdout

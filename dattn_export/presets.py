@@ -68,6 +68,7 @@ def randomize_weights(model: nn.Module, seed: int = 0) -> nn.Module:
             param.copy_(0.1 * noise)  # biases, class embeddings
         elif isinstance(owner, MMRMSNorm):
             param.copy_(owner.initial * (1 + 0.1 * noise))
-        else:  # the LLM's norms scale by (its family's norm_offset + weight)
-            param.copy_(1.0 - family.norm_offset * isinstance(owner, llm_norm) + 0.1 * noise)
+        else:  # the LLM's norms scale by (its family's norm_offset + weight); the towers' by weight
+            offset = family.norm_offset if isinstance(owner, llm_norm) else 0.0
+            param.copy_(1.0 - offset + 0.1 * noise)
     return model

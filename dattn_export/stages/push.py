@@ -124,7 +124,7 @@ def model_card(
     config = folder_config(folder)
     manifest = ConvertManifest.read(folder)
     vision = config.vision_config
-    family = config.model_type.removeprefix("dattn_")
+    family = config.family.name
     data = ModelCardData(
         license=license,
         library_name="transformers",

@@ -87,7 +87,7 @@ def write_hf(folder, model, tensors, fmt="safetensors", shards=2):
 
 def checkpoint_of(model, folder):
     """A checkpoint folder (tokenizer and all) holding `model`'s weights."""
-    write_demo_checkpoint(folder, model.config.model_type.removeprefix("dattn_"))
+    write_demo_checkpoint(folder, model.config.family.name)
     for shard in folder.glob("model*.safetensors*"):
         shard.unlink()
     save_file(saved_state_dict(model), folder / "model.safetensors", metadata={"format": "pt"})
