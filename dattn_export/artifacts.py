@@ -20,11 +20,9 @@ import numpy as np
 import torch
 
 from .errors import DattnError, EnvironmentFailure, InputError, from_os_error
+from .folders import CONVERT_MANIFEST, ONNX_MANIFEST, TRT_MANIFEST
 from .sidefiles import read_json, reading
 
-CONVERT_MANIFEST = "dattn_manifest.json"
-ONNX_MANIFEST = "onnx_manifest.json"
-TRT_MANIFEST = "trt_manifest.json"
 VALIDATION_REPORT = "validation_report.json"
 CARRIED_FILES = (
     "tokenizer.json",
@@ -288,7 +286,7 @@ class TrtManifest(OnnxManifest):
     FILE: typing.ClassVar[str] = TRT_MANIFEST
     engines: dict[str, str] = field(default_factory=dict)
     precision: str = "fp32"
-    limits: dict[str, int] = field(default_factory=dict)
+    profile: dict[str, list] = field(default_factory=dict)  # dynamic axis -> [min, opt, max]
     plugin: bool = False
     tensorrt: str = ""
 

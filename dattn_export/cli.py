@@ -14,6 +14,7 @@ import click
 
 from . import __version__, memory
 from .errors import one_line
+from .folders import CONVERTED, ENGINES, ONNX, TRAINING_OUTPUT, resolve
 from .modeling import families  # plain Python: --help imports no torch
 
 FAMILIES = tuple(families.FAMILIES)
@@ -186,6 +187,30 @@ def demo(directory: Path, family: str, input_type: str, max_new_tokens: int):
         raise SystemExit(1)
 
 
+class AxisSizes(click.ParamType):
+    """AXIS=N[,AXIS=N]: sizes of named dynamic axes (trt's --min/--opt/--max)."""
+
+    name = "AXIS=N"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        sizes = {}
+        for item in filter(None, value.split(",")):
+            axis, _, size = item.partition("=")
+            if not (axis.strip() and size.strip().isdigit()):
+                self.fail(f"{item!r} is not AXIS=N (e.g. batch=4,sequence=256)", param, ctx)
+            sizes[axis.strip()] = int(size)
+        return sizes
+
+
+AXIS_SIZES = AxisSizes()
+
+
+def merged(dicts) -> dict[str, int]:
+    return {key: value for d in dicts for key, value in d.items()}
+
+
 def output_option(help: str, name: str = "out"):
     """-o/--output: the folder a command writes."""
     return click.option(
@@ -213,7 +238,7 @@ VIDEO_OPTIONS = [
         'dattn-export generate ./onnx --backend genai --prompt "$(cat prompt.txt)" --image cat.png --max-new-tokens 64',
     )
 )
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument("checkpoint", type=click.Path())
 @click.option("--prompt", required=True, help="Text prompt.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="Image file (repeatable).")
 @video_options
@@ -229,7 +254,7 @@ VIDEO_OPTIONS = [
     "context by our graphs on ONNX Runtime, once).",
 )
 def generate(
-    checkpoint: Path,
+    checkpoint: str,
     prompt: str,
     images: tuple[Path, ...],
     video: Path | None,
@@ -240,6 +265,7 @@ def generate(
 ):
     """Greedy generation with the PyTorch reference model (a smoke test for a checkpoint folder), or with
     onnxruntime-genai on an ONNX export."""
+    checkpoint = resolve(checkpoint, "generate", *((ONNX,) if backend == "genai" else TRAINING_OUTPUT))
     from .stages.generate import Media, run_prompt, run_prompt_genai
 
     media = Media(images=list(images), video=video, frames=frames, audio=audio)
@@ -262,15 +288,18 @@ def source_options(command):
     )(command)
 
 
-@main.command(epilog=examples("dattn-export info ./checkpoint-1200", "dattn-export info ./global_step1200 --json"))
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@main.command(
+    epilog=examples("dattn-export info ./global_step1200 --json", "dattn-export info bytedance/Vidi1.5-9B@main")
+)
+@click.argument("checkpoint", type=click.Path())
 @source_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def info(checkpoint: Path, base: Path | None, vision_heads: int | None, as_json: bool):
+def info(checkpoint: str, base: Path | None, vision_heads: int | None, as_json: bool):
     """Detect a checkpoint's layout and show its architecture, parameters, dtypes, size and problems."""
     import dataclasses
     import json
 
+    checkpoint = resolve(checkpoint, "info", *TRAINING_OUTPUT)
     from .stages.info import describe
     from .ui import out, summary_table
 
@@ -298,7 +327,7 @@ def info(checkpoint: Path, base: Path | None, vision_heads: int | None, as_json:
         "dattn-export convert ./global_step1200 -o ./converted --dtype bf16 --max-shard-size 2GB --force",
     )
 )
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument("checkpoint", type=click.Path())
 @output_option("Output folder (written beside, then renamed into place).")
 @click.option(
     "--dtype",
@@ -310,10 +339,11 @@ def info(checkpoint: Path, base: Path | None, vision_heads: int | None, as_json:
 @click.option(
     "--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file (e.g. 2GB, 500MB, 10GiB)."
 )
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @source_options
-def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force: bool, base, vision_heads):
+def convert(checkpoint: str, out: Path, dtype: str, max_shard_size: str, force: bool, base, vision_heads):
     """Convert training output (HF, Trainer, DeepSpeed ZeRO, adapter-only) to verified sharded safetensors."""
+    checkpoint = resolve(checkpoint, "convert", *TRAINING_OUTPUT)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     from .checkpoints.names import audio_tower_role
@@ -357,11 +387,13 @@ def convert(checkpoint: Path, out: Path, dtype: str, max_shard_size: str, force:
 @main.command(
     epilog=examples("dattn-export verify ./converted", "dattn-export verify ./converted --against ./checkpoint-1200")
 )
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--against", type=click.Path(path_type=Path), help="The source checkpoint to compare every tensor with.")
+@click.argument("out", type=click.Path(), metavar="CONVERTED")
+@click.option("--against", type=click.Path(), help="The source checkpoint to compare every tensor with.")
 @source_options
-def verify(out: Path, against: Path | None, base, vision_heads):
+def verify(out: str, against: str | None, base, vision_heads):
     """Check a converted folder: manifest hashes, every tensor reloads exactly, the model loads and runs."""
+    out = resolve(out, "verify", CONVERTED)
+    against = against and resolve(against, "verify --against", *TRAINING_OUTPUT)
     from rich.table import Table
 
     from .stages.verify import verify as run_verify
@@ -385,7 +417,7 @@ def verify(out: Path, against: Path | None, base, vision_heads):
         "dattn-export onnx ./converted -o ./onnx-int4 --quantize int4 --quantize-lm-head",
     ),
 )
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument("checkpoint", type=click.Path())
 @output_option("Output folder for the graphs (written beside, then renamed into place).")
 @click.option(
     "--attention",
@@ -409,7 +441,7 @@ def verify(out: Path, against: Path | None, base, vision_heads):
     show_default=True,
     help="ONNX opset (18-23; TensorRT 10/11 read 18).",
 )
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @click.option(
     "--quantize",
     type=click.Choice(["int4", "int8"]),
@@ -436,7 +468,7 @@ def verify(out: Path, against: Path | None, base, vision_heads):
 )
 @source_options
 def onnx_command(
-    checkpoint: Path,
+    checkpoint: str,
     out: Path,
     attention: str,
     dtype: str,
@@ -454,6 +486,7 @@ def onnx_command(
     """Export vision.onnx, visual_kv.onnx and decoder.onnx (+ onnx_manifest.json) from any checkpoint convert reads."""
     if quantize is None:
         refuse_quantize_options()
+    checkpoint = resolve(checkpoint, "onnx", *TRAINING_OUTPUT)
     from .stages.onnx_export import export_onnx
     from .ui import err, summary_table
     from .ui import out as stdout
@@ -506,8 +539,8 @@ def onnx_command(
         "dattn-export validate ./engines --backend trt --image cat.png --prompt $'USER: <image>\\nWhat is it?'",
     )
 )
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--against", type=click.Path(path_type=Path), help="Reference checkpoint (default: the export's source).")
+@click.argument("out", type=click.Path(), metavar="FOLDER")
+@click.option("--against", type=click.Path(), help="Reference checkpoint (default: the export's source).")
 @click.option(
     "--backend",
     type=click.Choice(["ort", "trt"]),
@@ -524,6 +557,19 @@ def onnx_command(
     show_default=True,
     help="Greedy tokens to generate and compare (--steps: its earlier name).",
 )
+@click.option(
+    "--atol",
+    type=click.FloatRange(min=0),
+    help="Absolute tolerance on the logits [default: the graphs' dtype's, printed in the report's title]. A "
+    "quantized export is held to its accuracy gate instead.",
+)
+@click.option(
+    "--rtol",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Relative tolerance on the logits: each passes within atol + rtol * |reference| (numpy's allclose).",
+)
 @click.option("--prompt", default=None, help="Prompt (default: the demo's).")
 @click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
 @video_options
@@ -534,10 +580,12 @@ def onnx_command(
     "and print the `polygraphy run` commands that check them.",
 )
 def validate(
-    out: Path,
-    against: Path | None,
+    out: str,
+    against: str | None,
     backend: str,
     steps: int,
+    atol: float | None,
+    rtol: float,
     prompt: str | None,
     image,
     video,
@@ -545,14 +593,19 @@ def validate(
     audio,
     save_polygraphy: Path | None,
 ):
-    """Run the exported graphs and compare them with the PyTorch reference; exit 1 beyond tolerance. A video model
-    takes --video, --frames or --audio (default: the demo video's frames and sound)."""
+    """Run the graphs in FOLDER (an `onnx` export, or with --backend trt a `trt` engines folder) and compare them
+    with the PyTorch reference; exit 1 beyond tolerance. A video model takes --video, --frames or --audio (default:
+    the demo video's frames and sound)."""
+    out = resolve(out, f"validate --backend {backend}", ONNX if backend == "ort" else ENGINES, hub=False)
+    against = against and resolve(against, "validate --against", *TRAINING_OUTPUT)
     from .stages.generate import Media
     from .stages.validate import validate as run_validate
     from .ui import out as stdout
 
     media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
-    report = run_validate(out, against, backend, steps, prompt, media, save_polygraphy=save_polygraphy)
+    report = run_validate(
+        out, against, backend, steps, prompt, media, save_polygraphy=save_polygraphy, atol=atol, rtol=rtol
+    )
     print_validation(report, out)
     if report.polygraphy_commands:
         stdout.print(f"polygraphy data in {save_polygraphy}; check it (--trt instead of --onnxrt for TensorRT):")
@@ -589,7 +642,7 @@ def print_validation(report, folder: Path) -> None:
 
     table = Table(
         title=f"dattn-export validate {folder} ({report.backend}, {report.dtype}, "
-        f"logits tolerance {report.tolerance:g})",
+        f"logits atol {report.tolerance:g}" + (f", rtol {report.rtol:g})" if report.rtol else ")"),
         title_justify="left",
     )
     for column in ("graph", "output", "max abs error", "max rel error", "p90 / p95 / p99 abs"):
@@ -620,7 +673,7 @@ def print_validation(report, folder: Path) -> None:
         "dattn-export push ./converted --repo-id me/my-dattn --private --validation-report onnx/validation_report.json",
     )
 )
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(), metavar="CONVERTED")
 @click.option("--repo-id", required=True, help="namespace/name on the Hub.")
 @click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
 @click.option("--revision", help="Branch to commit to (created from main when missing).")
@@ -643,7 +696,7 @@ def print_validation(report, folder: Path) -> None:
     help="validation_report.json of an ONNX export of this model: its table goes into the model card.",
 )
 def push(
-    out: Path,
+    out: str,
     repo_id: str,
     private: bool,
     revision,
@@ -657,6 +710,7 @@ def push(
     validation_report,
 ):
     """Publish a converted folder to the Hugging Face Hub in one commit, with a model card and the model code."""
+    out = resolve(out, "push", CONVERTED, hub=False)
     from .stages.push import push as run_push
     from .ui import err, summary_table
     from .ui import out as stdout
@@ -700,42 +754,82 @@ def push(
 @main.command(
     epilog=examples(
         "dattn-export trt ./onnx -o ./engines --fp16",
-        "dattn-export trt ./onnx -o ./engines --max-batch 4 --max-visual-tokens 4608 --timing-cache trt.cache",
+        "dattn-export trt ./onnx -o ./engines --max-batch 4 --opt sequence=64 --max visual_sequence=4608,images=2",
     )
 )
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(), metavar="ONNX")
 @output_option("Folder for the engines and trt_manifest.json.", name="engines")
 @click.option("--fp16", "precision", flag_value="fp16", help="Allow fp16 tactics.")
 @click.option("--bf16", "precision", flag_value="bf16", help="Allow bf16 tactics.")
 @click.option(
-    "--max-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Most prompts an engine runs at once."
+    "--max-batch",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Most prompts an engine runs at once (shorthand for --max batch=N).",
 )
 @click.option(
     "--max-visual-tokens",
     type=click.IntRange(min=1),
     default=2304,
     show_default=True,
-    help="Most context tokens a prompt carries (every image's, or a video's frames and audio).",
+    help="Most context tokens a prompt carries (every image's, or a video's frames and audio; shorthand for "
+    "--max visual_sequence=N).",
 )
 @click.option(
     "--max-text-tokens",
     type=click.IntRange(min=1),
     default=512,
     show_default=True,
-    help="Most text tokens: the prompt plus what is generated.",
+    help="Most text tokens: the prompt plus what is generated (sets sequence, past_sequence and total_sequence).",
+)
+@click.option(
+    "--min",
+    "min_axes",
+    type=AXIS_SIZES,
+    multiple=True,
+    help="Profile minimum per axis, AXIS=N[,AXIS=N] (repeatable; the axes are the dynamic ones onnx_manifest.json "
+    "names: batch, sequence, visual_sequence, ...).",
+)
+@click.option("--opt", "opt_axes", type=AXIS_SIZES, multiple=True, help="Profile optimum per axis (as --min).")
+@click.option(
+    "--max",
+    "max_axes",
+    type=AXIS_SIZES,
+    multiple=True,
+    help="Profile maximum per axis (as --min; over the shorthands).",
 )
 @click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), help="Read and update this cache.")
 @click.option("--no-plugin", is_flag=True, help="Build fused nodes from their ONNX function instead of the plugin.")
 @click.option("--force", is_flag=True, help="Replace ENGINES if it exists.")
 def trt(
-    out: Path, engines: Path, precision, max_batch, max_visual_tokens, max_text_tokens, timing_cache, no_plugin, force
+    out: str,
+    engines: Path,
+    precision,
+    max_batch,
+    max_visual_tokens,
+    max_text_tokens,
+    min_axes,
+    opt_axes,
+    max_axes,
+    timing_cache,
+    no_plugin,
+    force,
 ):
-    """Build TensorRT engines (with the DecomposedAttention plugin) for the graphs `onnx` exported to OUT."""
+    """Build TensorRT engines (with the DecomposedAttention plugin) for the graphs `onnx` exported to ONNX."""
+    out = resolve(out, "trt", ONNX, hub=False)
     from .stages.trt_build import Limits, build_engines
     from .ui import err, summary_table
     from .ui import out as stdout
 
-    limits = Limits(max_batch=max_batch, max_text_tokens=max_text_tokens, max_visual_tokens=max_visual_tokens)
+    limits = Limits(
+        max_batch=max_batch,
+        max_text_tokens=max_text_tokens,
+        max_visual_tokens=max_visual_tokens,
+        min=merged(min_axes),
+        opt=merged(opt_axes),
+        max=merged(max_axes),
+    )
     with err.status("building TensorRT engines"):
         manifest = build_engines(
             out, engines, precision or "fp32", limits, timing_cache, force, use_plugin=not no_plugin
@@ -744,7 +838,7 @@ def trt(
     rows += [
         ("attention", "DecomposedAttention plugin" if manifest.plugin else "ONNX function (TensorRT layers)"),
         ("precision", manifest.precision),
-        ("limits", str(manifest.limits)),
+        ("profile", ", ".join(f"{axis} {'/'.join(map(str, b))}" for axis, b in manifest.profile.items())),
         ("TensorRT", manifest.tensorrt),
     ]
     stdout.print(summary_table("dattn-export trt", rows))
@@ -756,15 +850,16 @@ def trt(
         "dattn-export analyze ./video-model --video clip.mp4 --prompt $'USER: What happens?\\nASSISTANT:' -o out",
     )
 )
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument("checkpoint", type=click.Path())
 @click.option("--image", type=click.Path(path_type=Path), help="Image file.")
 @video_options
 @click.option("--prompt", required=True, help="Prompt; mark where the image sits with <image> for the LAWS curves.")
 @output_option("Report folder: report.json, visual_mass.png, laws.png.")
 @click.option("--force", is_flag=True, help="Replace the report folder if it exists.")
-def analyze(checkpoint: Path, image, video, frames, audio, prompt: str, out: Path, force: bool):
+def analyze(checkpoint: str, image, video, frames, audio, prompt: str, out: Path, force: bool):
     """Per layer and text token, the attention mass on the image (a video model: on its frames and on its audio);
     MLLM-LAWS curves and attention shift; plots."""
+    checkpoint = resolve(checkpoint, "analyze", *TRAINING_OUTPUT)
     from .stages.analyze import analyze as run_analyze
     from .stages.generate import Media
     from .ui import out as stdout
@@ -797,7 +892,7 @@ def analyze(checkpoint: Path, image, video, frames, audio, prompt: str, out: Pat
         "dattn-export serve ./converted", "dattn-export serve ./converted -tp 2 --port 8001 --max-model-len 8192"
     ),
 )
-@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(file_okay=False), metavar="CONVERTED")
 @click.option(
     "--tensor-parallel-size",
     "-tp",
@@ -811,12 +906,13 @@ def analyze(checkpoint: Path, image, video, frames, audio, prompt: str, out: Pat
     "--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port the server listens on."
 )
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def serve(out: Path, tensor_parallel_size: int, host: str, port: int, vllm_args: tuple[str, ...]):
-    """Serve a converted folder with vLLM (an OpenAI-compatible server): `vllm serve OUT` with our plugin, a chat
-    template when the tokenizer has none and, on CPU, the environment vLLM needs. Arguments after OUT that are not
+def serve(out: str, tensor_parallel_size: int, host: str, port: int, vllm_args: tuple[str, ...]):
+    """Serve a converted folder with vLLM (an OpenAI-compatible server): `vllm serve CONVERTED` with our plugin, a chat
+    template when the tokenizer has none and, on CPU, the environment vLLM needs. Arguments after CONVERTED that are not
     ours go to `vllm serve`."""
     import shlex
 
+    out = resolve(out, "serve", CONVERTED)
     from .stages.serve import vllm_serve_command
 
     command, env = vllm_serve_command(out, tensor_parallel_size, host, port, vllm_args)

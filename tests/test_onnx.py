@@ -168,6 +168,11 @@ def test_validate_command_writes_report(tmp_path):
     report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
     assert report["passed"] and report["agreement"] == 6 and report["reference"] == str(checkpoint.absolute())
     assert "logits (decode steps)" in [c["output"] for c in report["comparisons"]] and "6/6 agree" in result.stdout
+    # the same graphs held to no error at all fail: exit 1, the report says so and names its bounds
+    strict = run_cli("validate", tmp_path / "onnx", "--max-new-tokens", "2", "--atol", "0", "--rtol", "0")
+    report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
+    assert strict.returncode == 1 and not report["passed"] and (report["tolerance"], report["rtol"]) == (0, 0)
+    assert "logits atol 0)" in strict.stdout and "FAILED" in strict.stdout
 
 
 @pytest.mark.slow
@@ -189,6 +194,18 @@ def test_polygraphy_checks_the_saved_data(tmp_path):
     decoder = next(c for c in report.polygraphy_commands if "decoder.onnx" in c)
     result = subprocess.run(shlex.split(decoder), capture_output=True, text=True)
     assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("atol, rtol", [(1e-3, 0.0), (0.0, 0.05), (1e-3, 0.01), (0.0, 0.0)])
+def test_the_verdict_is_numpys_allclose(atol, rtol):
+    """A gated output passes exactly where numpy's allclose(got, reference, rtol, atol) does."""
+    g = torch.Generator().manual_seed(3)
+    expected = torch.randn(4, 50, generator=g) * 3
+    for scale in (1e-4, 1e-3, 1e-2, 0.0):
+        got = (expected + torch.randn(4, 50, generator=g) * scale).numpy()
+        comparison = Comparison.of("decoder", "logits", got, expected, (atol, rtol))
+        assert comparison.within == np.allclose(got, expected.numpy(), rtol=rtol, atol=atol), (scale, atol, rtol)
+    assert Comparison.of("vision", "visual_embeds", got, expected).within is None  # not gated
 
 
 def test_error_percentiles_are_numpys():

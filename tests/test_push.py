@@ -2,7 +2,6 @@
 
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.hub_server import client_env as hub_env
 from helpers.hub_server import start
 from huggingface_hub import ModelCard
 from PIL import Image
@@ -37,22 +37,6 @@ def hub():
     server, state, endpoint = start(TOKENS)
     yield state, endpoint
     server.shutdown()
-
-
-def hub_env(tmp_path, endpoint, token=TOKEN):
-    env = {
-        **os.environ,
-        "HF_ENDPOINT": endpoint,
-        "HF_HUB_DISABLE_XET": "1",
-        "HF_HOME": str(tmp_path / "hf"),
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_HUB_ETAG_TIMEOUT": "5",
-        "HF_HUB_DOWNLOAD_TIMEOUT": "5",
-    }
-    env.pop("HF_TOKEN", None)
-    if token:
-        env["HF_TOKEN"] = token
-    return env
 
 
 def push_cli(tmp_path, endpoint, *args, token=TOKEN):

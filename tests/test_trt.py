@@ -91,3 +91,35 @@ def test_engines_match_pytorch_with_plugin_and_with_function(tmp_path, family):
         assert manifest["plugin"] is use_plugin
         report = validate(tmp_path / name, checkpoint, backend="trt", steps=10)
         assert report.passed, report.to_json()
+
+
+def test_min_opt_max_set_named_axes_over_the_shorthands(tmp_path):
+    """--min/--opt/--max AXIS=N set one axis's profile bounds (as trtexec's --minShapes/--optShapes/--maxShapes
+    do per tensor); a derived optimum stays within bounds the user gave; impossible bounds and unknown axes are one
+    line each, before TensorRT is needed."""
+    from dattn_export.artifacts import GraphValue
+    from dattn_export.errors import InputError
+    from dattn_export.stages.trt_build import Limits, profile_shapes
+
+    limits = Limits(max_batch=4, min={"sequence": 2}, opt={"sequence": 8}, max={"visual_sequence": 100, "images": 2})
+    assert limits.axis("sequence") == (2, 8, 256)
+    assert limits.axis("visual_sequence") == (0, 100, 100)  # the shorthand's optimum (1152) clamped to the max
+    assert limits.axis("batch") == (1, 4, 4) and limits.axis("images") == (1, 1, 2)
+    shapes = profile_shapes([GraphValue("input_ids", "int64", ["batch", "sequence"])], limits)
+    assert shapes["input_ids"] == ([1, 2], [4, 8], [4, 256])
+    assert limits.profile({"batch", "sequence"}) == {"batch": [1, 4, 4], "sequence": [2, 8, 256]}
+    with pytest.raises(InputError, match=r"--max: seq: not an axis of the graphs \(axes: batch, images, sequence"):
+        Limits(max={"seq": 4})
+    with pytest.raises(InputError, match="sequence: min 300 <= opt 256 <= max 256 does not hold"):
+        Limits(min={"sequence": 300})
+
+    onnx = tmp_path / "onnx"
+    onnx.mkdir()
+    (onnx / "onnx_manifest.json").write_text("{}")
+    for option, expected in (("batch", "'batch' is not AXIS=N"), ("frames=0", "min 1 <= opt 0")):
+        result = subprocess.run(
+            [sys.executable, "-m", "dattn_export", "trt", onnx, "-o", tmp_path / "e", "--opt", option],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 2 and expected in result.stderr, result.stderr

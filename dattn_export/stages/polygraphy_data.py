@@ -47,7 +47,7 @@ def reference_outputs(spec: dict, feeds: dict) -> dict:
     return {name: t.float().numpy() for name, t in zip(spec["outputs"], outputs, strict=True)}
 
 
-def save(calls: list, reference, folder: Path, out: Path, tolerance: float) -> list[str]:
+def save(calls: list, reference, folder: Path, out: Path, bounds: tuple[float, float]) -> list[str]:
     """Writes `<graph>.inputs.json` and `<graph>.outputs.json` per graph into `out`; returns the commands that check
     them with polygraphy."""
     try:
@@ -77,9 +77,9 @@ def save(calls: list, reference, folder: Path, out: Path, tolerance: float) -> l
                     "--load-outputs",
                     str(outputs),
                     "--atol",
-                    f"{tolerance:g}",
+                    f"{bounds[0]:g}",
                     "--rtol",
-                    "0",
+                    f"{bounds[1]:g}",
                     "--check-error-stat",
                     "max",
                 ]

@@ -9,10 +9,8 @@ dropped connections) are retried with backoff; the token is never printed, logge
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,14 +18,12 @@ from .. import __version__
 from ..artifacts import ConvertManifest, sha256_file
 from ..checkpoints.source import folder_config
 from ..checkpoints.towers import tower_folder
-from ..errors import EnvironmentFailure, InputError
+from ..errors import InputError
+from ..hub import retrying
 from ..sidefiles import first_line, read_json
 from .validate import ValidationReport
 from .verify import Check, verify
 
-ATTEMPTS = 4
-BACKOFF_SECONDS = 0.5  # doubles each attempt; a 429's Retry-After is honoured up to RETRY_AFTER_CAP
-RETRY_AFTER_CAP = 30.0
 TEXT_RULES = {
     "dattn": "alpha merge: one softmax over [visual ; text]",
     "dattn-sum": "sum of two softmaxes (visual, causal text)",
@@ -328,62 +324,6 @@ def refuse_local_paths(path: Path, local: LocalPaths, data: bytes | None = None)
     named = next((p for p in local.paths if p.encode() in data), None)
     if named is not None:
         raise InputError(path, f"names a path of this machine ({named}): remove it, then push again")
-
-
-def network_errors() -> tuple[type[BaseException], ...]:
-    """Connection refused, reset, timed out: OSError and the Hub client's transport errors."""
-    errors: list[type[BaseException]] = [OSError]
-    for module in ("httpx2", "httpx"):  # huggingface_hub 2.x uses httpx2, 1.x httpx
-        try:
-            errors.append(importlib.import_module(module).TransportError)
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
-
-
-def retrying(what: str, call, location: str):
-    """Run `call`, retrying transient failures (5xx, 429, network) with backoff; other errors at once."""
-    from huggingface_hub.errors import HfHubHTTPError
-
-    transient = network_errors()
-    for attempt in range(1, ATTEMPTS + 1):
-        wait = BACKOFF_SECONDS * 2 ** (attempt - 1)
-        try:
-            return call()
-        except HfHubHTTPError as e:
-            status = e.response.status_code if e.response is not None else None
-            if status is None or (status < 500 and status != 429) or attempt == ATTEMPTS:
-                # the Hub refused what we sent (a 4xx) is the input's; a server that keeps failing, the Hub's
-                failure = InputError if status is not None and status < 500 and status != 429 else EnvironmentFailure
-                raise failure(location, describe_http_error(what, status, e, attempt)) from None
-            retry_after = e.response.headers.get("Retry-After", "") if status == 429 else ""
-            wait = min(float(retry_after), RETRY_AFTER_CAP) if retry_after.isdigit() else wait
-        except transient as e:
-            if attempt == ATTEMPTS:
-                raise EnvironmentFailure(
-                    location,
-                    f"{what}: network error after {attempt} attempts ({type(e).__name__}); "
-                    "is the Hub reachable? nothing was published",
-                ) from None
-        time.sleep(wait)
-
-
-def describe_http_error(what: str, status: int | None, error, attempts: int) -> str:
-    server = (getattr(error, "server_message", None) or "").strip().splitlines()
-    detail = f": {server[0][:200]}" if server else ""
-    explanations = {
-        401: "authentication failed: the token is missing, invalid or expired (pass --token or set HF_TOKEN)",
-        403: "forbidden: this token may not write here (is the namespace yours? is the token read-only?)",
-        404: "not found: the repo does not exist or this token cannot see it",
-        409: "conflict: the repo or branch exists in a state that refuses this",
-        429: f"rate limited by the Hub, still after {attempts} attempts: try again later",
-    }
-    if status is not None and status >= 500:
-        return (
-            f"{what}: the Hub answered {status} (server error) {attempts} times: nothing was published; "
-            f"try again later{detail}"
-        )
-    return f"{what}: {status} {explanations.get(status, 'the Hub refused the request')}{detail}"
 
 
 def check_repo_id(repo_id: str) -> None:

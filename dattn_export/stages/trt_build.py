@@ -8,7 +8,7 @@ creates a runtime object: engines are only built and serialized.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..artifacts import (
@@ -27,18 +27,34 @@ from ..runtime.tensorrt import require_tensorrt_gpu
 
 @dataclass(frozen=True)
 class Limits:
-    """Optimization-profile bounds: (min, opt, max) per dynamic axis of the exported graphs."""
+    """Optimization-profile bounds: (min, opt, max) per dynamic axis of the exported graphs, derived from the
+    shorthands (`max_*`), then set per axis where `min`, `opt` or `max` name one (trtexec's --minShapes,
+    --optShapes and --maxShapes, by axis name instead of by tensor: one axis spans several graphs)."""
 
     max_batch: int = 1
     max_text_tokens: int = 256
     max_visual_tokens: int = 2304
     max_images: int = 4
     max_tile_side: int = 6  # anyres: the most tiles in a row or a column (mm_image_grid_points)
+    min: dict[str, int] = field(default_factory=dict)
+    opt: dict[str, int] = field(default_factory=dict)
+    max: dict[str, int] = field(default_factory=dict)
 
-    def axis(self, name: str) -> tuple[int, int, int]:
+    def __post_init__(self):
+        axes = self.derived()
+        for option, given in (("--min", self.min), ("--opt", self.opt), ("--max", self.max)):
+            if unknown := sorted(set(given) - set(axes)):
+                raise InputError(option, f"{', '.join(unknown)}: not an axis of the graphs (axes: {', '.join(axes)})")
+        for name in {*self.min, *self.opt, *self.max}:
+            low, opt, high = self.axis(name)
+            if not 0 <= low <= opt <= high:
+                raise InputError(f"--min/--opt/--max {name}", f"min {low} <= opt {opt} <= max {high} does not hold")
+
+    def derived(self) -> dict[str, tuple[int, int, int]]:
+        """Every axis's bounds from the shorthands alone."""
         past = (0, self.max_text_tokens // 2, self.max_text_tokens)
         text = (1, max(1, self.max_text_tokens // 4), self.max_text_tokens)
-        axes = {
+        return {
             "batch": (1, self.max_batch, self.max_batch),
             "images": (1, 1, self.max_images),
             "sequence": text,
@@ -52,9 +68,22 @@ class Limits:
             "tile_rows": (1, 2, self.max_tile_side),
             "tile_columns": (1, 2, self.max_tile_side),
         }
+
+    def axis(self, name: str) -> tuple[int, int, int]:
+        axes = self.derived()
         if name not in axes:
             raise InputError(name, "is not an axis of the exported graphs (see onnx_manifest.json)")
-        return axes[name]
+        low, opt, high = axes[name]
+        low, high = self.min.get(name, low), self.max.get(name, high)
+        return low, self.opt.get(name, min(max(opt, low), high)), high  # a derived opt kept within given bounds
+
+    def profile(self, names) -> dict[str, list[int]]:
+        """(min, opt, max) of each named axis, as trt_manifest.json records them."""
+        return {name: list(self.axis(name)) for name in sorted(names)}
+
+
+def dynamic_axes(manifest: OnnxManifest) -> set[str]:
+    return {d for graph in manifest.graphs.values() for spec in graph.inputs for d in spec.shape if isinstance(d, str)}
 
 
 def profile_shapes(graph_inputs: list[GraphValue], limits: Limits) -> dict[str, tuple[list[int], list[int], list[int]]]:
@@ -153,7 +182,7 @@ def build_engines(
             **fields,
             engines=engines,
             precision=precision,
-            limits=dataclasses.asdict(limits),
+            profile=limits.profile(dynamic_axes(manifest)),
             plugin=fused,
             tensorrt=trt.__version__,
         )

@@ -46,16 +46,21 @@ class Comparison:
     p90: float = 0.0  # percentiles of the abs error, as polygraphy reports them
     p95: float = 0.0
     p99: float = 0.0
+    within: bool | None = None  # gated outputs (logits): every element within atol + rtol * |reference|
 
     @classmethod
-    def of(cls, graph: str, output: str, got: np.ndarray, expected: torch.Tensor) -> Comparison:
+    def of(
+        cls, graph: str, output: str, got: np.ndarray, expected: torch.Tensor, bounds: tuple[float, float] | None = None
+    ) -> Comparison:
+        """`bounds`: (atol, rtol) for an output that decides the verdict, as numpy's allclose reads them."""
         expected = expected.float().numpy()
         if not expected.size:
-            return cls(graph, output, 0.0, 0.0)
+            return cls(graph, output, 0.0, 0.0, within=None if bounds is None else True)
         error = np.abs(got.astype(np.float32) - expected)
         p90, p95, p99 = (float(q) for q in np.percentile(error, [90, 95, 99]))
         worst = float(error.max())
-        return cls(graph, output, worst, worst / max(float(np.abs(expected).max()), 1e-12), p90, p95, p99)
+        within = None if bounds is None else bool(np.all(error <= bounds[0] + bounds[1] * np.abs(expected)))
+        return cls(graph, output, worst, worst / max(float(np.abs(expected).max()), 1e-12), p90, p95, p99, within)
 
 
 @dataclass
@@ -64,7 +69,7 @@ class ValidationReport:
     reference: str
     backend: str
     dtype: str
-    tolerance: float
+    tolerance: float  # atol on the logits
     prompt_tokens: int
     visual_tokens: int
     comparisons: list[Comparison] = field(default_factory=list)
@@ -73,6 +78,11 @@ class ValidationReport:
     audio_tokens: int | None = None  # None: an image model
     polygraphy_commands: list[str] = field(default_factory=list)  # with --save-polygraphy: what checks its data
     gate: dict | None = None  # a quantized decoder: the accuracy gate (quantize.GateResult, with "passed")
+    rtol: float = 0.0  # on the logits, relative to the reference's magnitude
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        return self.tolerance, self.rtol
 
     @property
     def agreement(self) -> int:
@@ -88,7 +98,7 @@ class ValidationReport:
     def passed(self) -> bool:
         if self.gate is not None:  # quantized weights: the gate, not the fp tolerance or exact tokens
             return self.gate["passed"]
-        logits_ok = all(c.max_abs <= self.tolerance for c in self.comparisons if c.output.startswith("logits"))
+        logits_ok = all(c.within for c in self.comparisons if c.output.startswith("logits"))
         return logits_ok and self.reference_tokens == self.backend_tokens
 
     def to_json(self) -> dict:
@@ -111,10 +121,13 @@ def validate(
     media: Media | None = None,
     threads: int | None = None,
     save_polygraphy: Path | None = None,
+    atol: float | None = None,
+    rtol: float = 0.0,
 ) -> ValidationReport:
     """`media`: an image (default: the demo's picture), or a video model's frames and audio (default: the demo
     video's); `prompt` defaults to the demo's. `save_polygraphy`: a folder for every compared graph run's inputs and
-    reference outputs in polygraphy's format (`polygraphy_data`)."""
+    reference outputs in polygraphy's format (`polygraphy_data`). The logits pass where every element is within
+    `atol + rtol * |reference|` (default atol: `TOLERANCES` of the graphs' dtype) and the greedy tokens agree."""
     folder = Path(folder)
     if backend == "trt":
         from ..runtime.tensorrt import TrtModel
@@ -135,11 +148,12 @@ def validate(
     inputs = tokenizer(prompt, return_tensors="pt")
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     dtype = manifest.dtype
-    report = ValidationReport(str(folder), str(against), backend, dtype, TOLERANCES.get(dtype, 2e-2), ids.shape[1], 0)
+    atol = TOLERANCES.get(dtype, 2e-2) if atol is None else atol
+    report = ValidationReport(str(folder), str(against), backend, dtype, atol, ids.shape[1], 0, rtol=rtol)
     with recording(runtime) if save_polygraphy else contextlib.nullcontext() as calls:
         got_kv, got_mask, expected_tokens = compare_runs(runtime, reference, folder, media, report, inputs, steps)
     if save_polygraphy:
-        report.polygraphy_commands = polygraphy_data.save(calls, reference, folder, save_polygraphy, report.tolerance)
+        report.polygraphy_commands = polygraphy_data.save(calls, reference, folder, save_polygraphy, report.bounds)
     if manifest.quantization:
         result = accuracy_gate(
             runtime, reference, tokenizer, manifest.quantization["scheme"], prompt, steps, got_kv, got_mask
@@ -192,10 +206,10 @@ def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, r
         expected = reference(ids, attention_mask=mask, **visual)
         expected_tokens = reference.generate(ids, attention_mask=mask, max_new_tokens=steps, **visual)[0]
     logits, past = runtime.decode(ids.numpy(), mask.numpy(), runtime.empty_kv(1), got_kv, got_mask)
-    report.comparisons.append(Comparison.of("decoder", "logits (prefill)", logits, expected.logits))
+    report.comparisons.append(Comparison.of("decoder", "logits (prefill)", logits, expected.logits, report.bounds))
 
     # decode steps on the reference's tokens: the logits of every step, with the cache the graphs built
-    worst = None
+    worst, all_within = None, True
     step_mask, expected_past = mask, expected.past_key_values
     for token in expected_tokens[:-1].tolist():
         step_mask = torch.cat([step_mask, torch.ones(1, 1, dtype=step_mask.dtype)], dim=1)
@@ -204,10 +218,11 @@ def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, r
             step = reference(step_ids, attention_mask=step_mask, past_key_values=expected_past, **visual)
         expected_past = step.past_key_values
         logits, past = runtime.decode(step_ids.numpy(), step_mask.numpy(), past, got_kv, got_mask)
-        comparison = Comparison.of("decoder", "logits (decode steps)", logits, step.logits)
+        comparison = Comparison.of("decoder", "logits (decode steps)", logits, step.logits, report.bounds)
         worst = comparison if worst is None or comparison.max_abs > worst.max_abs else worst
-    if worst is not None:
-        report.comparisons.append(worst)
+        all_within = all_within and comparison.within
+    if worst is not None:  # the largest error shown; the verdict over every step
+        report.comparisons.append(dataclasses.replace(worst, within=all_within))
     return got_kv, got_mask, expected_tokens
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -88,8 +89,10 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         self.state.log.append((self.command, self.path, status))
 
-    def error(self, status: int, message: str) -> None:
-        self.reply(status, {"error": message}, {"X-Error-Message": message})
+    def error(self, status: int, message: str, code: str | None = None) -> None:
+        # the Hub names a missing repo, revision or file in X-Error-Code; huggingface_hub raises its typed error
+        headers = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {})}
+        self.reply(status, {"error": message}, headers)
 
     def user(self) -> str | None:
         auth = self.headers.get("Authorization", "")
@@ -121,7 +124,7 @@ class Handler(BaseHTTPRequestHandler):
         if write and user is None:
             self.error(401, "Invalid credentials in Authorization header")
         elif repo is None or (repo.private and user != repo.owner):
-            self.error(404, f"Repository {repo_id} not found")
+            self.error(404, f"Repository {repo_id} not found", "RepoNotFound")
         elif write and user != repo.owner:
             self.error(403, f"You don't have the rights to write to {repo_id}")
         else:
@@ -171,6 +174,8 @@ class Handler(BaseHTTPRequestHandler):
         if repo is None:
             return
         commit = repo.refs.get(revision, revision)
+        if commit not in repo.commits:
+            return self.error(404, f"Invalid rev id: {revision}", "RevisionNotFound")
         siblings = [{"rfilename": path} for path in sorted(repo.files(revision))]
         self.reply(
             200,
@@ -204,7 +209,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         files = repo.files(revision)
         if path not in files:
-            return self.error(404, f"Entry {path} not found")
+            return self.error(404, f"Entry {path} not found", "EntryNotFound")
         data, is_lfs = files[path]
         headers = {"X-Repo-Commit": repo.refs.get(revision, revision), "ETag": f'"{hashlib.sha1(data).hexdigest()}"'}
         if is_lfs:
@@ -311,3 +316,36 @@ def start(tokens: dict[str, str]) -> tuple[ThreadingHTTPServer, HubState, str]:
     server.RequestHandlerClass = type("BoundHandler", (Handler,), {"state": state, "endpoint": endpoint})
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, state, endpoint
+
+
+def client_env(tmp_path, endpoint: str, token: str | None) -> dict[str, str]:
+    """The environment of a huggingface_hub client (our CLI) that talks to `endpoint` with `token`, its cache under
+    `tmp_path`."""
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": endpoint,
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_ETAG_TIMEOUT": "5",
+        "HF_HUB_DOWNLOAD_TIMEOUT": "5",
+    }
+    env.pop("HF_TOKEN", None)
+    if token:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def publish_folder(state: HubState, repo_id: str, folder, private: bool = False) -> str:
+    """Put every file of `folder` into a new repo's main branch, as one commit; returns the commit id."""
+    files = {
+        path.relative_to(folder).as_posix(): (path.read_bytes(), path.suffix in LFS_SUFFIXES)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+    commit = hashlib.sha1(repr(sorted(files)).encode() + repo_id.encode()).hexdigest()
+    repo = Repo(repo_id.split("/")[0], private)
+    repo.commits[commit] = {"files": files, "message": "published by the test"}
+    repo.refs["main"] = commit
+    state.repos[repo_id] = repo
+    return commit
