@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import CLIPVisionModel, PreTrainedModel, SiglipVisionModel
 from transformers import initialization as init
-from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import rotate_half
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
@@ -754,7 +753,10 @@ def join_contexts(visual: KV, visual_mask: Tensor, audio: KV, audio_mask: Tensor
 
 
 @dataclass
-class DAttnOutput(ModelOutput):
+class DAttnOutput:
+    """The forward's outputs, by name. A plain dataclass, not transformers' ModelOutput: from 5.2x on, that renames
+    a `past_key_values` field to `cache` (and answers None for the old name)."""
+
     logits: Tensor | None = None
     past_key_values: list[KV] | None = None
     visual_key_values: list[KV] | None = None

@@ -17,7 +17,9 @@ def import_tensorrt(module: str = "tensorrt"):
         return importlib.import_module(module)
     except ImportError as e:
         raise EnvironmentFailure(
-            module, f"is not importable ({e}): install TensorRT (NVIDIA's wheels) on the GPU machine"
+            module,
+            f"is not importable ({e}): on the GPU machine, pip install tensorrt-cu13 (or tensorrt-cu12; NVIDIA's "
+            "wheels)",
         ) from None
 
 
