@@ -467,7 +467,7 @@ CASES = {
     "verify: no manifest": (
         lambda ws: (["verify", ws.folder("checkpoint")], ws.folder("checkpoint")),
         2,
-        "has no dattn_manifest.json",
+        "not a converted folder: first run `dattn-export convert",
     ),
     "verify: manifest not JSON": (
         lambda ws: (["verify", ws.folder("converted")], damage.cut(ws.folder("converted") / "dattn_manifest.json")),
@@ -498,7 +498,7 @@ CASES = {
     "verify: ONNX export given": (
         lambda ws: (["verify", ws.folder("onnx")], ws.folder("onnx")),
         2,
-        "has no dattn_manifest.json",
+        "is an ONNX export (for `validate`, `trt` and `generate --backend genai`); `verify` takes",
     ),
     # --- onnx ---
     "onnx: opset 17": (
@@ -545,7 +545,7 @@ CASES = {
     "validate: no ONNX manifest": (
         lambda ws: (["validate", ws.folder("converted")], ws.folder("converted")),
         2,
-        "has no onnx_manifest.json",
+        "is a converted folder, not an ONNX export: first run `dattn-export onnx",
     ),
     "validate: manifest without a decoder": (
         lambda ws: (["validate", ws.folder("onnx")], drop_graph(ws.folder("onnx") / "onnx_manifest.json", "decoder")),
@@ -797,7 +797,7 @@ CASES = {
     "push: a checkpoint, not a converted folder": (
         lambda ws: (["push", ws.folder("checkpoint"), "--repo-id", "alice/x", "--dry-run"], ws.folder("checkpoint")),
         2,
-        "has no dattn_manifest.json",
+        "not a converted folder: first run `dattn-export convert",
     ),
     "push: a shard changed after convert": (
         lambda ws: (
@@ -811,7 +811,7 @@ CASES = {
     "trt: not an ONNX export": (
         lambda ws: (["trt", ws.folder("converted"), "-o", ws.out], ws.folder("converted")),
         2,
-        "has no onnx_manifest.json",
+        "is a converted folder, not an ONNX export: first run `dattn-export onnx",
     ),
     "trt: OUT is the export": (
         lambda ws: (["trt", ws.folder("onnx"), "-o", ws.folder("onnx"), "--force"], ws.folder("onnx")),
@@ -832,7 +832,7 @@ CASES = {
     "serve: not a converted folder": (
         lambda ws: (["serve", ws.folder("checkpoint")], ws.folder("checkpoint")),
         2,
-        "has no dattn_manifest.json",
+        "not a converted folder: first run `dattn-export convert",
     ),
     "serve: port 0": (
         lambda ws: (["serve", ws.folder("converted"), "--port", "0"], "--port"),

@@ -129,6 +129,7 @@ def tensor_digests(folder: Path) -> dict[str, str]:
     return digests
 
 
+@pytest.mark.slow  # the real Hub client over HTTP, with its retries' backoff
 def test_hub_ids_are_read_like_local_folders(hub, converted, tmp_path):
     state, endpoint, commit = hub
     local = cli(tmp_path, endpoint, "info", converted, "--json")
@@ -151,6 +152,7 @@ def test_hub_ids_are_read_like_local_folders(hub, converted, tmp_path):
     assert uncached.returncode == 3 and "not in the local cache, and HF_HUB_OFFLINE=1 is set" in uncached.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "given, token, code, expected",
     [
@@ -167,6 +169,7 @@ def test_hub_ids_that_cannot_be_read_give_one_line(hub, tmp_path, given, token, 
     assert expected in line
 
 
+@pytest.mark.slow  # the real Hub client over HTTP, with its retries' backoff
 def test_a_hub_that_keeps_failing_is_the_environments_problem(hub, tmp_path):
     state, endpoint, _ = hub
     state.fail("GET", r"/api/models/carol/tiny-dattn/revision/", 503, times=-1)
