@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import CLIPVisionModel, PreTrainedModel, SiglipVisionModel
 from transformers import initialization as init
+from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import rotate_half
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
@@ -753,16 +754,21 @@ def join_contexts(visual: KV, visual_mask: Tensor, audio: KV, audio_mask: Tensor
 
 
 @dataclass
-class DAttnOutput:
-    """The forward's outputs, by name. A plain dataclass, not transformers' ModelOutput: from 5.2x on, that renames
-    a `past_key_values` field to `cache` (and answers None for the old name)."""
+class DAttnOutput(ModelOutput):
+    """The forward's outputs. A ModelOutput (a dict too, which DeepSpeed ZeRO-3's hooks walk in backward); the text
+    K/V is `cache`, the name transformers gives it from 5.2x on, where a field named past_key_values is renamed."""
 
     logits: Tensor | None = None
-    past_key_values: list[KV] | None = None
+    cache: list[KV] | None = None
     visual_key_values: list[KV] | None = None
     visual_mask: Tensor | None = None
     audio_key_values: list[KV] | None = None
     audio_mask: Tensor | None = None
+
+    @property
+    def past_key_values(self) -> list[KV] | None:
+        """The text K/V under the name transformers' models used before 5.2x."""
+        return self.cache
 
 
 class DAttnForCausalLM(DAttnPreTrainedModel):
@@ -810,7 +816,7 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
             logits = torch.tanh(logits / cap) * cap
         return DAttnOutput(
             logits=logits,
-            past_key_values=present,
+            cache=present,
             visual_key_values=visual_key_values,
             visual_mask=visual_mask,
             audio_key_values=audio_key_values,
