@@ -26,6 +26,7 @@ from helpers.quantized import CORPORA, broken_export, train  # noqa: E402
 from dattn_export.stages import quantize  # noqa: E402
 from dattn_export.stages.demo import write_demo_checkpoint  # noqa: E402
 from dattn_export.stages.onnx_export import export_onnx  # noqa: E402
+from dattn_export.stages.quantize import Scheme  # noqa: E402
 from dattn_export.stages.validate import validate  # noqa: E402
 
 SEEDS = (0, 1)
@@ -59,7 +60,7 @@ def main() -> None:
             checkpoint = checkpoint_of(train(base, sentences, seed=seed), work / f"{name}-trained")
             for scheme in ("int8", "int4"):
                 healthy = work / f"{name}-{scheme}"
-                export_onnx(checkpoint, healthy, quantize=scheme)
+                export_onnx(checkpoint, healthy, quantize=Scheme(scheme))
                 variants = [("healthy", healthy)]
                 if scheme == "int4":
                     variants += [(d, broken_export(healthy, work / f"{name}-{scheme}-{d}", d)) for d in DAMAGES]

@@ -148,42 +148,20 @@ def print_prompt_result(
 def demo(directory: Path, family: str, input_type: str, max_new_tokens: int):
     """The main job end to end on a tiny random-weight D-Attn checkpoint written to DIRECTORY/checkpoint:
     reference generation, convert + verify, ONNX export + validation on ONNX Runtime."""
-    from .artifacts import atomic_dir
-    from .stages.convert import convert as run_convert
-    from .stages.demo import DEMO_PROMPT, DEMO_VIDEO_PROMPT, write_demo_checkpoint
-    from .stages.generate import Media, run_prompt
-    from .stages.onnx_export import export_onnx
-    from .stages.validate import validate as run_validate
-    from .stages.verify import verify as run_verify
-    from .ui import err, stage
+    from .stages.demo import run_demo
+    from .ui import err
 
-    checkpoint, converted, exported = directory / "checkpoint", directory / "converted", directory / "onnx"
-    seconds: dict[str, float] = {}
-    video = input_type == "video"
-    with stage(f"write a tiny {family} D-Attn {input_type} checkpoint", seconds):
-        with atomic_dir(checkpoint, overwrite=True) as tmp:
-            write_demo_checkpoint(tmp, family, video=video)
-    media = Media(video=checkpoint / "demo.mov") if video else Media(images=[checkpoint / "demo.png"])
-    prompt = DEMO_VIDEO_PROMPT if video else DEMO_PROMPT
-    result = run_prompt(checkpoint, prompt, media, max_new_tokens)
-    with stage("convert to safetensors + manifest, verify against the source", seconds):
-        run_convert(checkpoint, converted, force=True)
-        checks = run_verify(converted, against=checkpoint)
-    graphs = "vision / audio / visual_kv / decoder" if video else "vision / visual_kv / decoder"
-    with stage(f"export {graphs} ONNX graphs (fused attention)", seconds):
-        export_onnx(converted, exported, force=True)
-    with stage("validate the graphs on ONNX Runtime against PyTorch", seconds):
-        report = run_validate(exported, against=checkpoint, steps=max_new_tokens, prompt=prompt, media=media)
+    run = run_demo(directory, family, input_type == "video", max_new_tokens)
     err.print()
-    print_validation(report, exported)
-    seconds.update(result.seconds)
+    print_validation(run.report, run.exported)
+    verified = "; ".join(c.detail for c in run.checks) if all(c.ok for c in run.checks) else "FAILED"
     rows = [
-        ("checkpoint", f"{checkpoint} ({family}, {input_type})"),
-        ("verify", f"{converted}: " + ("; ".join(c.detail for c in checks) if all(c.ok for c in checks) else "FAILED")),
-        ("onnx", f"{exported}: validation {'passed' if report.passed else 'FAILED'}"),
+        ("checkpoint", f"{run.checkpoint} ({family}, {input_type})"),
+        ("verify", f"{run.converted}: {verified}"),
+        ("onnx", f"{run.exported}: validation {'passed' if run.report.passed else 'FAILED'}"),
     ]
-    print_prompt_result("dattn-export demo", result, rows, seconds)
-    if not (report.passed and all(c.ok for c in checks)):
+    print_prompt_result("dattn-export demo", run.result, rows, run.seconds)
+    if not run.passed:
         raise SystemExit(1)
 
 
@@ -488,26 +466,25 @@ def onnx_command(
         refuse_quantize_options()
     checkpoint = resolve(checkpoint, "onnx", *TRAINING_OUTPUT)
     from .stages.onnx_export import export_onnx
+    from .stages.quantize import Scheme
     from .ui import err, summary_table
     from .ui import out as stdout
 
+    scheme = quantize and Scheme(
+        quantize, int(block_size), not asymmetric, quantize_lm_head, quantize_embedding, accuracy_level
+    )
     with err.status("exporting vision.onnx, visual_kv.onnx, decoder.onnx") as status:
         manifest = export_onnx(
             checkpoint,
             out,
-            attention,
-            dtype,
-            opset,
-            force,
-            base,
-            vision_heads,
+            attention=attention,
+            dtype=dtype,
+            opset=opset,
+            force=force,
+            base=base,
+            vision_heads=vision_heads,
             on_graph=lambda name: status.update(f"exported {name}.onnx"),
-            quantize=quantize,
-            block_size=int(block_size),
-            symmetric=not asymmetric,
-            quantize_lm_head=quantize_lm_head,
-            accuracy_level=accuracy_level,
-            quantize_embedding=quantize_embedding,
+            quantize=scheme,
         )
     rows = [
         (

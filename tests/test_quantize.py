@@ -76,7 +76,7 @@ def test_broken_exports_fail_the_gate(trained, damage):
     checkpoint, work = trained
     healthy = work / "int4"
     if not healthy.exists():
-        export_onnx(checkpoint, healthy, quantize="int4")
+        export_onnx(checkpoint, healthy, quantize=Scheme("int4"))
     report = validate(broken_export(healthy, work / f"int4-{damage}", damage), checkpoint, steps=12)
     assert not report.passed, report.gate
     assert report.gate["top5_mass"] < GATES["int4"].top5_mass and report.gate["mean_kl"] > GATES["int4"].mean_kl
@@ -86,7 +86,7 @@ def test_broken_exports_fail_the_gate(trained, damage):
 def test_the_gate_fails_for_graphs_of_another_model(trained):
     """Graphs of the base (untrained) model validated against the trained one: the same gate fails."""
     checkpoint, work = trained
-    export_onnx(work / "base", work / "other", quantize="int8")
+    export_onnx(work / "base", work / "other", quantize=Scheme("int8"))
     report = validate(work / "other", checkpoint, steps=12)
     assert not report.passed and report.gate["greedy_mass"] < GATES["int8"].greedy_mass
 
@@ -166,9 +166,7 @@ def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_pa
     checkpoint = checkpoint_of(model, tmp_path / "ckpt")
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)  # both with .data files, as at full size
     monkeypatch.setattr(quantize, "EMBEDDING_ROWS_BYTES", 1000)  # the table in many chunks of rows
-    options = dict(block_size=scheme.block_size, symmetric=scheme.symmetric, quantize_lm_head=scheme.lm_head)
-    options |= dict(accuracy_level=scheme.accuracy_level, quantize_embedding=scheme.embedding)
-    manifest = export_onnx(checkpoint, tmp_path / "streamed", quantize=scheme.scheme, **options)
+    manifest = export_onnx(checkpoint, tmp_path / "streamed", quantize=scheme)
     export_onnx(checkpoint, tmp_path / "plain")
     config = model.config
     for name in QUANTIZED_GRAPHS:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -146,3 +147,50 @@ def write_demo_checkpoint(
         frames = demo_frames()
         write_video(out / "demo.mov", frames, DEMO_VIDEO_FPS, demo_audio(len(frames) / DEMO_VIDEO_FPS))
     return out
+
+
+@dataclass
+class DemoRun:
+    """What `demo` did: the folders it wrote and each step's result."""
+
+    checkpoint: Path
+    converted: Path
+    exported: Path
+    result: object  # generate.PromptResult: the reference's answer
+    checks: list  # verify.Check
+    report: object  # validate.ValidationReport
+    seconds: dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        return self.report.passed and all(c.ok for c in self.checks)
+
+
+def run_demo(directory: Path, family: str = DEFAULT_FAMILY, video: bool = False, max_new_tokens: int = 12) -> DemoRun:
+    """The main job end to end on a tiny checkpoint written to `directory/checkpoint`: reference generation,
+    convert + verify, ONNX export + validation on ONNX Runtime."""
+    from ..artifacts import atomic_dir
+    from ..ui import stage
+    from .convert import convert
+    from .generate import Media, run_prompt
+    from .onnx_export import export_onnx
+    from .validate import validate
+    from .verify import verify
+
+    checkpoint, converted, exported = directory / "checkpoint", directory / "converted", directory / "onnx"
+    seconds: dict[str, float] = {}
+    with stage(f"write a tiny {family} D-Attn {'video' if video else 'image'} checkpoint", seconds):
+        with atomic_dir(checkpoint, overwrite=True) as tmp:
+            write_demo_checkpoint(tmp, family, video=video)
+    media = Media(video=checkpoint / "demo.mov") if video else Media(images=[checkpoint / "demo.png"])
+    prompt = DEMO_VIDEO_PROMPT if video else DEMO_PROMPT
+    result = run_prompt(checkpoint, prompt, media, max_new_tokens)
+    with stage("convert to safetensors + manifest, verify against the source", seconds):
+        convert(checkpoint, converted, force=True)
+        checks = verify(converted, against=checkpoint)
+    graphs = "vision / audio / visual_kv / decoder" if video else "vision / visual_kv / decoder"
+    with stage(f"export {graphs} ONNX graphs (fused attention)", seconds):
+        export_onnx(converted, exported, force=True)
+    with stage("validate the graphs on ONNX Runtime against PyTorch", seconds):
+        report = validate(exported, against=checkpoint, steps=max_new_tokens, prompt=prompt, media=media)
+    return DemoRun(checkpoint, converted, exported, result, checks, report, {**seconds, **result.seconds})

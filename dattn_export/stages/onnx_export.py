@@ -619,20 +619,15 @@ def export_onnx(
     base: Path | None = None,
     vision_heads: int | None = None,
     on_graph=None,
-    quantize: str | None = None,
-    block_size: int = 32,
-    symmetric: bool = True,
-    quantize_lm_head: bool = False,
-    accuracy_level: int = 4,
-    quantize_embedding: bool = False,
+    quantize: Scheme | None = None,
 ) -> OnnxManifest:
-    """`quantize` (int4 | int8): decoder.onnx's MatMuls weight-only quantized by ONNX Runtime's quantizer."""
+    """`quantize`: visual_kv.onnx's and decoder.onnx's MatMuls weight-only quantized by ONNX Runtime's quantizer."""
     if opset not in SUPPORTED_OPSETS:
         raise InputError(
             "--opset", f"{opset} is not supported (choose {SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1})"
         )
-    if quantize and (quantize not in SCHEMES or dtype != "fp32"):
-        raise InputError("--quantize", f"{quantize}: int4 or int8 weights of an fp32 export (--dtype fp32)")
+    if quantize and (quantize.scheme not in SCHEMES or dtype != "fp32"):
+        raise InputError("--quantize", f"{quantize.scheme}: int4 or int8 weights of an fp32 export (--dtype fp32)")
     if dtype == "bf16" and opset < 22:
         raise InputError(
             "--dtype bf16", f"needs --opset 22 or later: ONNX's Conv accepts bfloat16 from opset 22 (asked {opset})"
@@ -655,21 +650,21 @@ def export_onnx(
     weight_bytes = parameter_bytes(model)
     # every weight is written a chunk at a time (a transposed one a block of rows at a time); a quantized one is read,
     # transposed and quantized whole: the head too with --quantize-lm-head, tied or not (the table is in row chunks)
+    head_too = bool(quantize and quantize.lm_head)
     largest = max(
         p.nbytes
         for name, p in model.named_parameters(remove_duplicate=False)
-        if not name.endswith("embed_tokens.weight") and (quantize_lm_head or not name.startswith("lm_head."))
+        if not name.endswith("embed_tokens.weight") and (head_too or not name.startswith("lm_head."))
     )
     memory.require(3 * largest, "onnx: the largest weight read, transposed and quantized", "a machine with more memory")
-    scheme = quantize and Scheme(quantize, block_size, symmetric, quantize_lm_head, quantize_embedding, accuracy_level)
     matmuls = {}
 
     def quantized(name: str, model: ir.Model) -> None:
-        matmuls[name] = quantize_graph(model, scheme, config.hidden_size, config.vocab_size)
+        matmuls[name] = quantize_graph(model, quantize, config.hidden_size, config.vocab_size)
 
     specs = graph_specs(model, torch_dtype)
     # the layers' weights are written in visual_kv.onnx's data and decoder.onnx's before visual_kv's are shared
-    needed = 2 * (weight_bytes if not scheme else quantized_bytes(model, scheme))
+    needed = 2 * (weight_bytes if not quantize else quantized_bytes(model, quantize))
     with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=needed) as tmp:
         for name, spec in specs.items():
             export_graph(
@@ -680,7 +675,7 @@ def export_onnx(
                 attention == "fused",
                 torch_dtype != torch.float32,
                 external=weight_bytes > EXTERNAL_DATA_BYTES,
-                rewrite=partial(quantized, name) if scheme and name in QUANTIZED_GRAPHS else None,
+                rewrite=partial(quantized, name) if quantize and name in QUANTIZED_GRAPHS else None,
             )
             if on_graph:
                 on_graph(name)
@@ -689,8 +684,8 @@ def export_onnx(
         (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")
         manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
         manifest.graphs["visual_kv"].weight_bytes_in_decoder_data = shared
-        if scheme:
-            manifest.quantization = dataclasses.asdict(Quantization(**dataclasses.asdict(scheme), matmuls=matmuls))
+        if quantize:
+            manifest.quantization = dataclasses.asdict(Quantization(**dataclasses.asdict(quantize), matmuls=matmuls))
         unsupported = write_genai_config(tmp, manifest, model.config)
         manifest.genai = f"cannot drive these graphs: {unsupported}" if unsupported else GENAI_CONFIG
         manifest.files = sorted(p.name for p in tmp.iterdir())

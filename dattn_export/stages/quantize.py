@@ -37,11 +37,11 @@ class Scheme:
     """What --quantize asked for."""
 
     scheme: str  # int4 | int8
-    block_size: int
-    symmetric: bool
-    lm_head: bool  # quantized too (by default it stays fp32: the logits are what the gate judges)
-    embedding: bool  # the embedding table quantized too (GatherBlockQuantized; by default it stays fp32)
-    accuracy_level: int  # MatMulNBits' compute: 4 = int8 activations (fast on CPUs with int8 dot products), 0 = fp32
+    block_size: int = 32
+    symmetric: bool = True
+    lm_head: bool = False  # quantized too (by default it stays fp32: the logits are what the gate judges)
+    embedding: bool = False  # the embedding table quantized too (GatherBlockQuantized; by default it stays fp32)
+    accuracy_level: int = 4  # MatMulNBits' compute: 4 = int8 activations (fast with int8 dot products), 0 = fp32
 
     @property
     def bits(self) -> int:
