@@ -370,8 +370,14 @@ def test_serve_refuses_what_vllm_cannot_run(tmp_path):
     assert result.stderr.count("\n") == 1 and "alpha" in result.stderr and "Traceback" not in result.stderr
     result = run_cli("serve", tmp_path / "released")
     assert result.returncode == 2 and "dattn-export convert" in result.stderr  # the released layout: convert first
-    # a misspelt option, ours or vLLM's, is one line naming the right one (vLLM's own parser knows its options)
-    servable = converted(tmp_path / "servable", "mistral")
+
+
+@pytest.mark.slow
+@vllm_missing
+def test_serve_names_the_option_a_typo_meant(tmp_path):
+    """A misspelt option, ours or vLLM's, is one line naming the right one, before vLLM starts (vLLM's own parser
+    knows its options)."""
+    servable = converted(tmp_path, "mistral")
     typos = {"--tensor-paralel-size": "--tensor-parallel-size", "--max-modle-len=256": "--max-model-len"}
     for typo, meant in typos.items():
         result = run_cli("serve", servable, typo, "2")  # (vLLM's import may log a line before ours)
