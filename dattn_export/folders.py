@@ -67,11 +67,13 @@ def resolve(given: str | Path, command: str, *takes: FolderKind, hub: bool = Tru
     except OSError as e:  # a symbolic link loop, a path through a file
         raise from_os_error(e, path) from None
     if path.is_dir():
-        check_kind(path, kind_of(path), command, takes)
+        check_kind(path, command, takes)
     return path
 
 
-def check_kind(path: Path, kind: FolderKind, command: str, takes: tuple[FolderKind, ...]) -> None:
+def check_kind(path: Path, command: str, takes: tuple[FolderKind, ...]) -> None:
+    """One InputError line, with the next step, unless the folder `path` is of a kind `command` takes."""
+    kind = kind_of(path)
     if kind in takes:
         return
     wanted = takes[0]

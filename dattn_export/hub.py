@@ -51,7 +51,7 @@ def download(text: str) -> Path:
 
     try:
         explained = (RevisionNotFoundError, RepositoryNotFoundError, LocalEntryNotFoundError)
-        return Path(retrying("download", snapshot, text, explained))
+        return Path(retrying("download", snapshot, text, explained, done="downloaded"))
     except RevisionNotFoundError:
         raise InputError(text, f"the Hub repo {repo_id} has no revision {revision!r}") from None
     except RepositoryNotFoundError:
@@ -75,13 +75,11 @@ def network_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def retrying(what: str, call, location: str, explained: tuple[type[BaseException], ...] = ()):
+def retrying(what: str, call, location: str, explained: tuple[type[BaseException], ...] = (), done: str = "published"):
     """Run `call`, retrying transient failures (5xx, 429, network) with backoff; other errors at once, as one
-    line, except the `explained` ones, which the caller turns into its own line. A download that fails says
-    nothing was downloaded; anything else, that nothing was published."""
+    line saying nothing was `done`, except the `explained` ones, which the caller turns into its own line."""
     from huggingface_hub.errors import HfHubHTTPError
 
-    done = "downloaded" if what == "download" else "published"
     transient = network_errors()
     for attempt in range(1, ATTEMPTS + 1):
         wait = BACKOFF_SECONDS * 2 ** (attempt - 1)

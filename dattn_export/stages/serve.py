@@ -11,9 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from ..artifacts import CONVERT_MANIFEST
 from ..checkpoints.source import folder_config
 from ..errors import EnvironmentFailure, InputError
+from ..folders import CONVERTED, check_kind
 from ..modeling.images import tower_side
 from ..processing import load_audio_processor, load_image_processor
 from ..sidefiles import read_json
@@ -117,8 +117,7 @@ def vllm_serve_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The `vllm serve` command line for a converted folder and the environment it runs in; refuses in one line
     what vLLM cannot serve."""
-    if not (folder / CONVERT_MANIFEST).is_file():
-        raise InputError(folder, f"has no {CONVERT_MANIFEST}: serve takes a folder written by `dattn-export convert`")
+    check_kind(folder, "serve", (CONVERTED,))
     config = folder_config(folder)
     if reason := unsupported(config):
         raise InputError(folder / "config.json", f"vLLM cannot serve this model: {reason}")
