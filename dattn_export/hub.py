@@ -32,7 +32,7 @@ def download(text: str) -> Path:
 
     HF_TOKEN or the stored login reads private repos; HF_HUB_OFFLINE=1 answers from the cache alone. Failures are
     one line: a repo or revision that is not there is the input's (exit 2), an unreachable Hub the environment's."""
-    repo_id, revision = parse_repo_id(text) or (text, None)
+    repo_id, revision = parse_repo_id(text)  # the caller has seen that it reads as one
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         LocalEntryNotFoundError,

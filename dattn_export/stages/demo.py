@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -18,6 +19,11 @@ from ..modeling.families import DEFAULT_FAMILY
 from ..modeling.modeling_dattn import MODEL_CLASSES
 from ..presets import randomize_weights, tiny_config
 from ..processing import AUDIO_RATE, IMAGE_PROCESSORS, default_audio_processor
+
+if TYPE_CHECKING:  # only for the annotations: validate imports this module (its prompts and pictures)
+    from .generate import PromptResult
+    from .validate import ValidationReport
+    from .verify import Check
 
 DEMO_PROMPT = "USER: Describe the image in one sentence.\nASSISTANT:"
 DEMO_VIDEO_PROMPT = "USER: What happens in the video, and what do you hear?\nASSISTANT:"
@@ -156,9 +162,9 @@ class DemoRun:
     checkpoint: Path
     converted: Path
     exported: Path
-    result: object  # generate.PromptResult: the reference's answer
-    checks: list  # verify.Check
-    report: object  # validate.ValidationReport
+    result: PromptResult  # the reference's answer
+    checks: list[Check]
+    report: ValidationReport
     seconds: dict[str, float]
 
     @property
