@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.cli import run_cli
+from helpers.ray_cpu_shim import RESOURCE as RAY_RANK_RESOURCE
+from helpers.real_checkpoints import free_port
 from helpers.released_images import process_images, with_output_size
 from helpers.vllm_requests import REQUESTS, request_image, request_video
 from PIL import Image
@@ -100,6 +103,21 @@ def reference(folder: Path, prompt: str | list[int], media: DecodedMedia, steps:
     return tokens, logprobs
 
 
+def vllm_requests(folder: Path, tensor_parallel: int, results: Path, ray_address: str | None = None) -> list[dict]:
+    """REQUESTS through `vllm.LLM` in a process of its own (helpers/vllm_requests.py): each one's greedy tokens and
+    their log-probabilities; through a Ray cluster's workers when given its address."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"[: 2 * tensor_parallel - 1]}
+    if ray_address:  # the engine in the driver, where the shim is installed; each node binds its own core
+        env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        del env["VLLM_CPU_OMP_THREADS_BIND"]
+    command = [sys.executable, HELPERS / "vllm_requests.py", folder, str(tensor_parallel), results]
+    run = subprocess.run(
+        command + [ray_address] * bool(ray_address), capture_output=True, text=True, env=env, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(results.read_text())
+
+
 @pytest.mark.slow
 @vllm_missing
 @pytest.mark.parametrize(
@@ -117,17 +135,8 @@ def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     length. Video: the requests' own frame counts and sound tracks (three with one, two without), the frames and
     the audio each under their own softmax (one softmax over both misses the tolerance by 3000x). CLIP, pictures
     padded to squares: vLLM's pixels are the released path's for that rule too."""
-    folder, results = served[model], tmp_path / "vllm.json"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"[: 2 * tensor_parallel - 1]}
-    run = subprocess.run(
-        [sys.executable, HELPERS / "vllm_requests.py", folder, str(tensor_parallel), results],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    for (text, seed, steps), got in zip(REQUESTS, json.loads(results.read_text())):
+    folder = served[model]
+    for (text, seed, steps), got in zip(REQUESTS, vllm_requests(folder, tensor_parallel, tmp_path / "vllm.json")):
         tokens, logprobs = reference(folder, text, request_decoded(folder, seed), steps)
         assert got["tokens"] == tokens, (text, got["tokens"], tokens)
         assert max(abs(a - b) for a, b in zip(got["logprobs"], logprobs)) < LOGPROB_TOLERANCE
@@ -135,6 +144,65 @@ def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     text, seed, _ = REQUESTS[0]
     same, other = (reference(folder, text, request_decoded(folder, s), 1)[1][0] for s in (seed, seed + 7))
     assert abs(same - other) > 10 * LOGPROB_TOLERANCE
+
+
+@contextmanager
+def ray_nodes(count: int, logs: Path):
+    """A Ray cluster of `count` nodes on this machine, started as the several-machines recipe starts one node per
+    machine (`ray start --head`, then `ray start --address=HEAD` on each other), each node offering one core and one
+    tensor-parallel rank (on CPU the shim's resource; GPU workers take a GPU); its address, until the block ends."""
+    ray, port, nodes = Path(sys.executable).with_name("ray"), free_port(), []
+    try:
+        for core in range(count):
+            where = (
+                ["--head", f"--port={port}", "--include-dashboard=false"]
+                if core == 0
+                else [f"--address=127.0.0.1:{port}"]
+            )
+            resources = [
+                "--num-cpus=1",
+                f"--resources={json.dumps({RAY_RANK_RESOURCE: 1})}",
+                "--object-store-memory=100000000",
+            ]
+            log = logs / f"ray-node-{core}.log"
+            node = subprocess.Popen(
+                [ray, "start", "--block", *where, *resources],
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "VLLM_CPU_OMP_THREADS_BIND": str(core)},
+                start_new_session=True,  # the node's processes in a group of their own, killed together
+            )
+            nodes.append(node)
+            deadline = time.monotonic() + 120
+            while "Ray runtime started" not in log.read_text():
+                assert node.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        for node in reversed(nodes):  # a SIGTERM'd node waits 30 s to drain; these hold nothing worth draining
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+
+
+@pytest.mark.slow
+@vllm_missing
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("ray") is None, reason="Ray is not installed (pip install ray)"
+)
+def test_tensor_parallel_across_two_ray_nodes(served, tmp_path):
+    """The several-machines recipe on one machine: two Ray nodes, `distributed_executor_backend="ray"` at tensor
+    parallel 2, one worker on each node with the plugin's model loaded there; every token as at tensor parallel 1
+    (and the reference's), log-probabilities within the tolerance."""
+    folder = served["mistral"]
+    single = vllm_requests(folder, 1, tmp_path / "tp1.json")
+    with ray_nodes(2, tmp_path) as address:
+        *across, placed = vllm_requests(folder, 2, tmp_path / "ray.json", address)
+    workers = placed["workers"]
+    assert len({worker["node"] for worker in workers}) == 2, workers
+    assert {worker["model"] for worker in workers} == {"dattn_export.vllm_plugin.model.DAttnMistralForCausalLM"}
+    for (text, seed, steps), one, two in zip(REQUESTS, single, across, strict=True):
+        assert two["tokens"] == one["tokens"] == reference(folder, text, request_decoded(folder, seed), steps)[0]
+        assert max(abs(a - b) for a, b in zip(two["logprobs"], one["logprobs"])) < LOGPROB_TOLERANCE
 
 
 @vllm_missing
@@ -190,14 +258,6 @@ def png_url(image: Image.Image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, "PNG")
     return data_url(buffer.getvalue(), "image/png")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """Requests for the vLLM tests, and a script that runs them through `vllm.LLM` (vLLM spawns its workers, so it runs
-in its own process): `python vllm_requests.py FOLDER TENSOR_PARALLEL OUT.json` writes each request's greedy tokens
-and their log-probabilities."""
+in its own process): `python vllm_requests.py FOLDER TENSOR_PARALLEL OUT.json [RAY_ADDRESS]` writes each request's
+greedy tokens and their log-probabilities; with a Ray cluster's address, the workers are Ray actors placed by vLLM's Ray
+executor (on CPU through `ray_cpu_shim`), and the nodes they ran on are written too."""
 
 import json
 import os
@@ -50,8 +51,18 @@ def request_media(video_model: bool, seed: int) -> dict:
     return {"image": request_image(seed)}
 
 
-def main(folder: str, tensor_parallel: int, out: str) -> None:
+def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = None) -> None:
     from vllm import LLM, SamplingParams
+
+    if ray_address:
+        import ray
+        import ray_cpu_shim
+
+        # the job's runtime environment reaches every worker vLLM starts: the shim, importable there
+        here = os.path.dirname(os.path.abspath(__file__))
+        hook = {"worker_process_setup_hook": "ray_cpu_shim.install", "env_vars": {"PYTHONPATH": here}}
+        ray.init(address=ray_address, runtime_env=hook)
+        ray_cpu_shim.install()
 
     video_model = json.loads(open(os.path.join(folder, "config.json")).read()).get("mm_input_type") == "video"
 
@@ -62,6 +73,7 @@ def main(folder: str, tensor_parallel: int, out: str) -> None:
         enforce_eager=True,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=3,
+        distributed_executor_backend="ray" if ray_address else None,
         # a video model's encoder sequence is as long as the longest video taken: 8 frames, the requests' at most
         limit_mm_per_prompt={"video": {"count": 1, "num_frames": MAX_FRAMES}} if video_model else None,
     )
@@ -77,10 +89,22 @@ def main(folder: str, tensor_parallel: int, out: str) -> None:
         results.append(
             {"prompt_ids": output.prompt_token_ids, "tokens": list(completion.token_ids), "logprobs": chosen}
         )
+    if ray_address:  # which node each worker ran on, and the model it built (the plugin's, loaded there)
+        results.append({"workers": llm.collective_rpc(ray_worker)})
     with open(out, "w") as f:
         json.dump(results, f)
 
 
+def ray_worker(worker) -> dict:
+    import ray
+
+    model = worker.model_runner.get_model()
+    return {
+        "node": ray.get_runtime_context().get_node_id(),
+        "model": f"{type(model).__module__}.{type(model).__name__}",
+    }
+
+
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
