@@ -66,6 +66,26 @@ def test_diagonal_visual_stream_equals_transformers_on_single_tokens(family):
             torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("vision, select_layer", [("siglip", -2), ("siglip", -1), ("clip", -2), ("clip", 1)])
+def test_tower_runs_only_the_layers_its_features_come_from(vision, select_layer):
+    """The tower's features are transformers' own full forward's hidden state at the selected layer, bit for bit;
+    the layers after it, the final norm and SigLIP's pooling head never run (NaN weights there change nothing)."""
+    tower = build_model("mistral", vision=vision, mm_vision_select_layer=select_layer).model.mm_vis
+    pixels = images(2)[:, 0]
+    with torch.no_grad():
+        expected = tower.vision_model(pixels, output_hidden_states=True).hidden_states[select_layer]
+        expected = expected[:, 1:] if vision == "clip" else expected
+        unused = [
+            weight
+            for name, weight in tower.vision_model.named_parameters()
+            if name.startswith(("post_layernorm", "head"))
+            or (name.startswith("encoder.layers.") and int(name.split(".")[2]) >= tower.layers_run)
+        ]
+        for weight in unused:
+            weight.fill_(float("nan"))
+        assert unused and torch.equal(tower(pixels), expected)
+
+
 @pytest.mark.parametrize("mode", ["dattn", "dattn-sum"])
 def test_visual_kv_independent_of_text(family, mode):
     model = build_model(family, dattn_mode=mode)

@@ -353,24 +353,31 @@ class DAttnAttention(nn.Module):
         return self.qkv_proj(x)[0].split([q_size, kv_size, kv_size], dim=-1)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, x_context: torch.Tensor | None, segment: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        x_context: torch.Tensor | None,
+        segment: torch.Tensor | None,
+        need_context_out: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q, k, v = self.split(x)
-        q_context = q.contiguous()  # unrotated: T2V is debiased (the rotary op rotates in place)
-        q_text, k_text = self.rotary_emb(positions, q.clone(), k.contiguous())
+        # unrotated queries for T2V (debiased), copied once: the rotary op rotates the split's views in place
+        q_context = q.clone(memory_format=torch.contiguous_format)
+        q_text, k_text = self.rotary_emb(positions, q, k)
         context_k, context_values, context_out = None, [None] * len(self.segments.reads), None
         if x_context is not None:  # the request's first step: its context K/V go into the cross-attention caches
             _, context_k, context_v = self.split(x_context)
             context_k, context_v = context_k.contiguous(), context_v.contiguous()
-            group = self.num_heads // self.num_kv_heads
-            per_query_head = context_v.unflatten(-1, (self.num_kv_heads, self.head_dim)).repeat_interleave(group, 1)
-            context_out = self.o_proj(per_query_head.flatten(1))[0]
+            if need_context_out:  # the last layer's context output is never read
+                group = self.num_heads // self.num_kv_heads
+                per_query_head = context_v.unflatten(-1, (self.num_kv_heads, self.head_dim)).repeat_interleave(group, 1)
+                context_out = self.o_proj(per_query_head.flatten(1))[0]
             context_values = self.segments.values(context_v, segment)
         reads = [
             without_missing_context(attn.layer_name, attn(q_context, context_k, values))
             for attn, values in zip(self.context_attn.values(), context_values)
         ]
-        return self.o_proj(self.text_attn(q_text, k_text, v.contiguous()) + self.segments.merge(reads))[0], context_out
+        return self.o_proj(self.text_attn(q_text, k_text, v) + self.segments.merge(reads))[0], context_out
 
 
 class DAttnMLP(nn.Module):
@@ -409,8 +416,8 @@ class DAttnDecoderLayer(nn.Module, modeling_dattn.LayerNorms):
         need_context: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x_context = None if h_context is None else self.input_layernorm(h_context)
-        attn_out, context_out = self.self_attn(positions, self.input_layernorm(h), x_context, segment)
-        h_context = self.residual_mlp(h_context, context_out) if h_context is not None and need_context else None
+        attn_out, context_out = self.self_attn(positions, self.input_layernorm(h), x_context, segment, need_context)
+        h_context = None if context_out is None else self.residual_mlp(h_context, context_out)
         return self.residual_mlp(h, attn_out), h_context
 
 
