@@ -242,6 +242,21 @@ class ExportedModel:
     mel_frames_per_audio_token: int | None = None  # a sample's audio tokens: its log-mel frames // this
 
 
+@dataclass(frozen=True)
+class Quantization:
+    """How visual_kv.onnx and decoder.onnx were quantized, weight-only (stages/quantize.py; its `Scheme` is what
+    --quantize asked for, these fields and the counts)."""
+
+    scheme: str  # int4 | int8
+    block_size: int
+    symmetric: bool
+    lm_head: bool
+    accuracy_level: int  # MatMulNBits' compute: 4 = int8 activations, 0 = fp32
+    embedding: bool = False  # the table's Gather quantized too (GatherBlockQuantized)
+    matmuls: dict[str, int] = field(default_factory=dict)  # per graph: MatMuls turned into MatMulNBits
+    kept: str = ""  # what keeps the export's dtype, and why
+
+
 @dataclass
 class AttentionExport:
     implementation: str  # fused | standard
@@ -263,7 +278,7 @@ class OnnxManifest(Manifest):
     graphs: dict[str, Graph]
     generation: dict
     files: list[str]
-    quantization: dict | None = None  # decoder.onnx's weight-only quantization (stages/quantize.py)
+    quantization: Quantization | None = None
     genai: str | None = None  # genai_config.json (onnxruntime-genai drives the decoder), or why it cannot
 
     def check(self, path: Path) -> None:

@@ -599,15 +599,15 @@ def shared_weight_rows(manifest) -> list[tuple[str, str]]:
     return [("shared weights", f"visual_kv.onnx reads {human_bytes(shared)} from decoder.onnx.data")] if shared else []
 
 
-def quantization_rows(quantization: dict | None) -> list[tuple[str, str]]:
-    if not quantization:
+def quantization_rows(q) -> list[tuple[str, str]]:
+    """The rows of an export's summary for its `artifacts.Quantization` (none when not quantized)."""
+    if not q:
         return []
-    q = quantization
-    detail = f"{q['scheme']}, block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, "
-    detail += f"accuracy level {q['accuracy_level']}"
-    head = "lm_head quantized" if q["lm_head"] else "lm_head kept fp32"
-    head += ", embedding quantized" if q.get("embedding") else ", embedding kept fp32"
-    graphs = ", ".join(f"{name}.onnx {count}" for name, count in q["matmuls"].items())
+    detail = f"{q.scheme}, block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}, "
+    detail += f"accuracy level {q.accuracy_level}"
+    head = "lm_head quantized" if q.lm_head else "lm_head kept fp32"
+    head += ", embedding quantized" if q.embedding else ", embedding kept fp32"
+    graphs = ", ".join(f"{name}.onnx {count}" for name, count in q.matmuls.items())
     return [("quantization", f"MatMuls -> MatMulNBits: {graphs} ({detail}; {head}; towers kept)")]
 
 
@@ -629,13 +629,12 @@ def print_validation(report, folder: Path) -> None:
             c.graph, c.output, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}", f"{c.p90:.1e} / {c.p95:.1e} / {c.p99:.1e}"
         )
     out.print(table)
-    if report.gate:
-        g, t = report.gate, report.gate["thresholds"]
+    if g := report.gate:
+        t = g.thresholds
         out.print(
-            f"accuracy gate ({g['scheme']} weights; {g['prompts']} prompts, {g['positions']} positions): greedy mass "
-            f"{g['greedy_mass']:.3f} (>= {t['greedy_mass']}), top-5 mass {g['top5_mass']:.4f} (>= {t['top5_mass']}), "
-            f"mean KL {g['mean_kl']:.4f} (<= {t['mean_kl']}); greedy agreement {g['agreement']:.3f}, "
-            f"max KL {g['max_kl']:.4f}"
+            f"accuracy gate ({g.scheme} weights; {g.prompts} prompts, {g.positions} positions): greedy mass "
+            f"{g.greedy_mass:.3f} (>= {t.greedy_mass}), top-5 mass {g.top5_mass:.4f} (>= {t.top5_mass}), "
+            f"mean KL {g.mean_kl:.4f} (<= {t.mean_kl}); greedy agreement {g.agreement:.3f}, max KL {g.max_kl:.4f}"
         )
     verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
     out.print(

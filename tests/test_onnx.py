@@ -160,6 +160,7 @@ def test_standard_attention_and_fp16(tmp_path):
     assert 1e-4 < logits_error <= report.tolerance  # fp16 really ran: errors above fp32's, within fp16's bound
 
 
+@pytest.mark.slow  # 30 s; the fast tier checks the verdict's rule and validate's refusals
 def test_validate_command_writes_report(tmp_path):
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
     assert run_cli("onnx", checkpoint, "-o", tmp_path / "onnx").returncode == 0

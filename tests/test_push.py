@@ -98,6 +98,7 @@ FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 16 s; the fast tier pushes (dry run, auth errors, the card) without loading the repo back
 def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp_path):
     state, endpoint = hub
     result = push_cli(

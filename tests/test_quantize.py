@@ -14,6 +14,7 @@ from helpers.cli import run_cli
 from helpers.quantized import CORPORA, broken_export, train
 from onnx import TensorProto, numpy_helper
 
+from dattn_export.artifacts import OnnxManifest, Quantization
 from dattn_export.runtime.ort import external_tensors
 from dattn_export.stages import quantize
 from dattn_export.stages.demo import write_demo_checkpoint
@@ -47,7 +48,7 @@ def test_quantized_decoder_passes_the_gate(trained, scheme):
     assert any(n.op_type == "MatMul" for n in graph.graph.node)  # the lm_head, kept fp32 by default
     report = validate(out, checkpoint, steps=12)
     assert report.passed, report.gate
-    assert report.gate["positions"] == 48 and report.gate["thresholds"] == GATES[scheme].__dict__
+    assert report.gate.positions == 48 and report.gate.thresholds == GATES[scheme]
     refused = run_cli("trt", out, "-o", work / f"{scheme}-engines")  # TensorRT's parser has no MatMulNBits
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1 and "MatMulNBits" in lines[0], refused.stderr
@@ -79,7 +80,7 @@ def test_broken_exports_fail_the_gate(trained, damage):
         export_onnx(checkpoint, healthy, quantize=Scheme("int4"))
     report = validate(broken_export(healthy, work / f"int4-{damage}", damage), checkpoint, steps=12)
     assert not report.passed, report.gate
-    assert report.gate["top5_mass"] < GATES["int4"].top5_mass and report.gate["mean_kl"] > GATES["int4"].mean_kl
+    assert report.gate.top5_mass < GATES["int4"].top5_mass and report.gate.mean_kl > GATES["int4"].mean_kl
 
 
 @pytest.mark.slow
@@ -88,7 +89,7 @@ def test_the_gate_fails_for_graphs_of_another_model(trained):
     checkpoint, work = trained
     export_onnx(work / "base", work / "other", quantize=Scheme("int8"))
     report = validate(work / "other", checkpoint, steps=12)
-    assert not report.passed and report.gate["greedy_mass"] < GATES["int8"].greedy_mass
+    assert not report.passed and report.gate.greedy_mass < GATES["int8"].greedy_mass
 
 
 def test_gate_metrics_are_literal():
@@ -168,6 +169,8 @@ def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_pa
     monkeypatch.setattr(quantize, "EMBEDDING_ROWS_BYTES", 1000)  # the table in many chunks of rows
     manifest = export_onnx(checkpoint, tmp_path / "streamed", quantize=scheme)
     export_onnx(checkpoint, tmp_path / "plain")
+    # the manifest reads back as written, its optional parts typed (quantization, a video model's fields)
+    assert OnnxManifest.read(tmp_path / "streamed") == manifest and isinstance(manifest.quantization, Quantization)
     config = model.config
     for name in QUANTIZED_GRAPHS:
         expected = ort_quantized(tmp_path / "plain" / f"{name}.onnx", scheme, config.hidden_size, config.vocab_size)
@@ -177,7 +180,7 @@ def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_pa
         written = sum(length for file, _, length in listed.values() if file == f"{name}.onnx.data")
         assert (tmp_path / "streamed" / f"{name}.onnx.data").stat().st_size == written  # no weight written unread
         quantized = sum(n.op_type == "MatMulNBits" for n in got.graph.node)
-        assert quantized == manifest.quantization["matmuls"][name] > 0
+        assert quantized == manifest.quantization.matmuls[name] > 0
         if name == "visual_kv":  # every matrix, o_proj's group sum (folded whatever its size) too: each layer's
             # k_proj and v_proj, and o_proj and the MLP's three of all layers but the last (whose output is not read)
             layers = config.num_hidden_layers

@@ -54,6 +54,7 @@ from ..artifacts import (
     Graph,
     GraphValue,
     OnnxManifest,
+    Quantization,
     Tool,
     Wings,
     atomic_dir,
@@ -73,7 +74,7 @@ from ..plugins.onnx_node import attach_function, fused_nodes
 from ..runtime.genai import GENAI_CONFIG, write_genai_config
 from ..runtime.ort import external_tensors
 from ..sidefiles import read_json
-from .quantize import QUANTIZED_GRAPHS, SCHEMES, Quantization, Scheme, quantize_graph, quantized_bytes
+from .quantize import KEPT, QUANTIZED_GRAPHS, SCHEMES, Scheme, quantize_graph, quantized_bytes
 
 DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
 SUPPORTED_OPSETS = range(18, 24)
@@ -685,7 +686,7 @@ def export_onnx(
         manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
         manifest.graphs["visual_kv"].weight_bytes_in_decoder_data = shared
         if quantize:
-            manifest.quantization = dataclasses.asdict(Quantization(**dataclasses.asdict(quantize), matmuls=matmuls))
+            manifest.quantization = Quantization(**dataclasses.asdict(quantize), matmuls=matmuls, kept=KEPT)
         unsupported = write_genai_config(tmp, manifest, model.config)
         manifest.genai = f"cannot drive these graphs: {unsupported}" if unsupported else GENAI_CONFIG
         manifest.files = sorted(p.name for p in tmp.iterdir())

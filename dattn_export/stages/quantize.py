@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -63,14 +63,6 @@ class Scheme:
             block_size=self.block_size, is_symmetric=self.symmetric, bits=bits or self.bits
         )
         return DefaultWeightOnlyQuantizer(config)
-
-
-@dataclass(frozen=True)
-class Quantization(Scheme):
-    """A quantized export, as its manifest records it."""
-
-    matmuls: dict[str, int] = field(default_factory=dict)  # per graph: MatMuls turned into MatMulNBits
-    kept: str = KEPT
 
 
 @dataclass(frozen=True)

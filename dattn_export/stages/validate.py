@@ -77,7 +77,7 @@ class ValidationReport:
     backend_tokens: list[int] = field(default_factory=list)
     audio_tokens: int | None = None  # None: an image model
     polygraphy_commands: list[str] = field(default_factory=list)  # with --save-polygraphy: what checks its data
-    gate: dict | None = None  # a quantized decoder: the accuracy gate (quantize.GateResult, with "passed")
+    gate: quantize.GateResult | None = None  # a quantized decoder: the accuracy gate
     rtol: float = 0.0  # on the logits, relative to the reference's magnitude
 
     @property
@@ -97,12 +97,15 @@ class ValidationReport:
     @property
     def passed(self) -> bool:
         if self.gate is not None:  # quantized weights: the gate, not the fp tolerance or exact tokens
-            return self.gate["passed"]
+            return self.gate.passed
         logits_ok = all(c.within for c in self.comparisons if c.output.startswith("logits"))
         return logits_ok and self.reference_tokens == self.backend_tokens
 
     def to_json(self) -> dict:
-        return {**asdict(self), "agreement": self.agreement, "passed": self.passed}
+        fields = asdict(self)
+        if self.gate is not None:
+            fields["gate"]["passed"] = self.gate.passed
+        return {**fields, "agreement": self.agreement, "passed": self.passed}
 
     @classmethod
     def read(cls, path: Path) -> ValidationReport:
@@ -156,9 +159,9 @@ def validate(
         report.polygraphy_commands = polygraphy_data.save(calls, reference, folder, save_polygraphy, report.bounds)
     if manifest.quantization:
         result = accuracy_gate(
-            runtime, reference, tokenizer, manifest.quantization["scheme"], prompt, steps, got_kv, got_mask
+            runtime, reference, tokenizer, manifest.quantization.scheme, prompt, steps, got_kv, got_mask
         )
-        report.gate = {**dataclasses.asdict(result), "passed": result.passed}
+        report.gate = result
     report.reference_tokens = expected_tokens.tolist()
     report.backend_tokens = runtime.generate(ids.numpy(), mask.numpy(), got_kv, steps, visual_mask=got_mask)[0].tolist()
     (folder / VALIDATION_REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
