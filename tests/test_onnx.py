@@ -270,14 +270,14 @@ def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path,
     torch_dtype = DTYPES[dtype].torch
     (tmp_path / "torch").mkdir()
     for name, spec in onnx_export.graph_specs(load_model(checkpoint, torch_dtype), torch_dtype).items():
-        with torch.no_grad(), warnings.catch_warnings(), fused_nodes(spec["module"]):
+        with torch.no_grad(), warnings.catch_warnings(), fused_nodes(spec.module):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                spec["module"],
-                spec["args"],
-                dynamic_shapes=spec["dynamic"],
-                input_names=spec["inputs"],
-                output_names=spec["outputs"],
+                spec.module,
+                spec.args,
+                dynamic_shapes=spec.dynamic_shapes,
+                input_names=list(spec.inputs),
+                output_names=spec.outputs,
                 dynamo=True,
                 opset_version=manifest.opset,
                 verbose=False,

@@ -96,6 +96,38 @@ def layer_caches(flat: list, config) -> list[tuple]:
     return caches
 
 
+Axes = dict[int, Dim] | None  # an input's dynamic axes (None: all static)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSpec:
+    """One graph to export: the module traced, its inputs by name in the order the module takes them (each an
+    example, with no axis of size 0 or 1 where the axis is dynamic, or the exporter would specialise it; and its
+    dynamic axes), its outputs' names. `layout` says how the module takes the inputs: per argument, one tensor
+    (None) or a list of that many (a cache per layer part)."""
+
+    module: nn.Module
+    inputs: dict[str, tuple[torch.Tensor, Axes]]
+    outputs: list[str]
+    layout: tuple[int | None, ...]
+
+    def arguments(self, flat: list) -> tuple:
+        """Values in `inputs` order, grouped as the module takes them."""
+        grouped, at = [], 0
+        for count in self.layout:
+            grouped.append(flat[at] if count is None else list(flat[at : at + count]))
+            at += 1 if count is None else count
+        return tuple(grouped)
+
+    @property
+    def args(self) -> tuple:
+        return self.arguments([example for example, _ in self.inputs.values()])
+
+    @property
+    def dynamic_shapes(self) -> tuple:
+        return self.arguments([axes for _, axes in self.inputs.values()])
+
+
 class VisionGraph(nn.Module):
     def __init__(self, model):
         super().__init__()
@@ -107,13 +139,13 @@ class VisionGraph(nn.Module):
 
 class StreamGraph(nn.Module):
     """One of the model's methods that embed (part of) one sample's context stream: frame_stream, audio_stream,
-    anyres_stream."""
+    anyres_stream; it takes the method's inputs as one list."""
 
     def __init__(self, model, method: str):
         super().__init__()
         self.model, self.method = model, method
 
-    def forward(self, *inputs):
+    def forward(self, inputs):
         return getattr(self.model.model, self.method)(*inputs)
 
 
@@ -144,9 +176,13 @@ class DecoderGraph(nn.Module):
         return out.logits, [t for layer in out.past_key_values for t in layer]
 
 
-def graph_specs(model, dtype: torch.dtype) -> dict:
-    """Per graph: module, example inputs (no axis of size 0 or 1: the exporter would specialise it),
-    dynamic axes, input and output names."""
+def stream_spec(model, method: str, inputs: dict[str, tuple[torch.Tensor, Axes]], outputs: list[str]) -> GraphSpec:
+    return GraphSpec(StreamGraph(model, method), inputs, outputs, (len(inputs),))
+
+
+def graph_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
+    """Every graph of the model's export, by name: its context stream's (vision; a video model's audio too), the
+    visual stream's K/V per layer, and the decoder."""
     config = model.config
     heads = {"key": config.num_key_value_heads, "value": config.num_key_value_heads}
     heads |= {"wings_key": config.wings_heads, "wings_value": config.wings_heads}
@@ -157,98 +193,79 @@ def graph_specs(model, dtype: torch.dtype) -> dict:
     b, t, p, n_img = 2, 3, 4, 2
     v = n_img * per_image
     parts = [part for i in range(config.num_hidden_layers) for part in config.cache_parts(i)]
-    kv = lambda n: [torch.randn(b, heads[part], n, config.head_dim, dtype=dtype) for part in parts]  # noqa: E731
+
+    def caches(prefix: str, length: int, axis: Dim) -> dict[str, tuple[torch.Tensor, Axes]]:
+        examples = (torch.randn(b, heads[part], length, config.head_dim, dtype=dtype) for part in parts)
+        return {name: (x, {0: batch, 2: axis}) for name, x in zip(kv_names(prefix, config), examples, strict=True)}
+
     if config.is_video:
         streams = video_specs(model, dtype)
     elif config.is_anyres:
         streams = {"vision": anyres_spec(model, dtype)}
     else:
+        pixels = torch.randn(b, n_img, 3, size, size, dtype=dtype)
         streams = {
-            "vision": dict(
-                module=VisionGraph(model),
-                args=(torch.randn(b, n_img, 3, size, size, dtype=dtype),),
-                dynamic=({0: batch, 1: images},),
-                inputs=["pixel_values"],
-                outputs=["visual_embeds", "visual_attention_mask"],
-            ),
+            "vision": GraphSpec(
+                VisionGraph(model),
+                {"pixel_values": (pixels, {0: batch, 1: images})},
+                ["visual_embeds", "visual_attention_mask"],
+                (None,),
+            )
         }
+    visual_inputs = {
+        "visual_embeds": (torch.randn(b, v, config.hidden_size, dtype=dtype), {0: batch, 1: visual}),
+        "visual_attention_mask": (torch.ones(b, v, dtype=torch.int64), {0: batch, 1: visual}),
+    }
+    decoder_inputs = {
+        "input_ids": (torch.randint(3, config.vocab_size, (b, t)), {0: batch, 1: seq}),
+        "position_ids": (torch.arange(p, p + t).expand(b, -1), {0: batch, 1: seq}),
+        "attention_mask": (torch.ones(b, p + t, dtype=torch.int64), {0: batch, 1: total}),
+        "visual_attention_mask": (torch.ones(b, v, dtype=torch.int64), {0: batch, 1: visual}),
+        **caches("past_key_values", p, past),
+        **caches("visual_key_values", v, visual),
+    }
     return streams | {
-        "visual_kv": dict(
-            module=VisualKVGraph(model),
-            args=(torch.randn(b, v, config.hidden_size, dtype=dtype), torch.ones(b, v, dtype=torch.int64)),
-            dynamic=({0: batch, 1: visual}, {0: batch, 1: visual}),
-            inputs=["visual_embeds", "visual_attention_mask"],
-            outputs=kv_names("visual_key_values", config),
+        "visual_kv": GraphSpec(
+            VisualKVGraph(model), visual_inputs, kv_names("visual_key_values", config), (None, None)
         ),
-        "decoder": dict(
-            module=DecoderGraph(model),
-            args=(
-                torch.randint(3, config.vocab_size, (b, t)),
-                torch.arange(p, p + t).expand(b, -1),
-                torch.ones(b, p + t, dtype=torch.int64),
-                torch.ones(b, v, dtype=torch.int64),
-                kv(p),
-                kv(v),
-            ),
-            dynamic=(
-                {0: batch, 1: seq},
-                {0: batch, 1: seq},
-                {0: batch, 1: total},
-                {0: batch, 1: visual},
-                [{0: batch, 2: past}] * len(parts),
-                [{0: batch, 2: visual}] * len(parts),
-            ),
-            inputs=[
-                "input_ids",
-                "position_ids",
-                "attention_mask",
-                "visual_attention_mask",
-                *kv_names("past_key_values", config),
-                *kv_names("visual_key_values", config),
-            ],
-            outputs=["logits", *kv_names("present", config)],
+        "decoder": GraphSpec(
+            DecoderGraph(model),
+            decoder_inputs,
+            ["logits", *kv_names("present", config)],
+            (None, None, None, None, len(parts), len(parts)),
         ),
     }
 
 
-def anyres_spec(model, dtype: torch.dtype) -> dict:
+def anyres_spec(model, dtype: torch.dtype) -> GraphSpec:
     """An anyres model's vision graph: one image's thumbnail and its tiles, rows x columns of them."""
     size = model.config.vision_config["image_size"]
-    return dict(
-        module=StreamGraph(model, "anyres_stream"),
-        args=(torch.randn(1, 3, size, size, dtype=dtype), torch.randn(2, 3, 3, size, size, dtype=dtype)),
-        dynamic=((None, {0: Dim("tile_rows"), 1: Dim("tile_columns")}),),
-        inputs=["thumbnail", "tiles"],
-        outputs=["visual_embeds"],
-    )
+    inputs = {
+        "thumbnail": (torch.randn(1, 3, size, size, dtype=dtype), None),
+        "tiles": (torch.randn(2, 3, 3, size, size, dtype=dtype), {0: Dim("tile_rows"), 1: Dim("tile_columns")}),
+    }
+    return stream_spec(model, "anyres_stream", inputs, ["visual_embeds"])
 
 
-def video_specs(model, dtype: torch.dtype) -> dict:
+def video_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
     """A video model's stream graphs: frames and audio, each taking part of one sample's stream."""
     config = model.config
     size, audio = config.vision_config["image_size"], config.audio_config
     chunk_frames = 2 * audio["max_source_positions"]  # Whisper's 30 s of log-mel frames
     frames, chunks = Dim("frames"), Dim("chunks")
-    scalar = lambda n: torch.tensor(n)  # noqa: E731
+    frame_inputs = {
+        "pixel_values": (torch.randn(3, 3, size, size, dtype=dtype), {0: frames}),
+        "frame_index": (torch.arange(2, 5), {0: frames}),
+        "num_frames": (torch.tensor(9), None),
+    }
+    audio_inputs = {
+        "input_features": (torch.randn(2, audio["num_mel_bins"], chunk_frames, dtype=dtype), {0: chunks}),
+        "first_chunk": (torch.tensor(1), None),
+        "mel_frames": (torch.tensor(3 * chunk_frames), None),
+    }
     return {
-        "vision": dict(
-            module=StreamGraph(model, "frame_stream"),
-            args=(torch.randn(3, 3, size, size, dtype=dtype), torch.arange(2, 5), scalar(9)),
-            dynamic=(({0: frames}, {0: frames}, None),),  # the graph module's *inputs
-            inputs=["pixel_values", "frame_index", "num_frames"],
-            outputs=["visual_embeds"],
-        ),
-        "audio": dict(
-            module=StreamGraph(model, "audio_stream"),
-            args=(
-                torch.randn(2, audio["num_mel_bins"], chunk_frames, dtype=dtype),
-                scalar(1),
-                scalar(3 * chunk_frames),
-            ),
-            dynamic=(({0: chunks}, None, None),),
-            inputs=["input_features", "first_chunk", "mel_frames"],
-            outputs=["audio_embeds", "audio_attention_mask"],
-        ),
+        "vision": stream_spec(model, "frame_stream", frame_inputs, ["visual_embeds"]),
+        "audio": stream_spec(model, "audio_stream", audio_inputs, ["audio_embeds", "audio_attention_mask"]),
     }
 
 
@@ -427,7 +444,7 @@ def errors_only(logger: str):
 
 
 def export_graph(
-    spec: dict,
+    spec: GraphSpec,
     weights: Weights,
     path: Path,
     opset: int,
@@ -440,20 +457,20 @@ def export_graph(
     checkpoint into a .data file as the graph is written (through `rewrite`'s lazy tensors where it quantizes), so
     only the small graph proto is ever edited and checked in memory; small graphs are then made single-file."""
     quiet = errors_only("torch.onnx._internal.exporter._registration")
-    with torch.no_grad(), warnings.catch_warnings(), quiet, fused_nodes(spec["module"]) if fused else nullcontext():
+    with torch.no_grad(), warnings.catch_warnings(), quiet, fused_nodes(spec.module) if fused else nullcontext():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            spec["module"],
-            spec["args"],
-            dynamic_shapes=spec["dynamic"],
-            input_names=spec["inputs"],
-            output_names=spec["outputs"],
+            spec.module,
+            spec.args,
+            dynamic_shapes=spec.dynamic_shapes,
+            input_names=list(spec.inputs),
+            output_names=spec.outputs,
             dynamo=True,
             opset_version=opset,
             optimize=False,
             verbose=False,
         )
-    bind_weights(program.model.graph, spec["module"], weights)
+    bind_weights(program.model.graph, spec.module, weights)
     with lazy_folding():
         program.optimize()
     if rewrite:

@@ -13,10 +13,10 @@ import shlex
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from ..errors import EnvironmentFailure
-from .onnx_export import graph_specs
+from .onnx_export import GraphSpec, graph_specs
 
 RUNNER = "pytorch-reference"
 
@@ -38,13 +38,12 @@ def recording(runtime):
 
 
 @torch.no_grad()
-def reference_outputs(spec: dict, feeds: dict) -> dict:
+def reference_outputs(spec: GraphSpec, feeds: dict) -> dict:
     """The exported module's outputs on a graph run's feeds (floating inputs in fp32, as the reference runs)."""
-    _, structure = tree_flatten(spec["args"])
-    leaves = [torch.from_numpy(feeds[name]) for name in spec["inputs"]]
+    leaves = [torch.from_numpy(feeds[name]) for name in spec.inputs]
     leaves = [t.float() if t.is_floating_point() else t for t in leaves]
-    outputs, _ = tree_flatten(spec["module"](*tree_unflatten(leaves, structure)))
-    return {name: t.float().numpy() for name, t in zip(spec["outputs"], outputs, strict=True)}
+    outputs, _ = tree_flatten(spec.module(*spec.arguments(leaves)))
+    return {name: t.float().numpy() for name, t in zip(spec.outputs, outputs, strict=True)}
 
 
 def save(calls: list, reference, folder: Path, out: Path, bounds: tuple[float, float]) -> list[str]:
