@@ -5,14 +5,13 @@ Heavy imports (torch, transformers) happen inside the commands so `--help` stays
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 from pathlib import Path
 
 import click
 
-from . import __version__, memory
+from . import __version__
 from .errors import one_line
 from .folders import CONVERTED, ENGINES, ONNX, TRAINING_OUTPUT, resolve
 from .modeling import families  # plain Python: --help imports no torch
@@ -81,26 +80,6 @@ def report(code: int, line: str) -> int:
 @click.version_option(__version__, prog_name="dattn-export")
 def main():
     """From D-Attn (decomposed attention) training output to verified, deployable artifacts."""
-
-
-def run() -> None:
-    """The console entry point: freed memory given back at once (`memory.return_freed_blocks`), `main`, then a quick
-    exit. Tearing down torch's and transformers' modules takes over a second and does nothing for a finished command,
-    so after the exit handlers and a flush of the output streams the process ends without it."""
-    code = 0
-    memory.return_freed_blocks()
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code
-    if not isinstance(code, int):  # None: success; a string is printed, as sys.exit does
-        if code is not None:
-            print(code, file=sys.stderr)
-        code = 0 if code is None else 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def print_prompt_result(

@@ -155,7 +155,7 @@ def test_a_bug_of_ours_is_exit_1_with_a_line_asking_for_the_traceback(checkpoint
     script = (
         "import sys\nfrom dattn_export.stages import info\n"
         "info.describe = lambda *a, **k: {}['no such key']\n"
-        "from dattn_export.cli import run\nsys.argv = ['dattn-export', 'info', sys.argv[1]]\nrun()"
+        "from dattn_export.__main__ import run\nsys.argv = ['dattn-export', 'info', sys.argv[1]]\nrun()"
     )
     result = subprocess.run([sys.executable, "-c", script, checkpoint], capture_output=True, text=True)
     line = one_line(result, 1)
