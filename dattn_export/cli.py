@@ -13,7 +13,7 @@ import click
 
 from . import __version__
 from .errors import one_line
-from .folders import CONVERTED, ENGINES, ONNX, TRAINING_OUTPUT, resolve
+from .folders import BACKENDS, CONVERTED, ONNX, TRAINING_OUTPUT, resolve
 from .modeling import families  # plain Python: --help imports no torch
 
 FAMILIES = tuple(families.FAMILIES)
@@ -195,7 +195,7 @@ VIDEO_OPTIONS = [
         'dattn-export generate ./onnx --backend genai --prompt "$(cat prompt.txt)" --image cat.png --max-new-tokens 64',
     )
 )
-@click.argument("checkpoint", type=click.Path())
+@click.argument("checkpoint", type=click.Path(), metavar="FOLDER")
 @click.option("--prompt", required=True, help="Text prompt.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="Image file (repeatable).")
 @video_options
@@ -204,11 +204,12 @@ VIDEO_OPTIONS = [
 )
 @click.option(
     "--backend",
-    type=click.Choice(["torch", "genai"]),
+    type=click.Choice(list(BACKENDS)),
     default="torch",
     show_default=True,
-    help="torch: the PyTorch reference on a checkpoint; genai: onnxruntime-genai on an `onnx` export folder (the "
-    "context by our graphs on ONNX Runtime, once).",
+    help="torch: the PyTorch reference on a checkpoint or converted folder; ort: an `onnx` folder on ONNX Runtime "
+    "CPU; trt: a `trt` engines folder on a GPU; genai: onnxruntime-genai decoding an `onnx` folder (the context by "
+    "our graphs on ONNX Runtime, once).",
 )
 def generate(
     checkpoint: str,
@@ -220,13 +221,16 @@ def generate(
     max_new_tokens: int,
     backend: str,
 ):
-    """Greedy generation with the PyTorch reference model (a smoke test for a checkpoint folder), or with
-    onnxruntime-genai on an ONNX export."""
-    checkpoint = resolve(checkpoint, "generate", *((ONNX,) if backend == "genai" else TRAINING_OUTPUT))
-    from .stages.generate import Media, run_prompt, run_prompt_genai
+    """Greedy generation from FOLDER: a checkpoint or converted folder with the PyTorch reference model, or the
+    exported graphs with the backend that runs them."""
+    checkpoint = resolve(checkpoint, f"generate --backend {backend}", *BACKENDS[backend], hub=backend == "torch")
+    from .stages.generate import Media, run_prompt, run_prompt_graphs
 
     media = Media(images=list(images), video=video, frames=frames, audio=audio)
-    result = (run_prompt_genai if backend == "genai" else run_prompt)(checkpoint, prompt, media, max_new_tokens)
+    if backend == "torch":
+        result = run_prompt(checkpoint, prompt, media, max_new_tokens)
+    else:
+        result = run_prompt_graphs(checkpoint, prompt, media, max_new_tokens, backend)
     print_prompt_result("dattn-export generate", result, [("checkpoint", str(checkpoint))])
 
 
@@ -499,7 +503,7 @@ def onnx_command(
 @click.option("--against", type=click.Path(), help="Reference checkpoint (default: the export's source).")
 @click.option(
     "--backend",
-    type=click.Choice(["ort", "trt"]),
+    type=click.Choice(["ort", "trt"]),  # those of BACKENDS that run the graphs the reference is compared with
     default="ort",
     show_default=True,
     help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU.",
@@ -552,7 +556,7 @@ def validate(
     """Run the graphs in FOLDER (an `onnx` export, or with --backend trt a `trt` engines folder) and compare them
     with the PyTorch reference; exit 1 beyond tolerance. A video model takes --video, --frames or --audio (default:
     the demo video's frames and sound)."""
-    out = resolve(out, f"validate --backend {backend}", ONNX if backend == "ort" else ENGINES, hub=False)
+    out = resolve(out, f"validate --backend {backend}", *BACKENDS[backend], hub=False)
     against = against and resolve(against, "validate --against", *TRAINING_OUTPUT)
     from .stages.generate import Media
     from .stages.validate import validate as run_validate

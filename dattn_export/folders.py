@@ -35,11 +35,22 @@ CONVERTED = FolderKind(
     "convert",
     "CONVERTED",
 )
-ONNX = FolderKind("an ONNX export", ONNX_MANIFEST, "`validate`, `trt` and `generate --backend genai`", "onnx", "ONNX")
-ENGINES = FolderKind("a TensorRT engines folder", TRT_MANIFEST, "`validate --backend trt`", "trt", "ENGINES")
+ONNX = FolderKind(
+    "an ONNX export", ONNX_MANIFEST, "`validate`, `trt` and `generate --backend ort|genai`", "onnx", "ONNX"
+)
+ENGINES = FolderKind(
+    "a TensorRT engines folder", TRT_MANIFEST, "`validate --backend trt` and `generate --backend trt`", "trt", "ENGINES"
+)
 PIPELINE = (CHECKPOINT, CONVERTED, ONNX, ENGINES)
 TRAINING_OUTPUT = (CHECKPOINT, CONVERTED)  # what the checkpoint readers take (a converted folder is one)
 MAKES_FROM = {CONVERTED: (CHECKPOINT,), ONNX: TRAINING_OUTPUT, ENGINES: (ONNX,)}
+# what runs a model, one name per runtime for every command (each takes those it can use), and the folder it reads
+BACKENDS = {
+    "torch": TRAINING_OUTPUT,  # the PyTorch reference
+    "ort": (ONNX,),  # our graphs on ONNX Runtime
+    "trt": (ENGINES,),  # our graphs as TensorRT engines
+    "genai": (ONNX,),  # onnxruntime-genai decoding, the context by our graphs on ONNX Runtime
+}
 
 
 def kind_of(path: Path) -> FolderKind:

@@ -498,7 +498,7 @@ CASES = {
     "verify: ONNX export given": (
         lambda ws: (["verify", ws.folder("onnx")], ws.folder("onnx")),
         2,
-        "is an ONNX export (for `validate`, `trt` and `generate --backend genai`); `verify` takes",
+        "is an ONNX export (for `validate`, `trt` and `generate --backend ort|genai`); `verify` takes",
     ),
     # --- onnx ---
     "onnx: opset 17": (

@@ -62,8 +62,8 @@ def marked(root: Path, name: str, manifest: str | None) -> Path:
     "command, given, expected",
     [
         (["convert", "{onnx}", "-o", "{root}/out"], "onnx", "is an ONNX export (for `validate`, `trt` and `generate"),
-        (["generate", "{onnx}", "--prompt", "hi"], "onnx", "`generate` takes training output"),
-        (["info", "{engines}"], "engines", "is a TensorRT engines folder (for `validate --backend trt`)"),
+        (["generate", "{onnx}", "--prompt", "hi"], "onnx", "`generate --backend torch` takes training output"),
+        (["info", "{engines}"], "engines", "is a TensorRT engines folder (for `validate --backend trt` and `generate"),
         (["verify", "{checkpoint}"], "checkpoint", "first run `dattn-export convert {checkpoint} -o CONVERTED`"),
         (["serve", "{checkpoint}"], "checkpoint", "not a converted folder: first run `dattn-export convert"),
         (["push", "{onnx}", "--repo-id", "a/b"], "onnx", "`push` takes a converted folder"),

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..artifacts import OnnxManifest
 from ..checkpoints.names import parameter_counts
 from ..checkpoints.source import build_model, folder_config, open_source
 from ..errors import InputError
@@ -137,27 +136,50 @@ def graph_context(graphs, folder: Path, config, media: DecodedMedia) -> tuple[li
     return graphs.encode_images(prepare_pictures(media.images, config.mm_image_aspect_ratio, processor)[None].numpy())
 
 
-def run_prompt_genai(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> PromptResult:
-    """The same prompt through an ONNX export: the context by our graphs on ONNX Runtime (once), the decoding by
-    onnxruntime-genai (`runtime.genai`)."""
-    from ..runtime.genai import GenaiRuntime
+GRAPH_RUNTIMES = {"ort": "ONNX Runtime", "trt": "TensorRT", "genai": "onnxruntime-genai"}
 
+
+def open_runtime(folder: Path, backend: str):
+    """The runtime that decodes with `backend` (folders.BACKENDS), and the one that runs our context graphs."""
+    if backend == "genai":
+        from ..runtime.genai import GenaiRuntime
+
+        runtime = GenaiRuntime(folder)
+        return runtime, runtime.graphs
+    if backend == "trt":
+        from ..runtime.tensorrt import TrtModel
+
+        runtime = TrtModel(folder)
+    else:
+        from ..runtime.ort import OrtModel
+
+        runtime = OrtModel(folder)
+    return runtime, runtime
+
+
+def run_prompt_graphs(folder: Path, prompt: str, media: Media, max_new_tokens: int, backend: str) -> PromptResult:
+    """The same prompt through exported graphs: the context by our graphs (once), the greedy decoding by our decoder
+    graph on ONNX Runtime (ort) or TensorRT (trt), or by onnxruntime-genai (genai)."""
     seconds: dict[str, float] = {}
     folder = Path(folder)
-    OnnxManifest.read(folder, "an ONNX export (generate --backend genai runs the graphs `dattn-export onnx` wrote)")
     config = folder_config(folder)
     media.check(config)
     decoded = decode_media(media)
     tokenizer, eos = load_tokenizer(folder, config), eos_token_id(folder, config)
-    with stage("load the graphs and genai's model", seconds):
-        runtime = GenaiRuntime(folder)
-    graphs, ids = runtime.graphs, tokenizer(prompt, return_tensors="np")["input_ids"]
-    with stage("encode the context: K/V for every layer (our graphs on ONNX Runtime)", seconds):
+    name = GRAPH_RUNTIMES[backend]
+    with stage(f"load the graphs ({name})", seconds):
+        runtime, graphs = open_runtime(folder, backend)
+    ids = tokenizer(prompt, return_tensors="np")["input_ids"]
+    with stage("encode the context: K/V for every layer (our graphs)", seconds):
         context = graph_context(graphs, folder, config, decoded)
-    with stage(f"generate up to {max_new_tokens} tokens with onnxruntime-genai (greedy)", seconds):
-        generated, _ = runtime.generate(ids, context, max_new_tokens)
-    generated = generated[: generated.index(eos) + 1] if eos in generated else generated
     caches, mask = context
+    with stage(f"generate up to {max_new_tokens} tokens with {name} (greedy)", seconds):
+        if backend == "genai":
+            generated, _ = runtime.generate(ids, context, max_new_tokens)
+        else:
+            attention = np.ones_like(ids)
+            generated = runtime.generate(ids, attention, caches, max_new_tokens, eos, mask)[0].tolist()
+    generated = generated[: generated.index(eos) + 1] if eos in generated else generated
     return PromptResult(
         prompt_ids=ids[0].tolist(),
         generated_ids=generated,
