@@ -146,14 +146,9 @@ def open_runtime(folder: Path, backend: str):
 
         runtime = GenaiRuntime(folder)
         return runtime, runtime.graphs
-    if backend == "trt":
-        from ..runtime.tensorrt import TrtModel
+    from ..runtime import open_graphs
 
-        runtime = TrtModel(folder)
-    else:
-        from ..runtime.ort import OrtModel
-
-        runtime = OrtModel(folder)
+    runtime = open_graphs(folder, backend)
     return runtime, runtime
 
 

@@ -23,8 +23,8 @@ from ..checkpoints.source import load_model
 from ..errors import InputError
 from ..modeling.images import anyres_tiles, prepare_pictures
 from ..processing import load_image_processor, load_tokenizer, open_image
+from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
-from ..runtime.ort import OrtModel
 from ..sidefiles import read_json, reading
 from . import polygraphy_data, quantize
 from .demo import DEMO_PROMPT, DEMO_VIDEO_FPS, DEMO_VIDEO_PROMPT, demo_audio, demo_frames, demo_image
@@ -132,12 +132,7 @@ def validate(
     reference outputs in polygraphy's format (`polygraphy_data`). The logits pass where every element is within
     `atol + rtol * |reference|` (default atol: `TOLERANCES` of the graphs' dtype) and the greedy tokens agree."""
     folder = Path(folder)
-    if backend == "trt":
-        from ..runtime.tensorrt import TrtModel
-
-        runtime = TrtModel(folder)
-    else:
-        runtime = OrtModel(folder, threads)
+    runtime = open_graphs(folder, backend, threads)
     manifest = runtime.manifest
     against = Path(against or manifest.source.path)
     if not against.exists():
