@@ -242,17 +242,29 @@ class ExportedModel:
     mel_frames_per_audio_token: int | None = None  # a sample's audio tokens: its log-mel frames // this
 
 
+SCHEMES = {"int4": 4, "int8": 8}  # weight-only quantization: its bits per weight
+
+
 @dataclass(frozen=True)
-class Quantization:
-    """How visual_kv.onnx and decoder.onnx were quantized, weight-only (stages/quantize.py; its `Scheme` is what
-    --quantize asked for, these fields and the counts)."""
+class Scheme:
+    """What --quantize asked for (stages/quantize.py does it)."""
 
     scheme: str  # int4 | int8
-    block_size: int
-    symmetric: bool
-    lm_head: bool
-    accuracy_level: int  # MatMulNBits' compute: 4 = int8 activations, 0 = fp32
-    embedding: bool = False  # the table's Gather quantized too (GatherBlockQuantized)
+    block_size: int = 32
+    symmetric: bool = True
+    lm_head: bool = False  # quantized too (by default it stays fp32: the logits are what the gate judges)
+    embedding: bool = False  # the embedding table quantized too (GatherBlockQuantized; by default it stays fp32)
+    accuracy_level: int = 4  # MatMulNBits' compute: 4 = int8 activations (fast with int8 dot products), 0 = fp32
+
+    @property
+    def bits(self) -> int:
+        return SCHEMES[self.scheme]
+
+
+@dataclass(frozen=True)
+class Quantization(Scheme):
+    """How visual_kv.onnx and decoder.onnx were quantized, as the export's manifest records it."""
+
     matmuls: dict[str, int] = field(default_factory=dict)  # per graph: MatMuls turned into MatMulNBits
     kept: str = ""  # what keeps the export's dtype, and why
 

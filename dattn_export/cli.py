@@ -448,8 +448,8 @@ def onnx_command(
     if quantize is None:
         refuse_quantize_options()
     checkpoint = resolve(checkpoint, "onnx", *TRAINING_OUTPUT)
+    from .artifacts import Scheme
     from .stages.onnx_export import export_onnx
-    from .stages.quantize import Scheme
     from .ui import err, summary_table
     from .ui import out as stdout
 

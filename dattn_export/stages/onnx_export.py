@@ -48,6 +48,7 @@ from torch.export import Dim
 from .. import __version__, memory
 from ..artifacts import (
     DTYPES,
+    SCHEMES,
     AttentionExport,
     ExportedModel,
     ExportSource,
@@ -55,6 +56,7 @@ from ..artifacts import (
     GraphValue,
     OnnxManifest,
     Quantization,
+    Scheme,
     Tool,
     Wings,
     atomic_dir,
@@ -74,7 +76,7 @@ from ..plugins.onnx_node import attach_function, fused_nodes
 from ..runtime.genai import GENAI_CONFIG, write_genai_config
 from ..runtime.ort import external_tensors
 from ..sidefiles import read_json
-from .quantize import KEPT, QUANTIZED_GRAPHS, SCHEMES, Scheme, quantize_graph, quantized_bytes
+from .quantize import KEPT, QUANTIZED_GRAPHS, quantize_graph, quantized_bytes
 
 DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
 SUPPORTED_OPSETS = range(18, 24)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-SCHEMES = {"int4": 4, "int8": 8}
+from ..artifacts import Scheme
+
 QUANTIZED_GRAPHS = ("visual_kv", "decoder")  # the LLM's layers: 8 B of a 9 B model's parameters
 KEPT = (
     "the vision and audio towers keep the export's dtype: they run once per picture or part of a video, not once "
@@ -32,37 +33,23 @@ MS_DOMAIN = "com.microsoft"
 EMBEDDING_ROWS_BYTES = 64 << 20  # the embedding table is quantized this many bytes of rows at a time
 
 
-@dataclass(frozen=True)
-class Scheme:
-    """What --quantize asked for."""
+def weight_quantizer(scheme: Scheme, bits: int | None = None):
+    """ONNX Runtime's weight-only quantizer for the scheme (`bits`: another width than the scheme's)."""
+    # its import calls logging.basicConfig(level=INFO): every later pass's INFO line (thousands at full size)
+    # would reach the user's terminal, so the root logger is put back as it was
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
+    )
 
-    scheme: str  # int4 | int8
-    block_size: int = 32
-    symmetric: bool = True
-    lm_head: bool = False  # quantized too (by default it stays fp32: the logits are what the gate judges)
-    embedding: bool = False  # the embedding table quantized too (GatherBlockQuantized; by default it stays fp32)
-    accuracy_level: int = 4  # MatMulNBits' compute: 4 = int8 activations (fast with int8 dot products), 0 = fp32
-
-    @property
-    def bits(self) -> int:
-        return SCHEMES[self.scheme]
-
-    def quantizer(self, bits: int | None = None):
-        # its import calls logging.basicConfig(level=INFO): every later pass's INFO line (thousands at full size)
-        # would reach the user's terminal, so the root logger is put back as it was
-        root = logging.getLogger()
-        handlers, level = root.handlers[:], root.level
-        from onnxruntime.quantization.matmul_nbits_quantizer import (
-            DefaultWeightOnlyQuantConfig,
-            DefaultWeightOnlyQuantizer,
-        )
-
-        root.handlers[:] = handlers
-        root.setLevel(level)
-        config = DefaultWeightOnlyQuantConfig(
-            block_size=self.block_size, is_symmetric=self.symmetric, bits=bits or self.bits
-        )
-        return DefaultWeightOnlyQuantizer(config)
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    config = DefaultWeightOnlyQuantConfig(
+        block_size=scheme.block_size, is_symmetric=scheme.symmetric, bits=bits or scheme.bits
+    )
+    return DefaultWeightOnlyQuantizer(config)
 
 
 @dataclass(frozen=True)
@@ -112,7 +99,7 @@ class QuantizedMatrix:
         if self.held is None:
             # C order: the quantizer's kernel reads the buffer as it lies, and a folded Transpose is a strided view
             matrix = np.ascontiguousarray(self.weight.numpy(), dtype=np.float32)
-            self.held = self.scheme.quantizer().qbits_block_quant(matrix)
+            self.held = weight_quantizer(self.scheme).qbits_block_quant(matrix)
         part = self.held[index]
         self.taken.add(index)
         if len(self.taken) == count:
@@ -130,7 +117,7 @@ class QuantizedTable:
 
     def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
         rows = max(1, int(EMBEDDING_ROWS_BYTES // (self.width * self.table.dtype.itemsize)))
-        quantize = self.scheme.quantizer(bits=4).quantize_ndarray
+        quantize = weight_quantizer(self.scheme, bits=4).quantize_ndarray
         if hasattr(self.table, "weight"):  # bound to its checkpoint tensor (onnx_export.StreamedWeight): chunk by chunk
             pieces = (c.numpy() for c in self.table.weight.chunks(rows * self.width))
         else:
