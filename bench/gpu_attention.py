@@ -36,21 +36,21 @@ def main() -> None:
 
     heads, kv_heads, dim, dtype = 32, 8, 128, torch.float16
     print(f"{'|V|':>6}{'phase':>9}{'dattn kernel ms':>17}{'SDPA ms':>10}{'speed-up':>10}")
-    for num_visual in (576, 2304, 9216):
+    for num_context in (576, 2304, 9216):
         for phase, queries, past in (("prefill", 64, 0), ("decode", 1, 64)):
             keys = past + queries
             rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype)  # noqa: E731
             q, k, v = rand(1, heads, queries, dim), rand(1, kv_heads, keys, dim), rand(1, kv_heads, keys, dim)
-            k_vis, v_vis = rand(1, kv_heads, num_visual, dim), rand(1, kv_heads, num_visual, dim)
+            k_vis, v_vis = rand(1, kv_heads, num_context, dim), rand(1, kv_heads, num_context, dim)
             key_mask = torch.ones(1, keys, dtype=torch.bool, device="cuda")
-            visual_mask = torch.ones(1, num_visual, dtype=torch.bool, device="cuda")
-            ours = timed(lambda: decomposed_attention(q, k, v, key_mask, q, k_vis, v_vis, visual_mask, dim**-0.5))
+            context_mask = torch.ones(1, num_context, dtype=torch.bool, device="cuda")
+            ours = timed(lambda: decomposed_attention(q, k, v, key_mask, q, k_vis, v_vis, context_mask, dim**-0.5))
             all_k = torch.cat([k_vis, k], 2).repeat_interleave(heads // kv_heads, 1)
             all_v = torch.cat([v_vis, v], 2).repeat_interleave(heads // kv_heads, 1)
-            slots = torch.arange(num_visual + keys, device="cuda")
-            mask = slots[None, :] <= (num_visual + past + torch.arange(queries, device="cuda"))[:, None]
+            slots = torch.arange(num_context + keys, device="cuda")
+            mask = slots[None, :] <= (num_context + past + torch.arange(queries, device="cuda"))[:, None]
             sdpa = timed(lambda: F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask))
-            print(f"{num_visual:>6}{phase:>9}{ours:>17.3f}{sdpa:>10.3f}{sdpa / ours:>9.2f}x")
+            print(f"{num_context:>6}{phase:>9}{ours:>17.3f}{sdpa:>10.3f}{sdpa / ours:>9.2f}x")
     sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"]))
 
 

@@ -4,7 +4,7 @@ One random mid-size config (hidden 1024, 8 layers, 16 heads, 8 KV heads, vocab 3
 `dattn` (diagonal V2V, debiased T2V, alpha merge) with the fused attention op, and `sattn` (conventional
 attention) as a plain export (standard ONNX ops), as the baseline a user would otherwise ship. At |V| = 576, 2304,
 9216 visual tokens and 64 text tokens each measurement runs in its own process:
-  prefill      visual_kv.onnx on the image + decoder.onnx on the prompt
+  prefill      context_kv.onnx on the image + decoder.onnx on the prompt
   2nd prompt   decoder.onnx on another prompt, the image's visual K/V reused (cached)
   decode step  decoder.onnx on one token with 64 past tokens
 and its peak RSS is read from the kernel. Prints the table and writes onnx_scaling.png.
@@ -21,7 +21,7 @@ Targets (issue 5): t_prefill(9216) / t_prefill(2304) <= 4.5; D-Attn >= 2.5x fast
 Long video (`--long-video`, issue 17): the same mid-size decoder as a video model (Vidi_7B's layout: frames through
 a tiny SigLIP, 49 tokens a frame; audio through a tiny Whisper; text attends to each stream with its own softmax),
 exported with `dattn-export onnx`. At 4k, 16k and 64k context tokens (3/4 frames, 1/4 audio), each in its own
-process: the time to build the context caches (vision.onnx and audio.onnx part by part, visual_kv into
+process: the time to build the context caches (vision.onnx and audio.onnx part by part, context_kv into
 preallocated caches), a decode step's time (16-token prompt, then one token) and the peak RSS after each; the
 caches' own bytes are subtracted. Target: peak RSS beyond the caches within 10% from 4k to 64k.
 
@@ -93,7 +93,7 @@ def measure_video(folder: Path, context_tokens: int) -> dict:
     runtime = OrtModel(folder, threads=2)
     model, rng = runtime.manifest.model, np.random.default_rng(0)
     size = model.image_size
-    frames = rng.standard_normal((3 * context_tokens // 4 // model.visual_tokens_per_frame, 3, size, size), np.float32)
+    frames = rng.standard_normal((3 * context_tokens // 4 // model.tokens_per_frame, 3, size, size), np.float32)
     audio_session = runtime.sessions["audio"].get_inputs()[0]
     bins, chunk_frames = audio_session.shape[1], audio_session.shape[2]
     per_chunk = chunk_frames // model.mel_frames_per_audio_token
@@ -179,8 +179,8 @@ def visual_products() -> dict[tuple[int, int], int]:
     }
 
 
-def products_seconds(num_visual: int) -> float:
-    """The visual stream's products at `num_visual` tokens, each timed alone on ONNX Runtime CPU (2 threads, fp32,
+def products_seconds(num_context: int) -> float:
+    """The visual stream's products at `num_context` tokens, each timed alone on ONNX Runtime CPU (2 threads, fp32,
     best of 5): a floor for any graph that computes them there, whatever else it does."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -193,13 +193,13 @@ def products_seconds(num_visual: int) -> float:
         graph = helper.make_graph(
             [helper.make_node("MatMul", ["x", "w"], ["y"])],
             "product",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, num_visual, k])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, num_visual, n])],
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, num_context, k])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, num_context, n])],
             [weight],
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        x = {"x": np.ones((1, num_visual, k), np.float32)}
+        x = {"x": np.ones((1, num_context, k), np.float32)}
         session.run(None, x)
         total += count * best_of(5, lambda: session.run(None, x))
     return total
@@ -214,22 +214,22 @@ def best_of(runs: int, fn) -> float:
     return min(times)
 
 
-def measure(folder: Path, num_visual: int) -> dict:
-    """Runs in its own process: prefill, cached second prompt and decode step at `num_visual` visual tokens."""
+def measure(folder: Path, num_context: int) -> dict:
+    """Runs in its own process: prefill, cached second prompt and decode step at `num_context` visual tokens."""
     from dattn_export.runtime.ort import OrtModel
 
     runtime = OrtModel(folder, threads=2)
     rng = np.random.default_rng(0)
     hidden = runtime.manifest.model.hidden_size
-    embeds = rng.standard_normal((1, num_visual, hidden), dtype=np.float32)
+    embeds = rng.standard_normal((1, num_context, hidden), dtype=np.float32)
     prompt = rng.integers(3, 32000, (1, TEXT_TOKENS))
     mask = np.ones((1, TEXT_TOKENS), np.int64)
     empty = runtime.empty_kv(1)
-    visual = runtime.encode_visual(embeds)  # warm-up
+    visual = runtime.encode_context(embeds)  # warm-up
     state = {}
 
     def prefill():
-        state["visual"] = runtime.encode_visual(embeds)
+        state["visual"] = runtime.encode_context(embeds)
         state["logits"], state["past"] = runtime.decode(prompt, mask, empty, state["visual"])
 
     prefill_s = best_of(2, prefill)
@@ -241,7 +241,7 @@ def measure(folder: Path, num_visual: int) -> dict:
     return {"prefill_s": prefill_s, "cached_prompt_s": cached_s, "decode_ms": 1000 * decode_s}
 
 
-def measured(folder: Path, num_visual: int) -> dict:
+def measured(folder: Path, num_context: int) -> dict:
     """`measure` in a child process with a memory cap; adds its peak RSS (this process stays small, so the
     forked child's peak is its own), or the failure."""
 
@@ -249,7 +249,7 @@ def measured(folder: Path, num_visual: int) -> dict:
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
 
     child = subprocess.Popen(
-        [sys.executable, __file__, "--measure", str(folder), str(num_visual)],
+        [sys.executable, __file__, "--measure", str(folder), str(num_context)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         preexec_fn=cap,
@@ -296,10 +296,10 @@ def main() -> None:
                 f"export ({mode}, {layers} layers): {seconds:.1f} s, peak RSS {rss / 1e9:.2f} GB = "
                 f"{rss / weight_bytes:.2f} x the {weight_bytes / 1e9:.2f} GB of weights (target <= 1.5)"
             )
-        for num_visual in VISUAL_TOKENS:  # the two modes side by side at each size: the VM's speed drifts
+        for num_context in VISUAL_TOKENS:  # the two modes side by side at each size: the VM's speed drifts
             for mode in ("dattn", "sattn"):
-                print(f"  {mode} |V|={num_visual} ...", file=sys.stderr, flush=True)
-                results[mode, num_visual] = measured(work / f"{mode}-8-onnx", num_visual)
+                print(f"  {mode} |V|={num_context} ...", file=sys.stderr, flush=True)
+                results[mode, num_context] = measured(work / f"{mode}-8-onnx", num_context)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # about 4 GB of checkpoints and graphs
     (_, _, big_weights, big_rss), (_, _, weights, rss) = exports[:2]
@@ -313,12 +313,12 @@ def main() -> None:
 
 def report(results: dict, products_s: float, plot: Path) -> None:
     print(f"{'mode':<7}{'|V|':>6}{'prefill s':>11}{'2nd prompt s':>14}{'decode ms':>11}{'peak RSS':>10}")
-    for (mode, num_visual), r in sorted(results.items()):
+    for (mode, num_context), r in sorted(results.items()):
         if "failed" in r:
-            print(f"{mode:<7}{num_visual:>6}  failed: {r['failed']}, peak RSS {r['rss'] / 1e9:.1f} GB")
+            print(f"{mode:<7}{num_context:>6}  failed: {r['failed']}, peak RSS {r['rss'] / 1e9:.1f} GB")
             continue
         print(
-            f"{mode:<7}{num_visual:>6}{r['prefill_s']:>11.3f}{r['cached_prompt_s']:>14.4f}{r['decode_ms']:>11.1f}"
+            f"{mode:<7}{num_context:>6}{r['prefill_s']:>11.3f}{r['cached_prompt_s']:>14.4f}{r['decode_ms']:>11.1f}"
             f"{r['rss'] / 1e9:>9.2f}G"
         )
     d = {v: results["dattn", v] for v in VISUAL_TOKENS}

@@ -6,7 +6,7 @@ kept fp32 as by default); `--quantize int4 --quantize-lm-head` ("int4+head": at 
 fp32, as much as a fifth of the layers); and "int4+all", the embedding table too (`--quantize-embedding`,
 GatherBlockQuantized). Each (runtime, weights) pair runs in its own process (2 threads), its peak RSS
 read from the kernel, at |V| = 2304 visual tokens and a 64-token prompt:
-  TTFT cold     the image's K/V (visual_kv.onnx) + the prompt's prefill, to the first token
+  TTFT cold     the image's K/V (context_kv.onnx) + the prompt's prefill, to the first token
   TTFT cached   the prefill alone, the image's K/V reused
   TPOT          each of 32 decode steps: p50 and p99; tokens/s from their mean; ours also at |V| = 64, where a
                 step reads 2 MB of visual K/V instead of 75 MB (fp32 at 2304 visual tokens, whatever the weights)
@@ -75,7 +75,7 @@ def measure(folder: Path, runtime_name: str) -> dict:
             genai.generate(prompt, context, 1)
 
     def context() -> tuple:
-        return graphs.encode_visual(embeds), np.ones((1, VISUAL_TOKENS), np.int64)
+        return graphs.encode_context(embeds), np.ones((1, VISUAL_TOKENS), np.int64)
 
     first_token(context())  # warm-up
     start = time.perf_counter()
@@ -94,7 +94,7 @@ def measure(folder: Path, runtime_name: str) -> dict:
         "tokens_per_s": float(1000 / steps.mean()),
     }
     if genai is None:  # a short context: the step bound by the weights, not by the visual K/V it reads
-        short = graphs.encode_visual(embeds[:, :SHORT_VISUAL_TOKENS]), np.ones((1, SHORT_VISUAL_TOKENS), np.int64)
+        short = graphs.encode_context(embeds[:, :SHORT_VISUAL_TOKENS]), np.ones((1, SHORT_VISUAL_TOKENS), np.int64)
         result["tpot_short_p50_ms"] = float(np.percentile(ort_steps(graphs, prompt, short), 50) * 1000)
     return result
 
@@ -119,8 +119,8 @@ def genai_steps(genai, prompt: np.ndarray, context: tuple) -> list[float]:
     params.set_search_options(max_length=PROMPT_TOKENS + STEPS + 1, do_sample=False)
     generator = og.Generator(genai.model, params)
     caches, mask = context
-    generator.set_model_input("visual_attention_mask", mask.view(np.int64))
-    for name, cache in zip(genai.graphs.visual_names, caches, strict=True):
+    generator.set_model_input("context_attention_mask", mask.view(np.int64))
+    for name, cache in zip(genai.graphs.context_names, caches, strict=True):
         generator.set_model_input(name, np.ascontiguousarray(cache))
     generator.append_tokens(prompt.astype(np.int32))
     generator.generate_next_token()

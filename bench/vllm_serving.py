@@ -112,9 +112,9 @@ def ort_rows(onnx_folder: Path, converted: Path) -> list[dict]:
     for concurrent in CONCURRENCY:
         start = time.perf_counter()
         pixels = prepare(pictures[:concurrent])[:, None].numpy()  # (batch, 1 image, 3, H, W)
-        visual, visual_mask = graphs.encode_images(pixels)
+        visual, context_mask = graphs.encode_images(pixels)
         batch = np.repeat(ids, concurrent, axis=0)
-        tokens = graphs.generate(batch, np.ones_like(batch), visual, NEW_TOKENS, visual_mask=visual_mask)
+        tokens = graphs.generate(batch, np.ones_like(batch), visual, NEW_TOKENS, context_mask=context_mask)
         rows.append(row("ORT (ours)", concurrent, tokens.size, time.perf_counter() - start))
     return rows
 

@@ -21,6 +21,7 @@ import torch
 
 from .errors import DattnError, EnvironmentFailure, InputError, from_os_error
 from .folders import CONVERT_MANIFEST, ONNX_MANIFEST, TRT_MANIFEST
+from .modeling.streams import context_graphs
 from .sidefiles import read_json, reading
 
 VALIDATION_REPORT = "validation_report.json"
@@ -45,6 +46,7 @@ REMOTE_CODE = (
     "attention.py",
     "images.py",
     "families.py",
+    "streams.py",
 )  # so OUT loads with trust_remote_code
 
 
@@ -231,13 +233,13 @@ class ExportedModel:
     head_dim: int
     vocab_size: int
     image_size: int
-    visual_tokens_per_image: int
+    tokens_per_image: int
     text_positions: str
     wings: Wings | None
     audio_tower: str | None = None  # a checkpoint's audio tower: what it does (audio.onnx), or why it has no graph
     input_type: str = "image"  # image | video (mm_input_type)
-    num_contexts: int = 1  # context streams the decoder's visual_attention_mask names: video: 1 frames, 2 audio
-    visual_tokens_per_frame: int | None = None
+    num_contexts: int = 1  # the segments of the decoder's context_attention_mask (modeling/streams.py)
+    tokens_per_frame: int | None = None
     max_video_frames: int | None = None  # past it the released pool resizes its grids, which vision.onnx does not
     mel_frames_per_audio_token: int | None = None  # a sample's audio tokens: its log-mel frames // this
 
@@ -263,7 +265,7 @@ class Scheme:
 
 @dataclass(frozen=True)
 class Quantization(Scheme):
-    """How visual_kv.onnx and decoder.onnx were quantized, as the export's manifest records it."""
+    """How context_kv.onnx and decoder.onnx were quantized, as the export's manifest records it."""
 
     matmuls: dict[str, int] = field(default_factory=dict)  # per graph: MatMuls turned into MatMulNBits
     kept: str = ""  # what keeps the export's dtype, and why
@@ -273,6 +275,9 @@ class Quantization(Scheme):
 class AttentionExport:
     implementation: str  # fused | standard
     op: dict | None  # the fused op's domain, type, version and plugin attributes
+
+
+ONNX_FORMAT = "dattn-export-onnx/2"  # /2: "context" names the graphs' context inputs (were "visual", audio included)
 
 
 @dataclass
@@ -294,11 +299,11 @@ class OnnxManifest(Manifest):
     genai: str | None = None  # genai_config.json (onnxruntime-genai drives the decoder), or why it cannot
 
     def check(self, path: Path) -> None:
-        needed = (
-            ("vision", "audio", "visual_kv", "decoder")
-            if self.model.input_type == "video"
-            else ("vision", "visual_kv", "decoder")
-        )
+        if self.format != ONNX_FORMAT:
+            raise InputError(
+                path, f"is a {self.format} export, this dattn-export reads {ONNX_FORMAT}: run `onnx` again"
+            )
+        needed = context_graphs(self.model.input_type)
         missing = [name for name in needed if name not in self.graphs]
         if missing:
             raise InputError(path, f"names no {', '.join(missing)} graph: the export is incomplete (run `onnx` again)")

@@ -406,7 +406,7 @@ def verify(out: str, against: str | None, base, vision_heads):
 @click.option(
     "--quantize",
     type=click.Choice(["int4", "int8"]),
-    help="Weight-only quantization of the LLM's MatMuls in visual_kv.onnx and decoder.onnx (ONNX Runtime's "
+    help="Weight-only quantization of the LLM's MatMuls in context_kv.onnx and decoder.onnx (ONNX Runtime's "
     "MatMulNBits); validate then applies the accuracy gate instead of the fp32 tolerance.",
 )
 @click.option(
@@ -444,7 +444,7 @@ def onnx_command(
     base,
     vision_heads,
 ):
-    """Export vision.onnx, visual_kv.onnx and decoder.onnx (+ onnx_manifest.json) from any checkpoint convert reads."""
+    """Export vision.onnx, context_kv.onnx and decoder.onnx (+ onnx_manifest.json) from any checkpoint convert reads."""
     if quantize is None:
         refuse_quantize_options()
     checkpoint = resolve(checkpoint, "onnx", *TRAINING_OUTPUT)
@@ -456,7 +456,7 @@ def onnx_command(
     scheme = quantize and Scheme(
         quantize, int(block_size), not asymmetric, quantize_lm_head, quantize_embedding, accuracy_level
     )
-    with err.status("exporting vision.onnx, visual_kv.onnx, decoder.onnx") as status:
+    with err.status("exporting vision.onnx, context_kv.onnx, decoder.onnx") as status:
         manifest = export_onnx(
             checkpoint,
             out,
@@ -578,8 +578,8 @@ def validate(
 def shared_weight_rows(manifest) -> list[tuple[str, str]]:
     from .artifacts import human_bytes
 
-    shared = manifest.graphs["visual_kv"].weight_bytes_in_decoder_data
-    return [("shared weights", f"visual_kv.onnx reads {human_bytes(shared)} from decoder.onnx.data")] if shared else []
+    shared = manifest.graphs["context_kv"].weight_bytes_in_decoder_data
+    return [("shared weights", f"context_kv.onnx reads {human_bytes(shared)} from decoder.onnx.data")] if shared else []
 
 
 def quantization_rows(q) -> list[tuple[str, str]]:
@@ -713,7 +713,7 @@ def push(
 @main.command(
     epilog=examples(
         "dattn-export trt ./onnx -o ./engines --fp16",
-        "dattn-export trt ./onnx -o ./engines --max-batch 4 --opt sequence=64 --max visual_sequence=4608,images=2",
+        "dattn-export trt ./onnx -o ./engines --max-batch 4 --opt sequence=64 --max context_sequence=4608,images=2",
     )
 )
 @click.argument("out", type=click.Path(), metavar="ONNX")
@@ -728,12 +728,14 @@ def push(
     help="Most prompts an engine runs at once (shorthand for --max batch=N).",
 )
 @click.option(
-    "--max-visual-tokens",
+    "--max-context-tokens",
+    "--max-visual-tokens",  # its name before audio joined the context
+    "max_context_tokens",
     type=click.IntRange(min=1),
     default=2304,
     show_default=True,
     help="Most context tokens a prompt carries (every image's, or a video's frames and audio; shorthand for "
-    "--max visual_sequence=N).",
+    "--max context_sequence=N).",
 )
 @click.option(
     "--max-text-tokens",
@@ -748,7 +750,7 @@ def push(
     type=AXIS_SIZES,
     multiple=True,
     help="Profile minimum per axis, AXIS=N[,AXIS=N] (repeatable; the axes are the dynamic ones onnx_manifest.json "
-    "names: batch, sequence, visual_sequence, ...).",
+    "names: batch, sequence, context_sequence, ...).",
 )
 @click.option("--opt", "opt_axes", type=AXIS_SIZES, multiple=True, help="Profile optimum per axis (as --min).")
 @click.option(
@@ -766,7 +768,7 @@ def trt(
     engines: Path,
     precision,
     max_batch,
-    max_visual_tokens,
+    max_context_tokens,
     max_text_tokens,
     min_axes,
     opt_axes,
@@ -784,7 +786,7 @@ def trt(
     limits = Limits(
         max_batch=max_batch,
         max_text_tokens=max_text_tokens,
-        max_visual_tokens=max_visual_tokens,
+        max_context_tokens=max_context_tokens,
         min=merged(min_axes),
         opt=merged(opt_axes),
         max=merged(max_axes),

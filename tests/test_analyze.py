@@ -28,9 +28,9 @@ def materialised_masses(model, ids, streams, image_after):
     config = model.config
     calls = []
 
-    def recording_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords):
-        calls.append(dict(q=q, k=k, q_vis=q_vis, k_vis=k_vis, segments=visual_mask[0]))
-        return dattn_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords)
+    def recording_op(q, k, v, key_mask, q_vis, k_vis, v_vis, context_mask, **keywords):
+        calls.append(dict(q=q, k=k, q_vis=q_vis, k_vis=k_vis, segments=context_mask[0]))
+        return dattn_op(q, k, v, key_mask, q_vis, k_vis, v_vis, context_mask, **keywords)
 
     with using_op(model, recording_op):
         model(ids, **streams)
@@ -68,7 +68,7 @@ def test_analyze_matches_materialised_softmax(tmp_path, family):
     tokenizer = load_tokenizer(checkpoint, model.config)
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(report.tokens)])
     with torch.no_grad():
-        streams = dict(visual_key_values=model.model.encode_visual(model.model.embed_images(pixels)))
+        streams = dict(context_key_values=model.model.encode_context(model.model.embed_images(pixels)))
         expected = materialised_masses(model, ids, streams, report.image_after_token).numpy()  # (L, 3, T)
     np.testing.assert_allclose(np.array(report.visual_mass), expected[:, 0], atol=1e-5, rtol=0)
     after = expected[:, :, report.image_after_token :].mean(-1)

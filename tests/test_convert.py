@@ -85,7 +85,7 @@ def test_info_reports_layout_parameters_and_dtypes(tmp_path):
     assert report.parameters["vision tower"] == vision
     assert sum(report.parameters.values()) == sum(t.numel() for t in tensors.values())
     assert report.bytes == 2 * sum(t.numel() for t in tensors.values()) and report.problems == []
-    assert report.architecture["kv_heads"] == 1 and report.architecture["visual_tokens_per_image"] == 16
+    assert report.architecture["kv_heads"] == 1 and report.architecture["tokens_per_image"] == 16
 
 
 def test_verify_detects_tampering(tmp_path):

@@ -56,12 +56,12 @@ def test_third_family_decodes_with_cached_visual_kv(llama):
     pixels = images(2, 1)
     with torch.no_grad():
         full = model(ids, pixels, mask).logits
-        visual_kv = model.model.encode_visual(model.model.embed_images(pixels))
-        out = model(ids[:, :4], attention_mask=mask[:, :4], visual_key_values=visual_kv)
+        context_kv = model.model.encode_context(model.model.embed_images(pixels))
+        out = model(ids[:, :4], attention_mask=mask[:, :4], context_key_values=context_kv)
         steps = [out.logits]
         for t in range(4, ids.shape[1]):
             out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=out.past_key_values,
-                        visual_key_values=visual_kv)  # fmt: skip
+                        context_key_values=context_kv)  # fmt: skip
             steps.append(out.logits)
     keep = mask.bool()
     torch.testing.assert_close(torch.cat(steps, dim=1)[keep], full[keep], atol=1e-5, rtol=0)

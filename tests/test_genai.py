@@ -31,15 +31,15 @@ def test_genai_generates_the_reference_tokens(tmp_path, family):
     pixels = load_images([checkpoint / "demo.png"], model.config, load_image_processor(checkpoint, model.config))
     context = runtime.graphs.encode_images(pixels.numpy())
     with torch.no_grad():
-        visual, visual_mask = model.model.encode_images(pixels)
+        visual, context_mask = model.model.encode_images(pixels)
         for prompt in PROMPTS:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
             tokens, logits = runtime.generate(ids.numpy(), context, 20)
             full = torch.cat([ids, torch.tensor([tokens])], dim=1)[:, :-1]
-            expected = model(full, visual_key_values=visual, visual_mask=visual_mask).logits[0, ids.shape[1] - 1 :]
+            expected = model(full, context_key_values=visual, context_mask=context_mask).logits[0, ids.shape[1] - 1 :]
             assert len(tokens) == 20 and tokens == expected.argmax(-1).tolist()
             assert np.abs(np.stack(logits) - expected.numpy()).max() <= 1e-4
-            reference = model.generate(ids, max_new_tokens=20, visual_key_values=visual, visual_mask=visual_mask)
+            reference = model.generate(ids, max_new_tokens=20, context_key_values=visual, context_mask=context_mask)
             assert tokens == reference[0].tolist()
 
 

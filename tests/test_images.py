@@ -137,7 +137,7 @@ def test_validate_and_the_model_see_the_released_pixels(clip_model, tmp_path):
     report = ValidationReport("", "", "ort", "float32", 1e-4, 0, 0)
     streams, got_kv, _ = image_context(OrtModel(exported), model, exported, Media(images=[path]), report)
     flat = [t for layer in expected for t in layer]
-    assert all(torch.equal(a, b) for a, b in zip([t for kv in streams["visual_key_values"] for t in kv], flat))
+    assert all(torch.equal(a, b) for a, b in zip([t for kv in streams["context_key_values"] for t in kv], flat))
     assert all(torch.equal(a, b) for a, b in zip([t for kv in mine for t in kv], flat))
     assert max(np.abs(g - e.numpy()).max() for g, e in zip(got_kv, flat)) < 1e-4  # ONNX Runtime, the same pixels
 

@@ -31,9 +31,9 @@ def problem(dtype, batch, heads, kv_heads, queries, past, visual, dim, seed):
     keys = past + queries
     key_mask = torch.ones(batch, keys, dtype=torch.bool)
     key_mask[0, : min(2, past)] = False  # left padding
-    visual_mask = torch.ones(batch, visual, dtype=torch.bool)
+    context_mask = torch.ones(batch, visual, dtype=torch.bool)
     if visual > 4:
-        visual_mask[-1, -3:] = False
+        context_mask[-1, -3:] = False
     return (
         rand(batch, heads, queries, dim),
         rand(batch, kv_heads, keys, dim),
@@ -42,7 +42,7 @@ def problem(dtype, batch, heads, kv_heads, queries, past, visual, dim, seed):
         rand(batch, heads, queries, dim),
         rand(batch, kv_heads, visual, dim),
         rand(batch, kv_heads, visual, dim),
-        visual_mask.to(DEVICE),
+        context_mask.to(DEVICE),
     )
 
 
@@ -120,15 +120,15 @@ def test_kernel_without_causality():
 @pytest.mark.parametrize("merge", ["alpha", "sum"])
 def test_kernel_causal_visual_and_lse(merge):
     args = problem(torch.float32, 2, 4, 2, 6, 3, 21, 32, seed=5)
-    attributes = Attributes(0.2, merge=merge, causal_visual=1, window=8)
+    attributes = Attributes(0.2, merge=merge, causal_context=1, window=8)
     out, lse_v, lse_t = launch(*args, attributes, return_lse=True)
     torch.testing.assert_close(out, contract.reference(args, attributes), atol=1e-4, rtol=0)
     # the LSEs are the log-sum-exp of each segment's logits, computed literally
-    q, k, _, key_mask, q_vis, k_vis, _, visual_mask = args
+    q, k, _, key_mask, q_vis, k_vis, _, context_mask = args
     slots = torch.arange(21 + 9, device=DEVICE)
     query_slots = slots[-6:]
     for lse, query, keys, key_slots, mask in (
-        (lse_v, q_vis, k_vis, slots[:21], visual_mask),
+        (lse_v, q_vis, k_vis, slots[:21], context_mask),
         (lse_t, q, k, slots[21:], key_mask),
     ):
         logits = query @ keys.repeat_interleave(2, 1).transpose(-1, -2) * 0.2

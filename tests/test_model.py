@@ -57,12 +57,12 @@ def test_diagonal_visual_stream_equals_transformers_on_single_tokens(family):
     hf = transformers_llm(model)
     with torch.no_grad():
         visual = model.model.embed_images(images(2, 2))
-        ours = model.model.encode_visual(visual)
-        batch, num_visual, hidden = visual.shape
-        cache = hf.model(inputs_embeds=visual.reshape(batch * num_visual, 1, hidden), use_cache=True).past_key_values
+        ours = model.model.encode_context(visual)
+        batch, num_context, hidden = visual.shape
+        cache = hf.model(inputs_embeds=visual.reshape(batch * num_context, 1, hidden), use_cache=True).past_key_values
     for layer, (k, v) in enumerate(ours):
         for got, theirs in ((k, cache.layers[layer].keys), (v, cache.layers[layer].values)):
-            expected = theirs.reshape(batch, num_visual, *theirs.shape[1:]).squeeze(3).transpose(1, 2)
+            expected = theirs.reshape(batch, num_context, *theirs.shape[1:]).squeeze(3).transpose(1, 2)
             torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
@@ -93,8 +93,8 @@ def test_visual_kv_independent_of_text(family, mode):
     with torch.no_grad():
         ids_a, mask_a = left_padded_batch([5, 3], seed=1)
         ids_b, mask_b = left_padded_batch([12, 12], seed=2)
-        a = model(ids_a, pixels, mask_a).visual_key_values
-        b = model(ids_b, pixels, mask_b).visual_key_values
+        a = model(ids_a, pixels, mask_a).context_key_values
+        b = model(ids_b, pixels, mask_b).context_key_values
     for (ka, va), (kb, vb) in zip(a, b):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
@@ -123,16 +123,16 @@ def test_incremental_decoding_equals_full_forward(family, mode):
     pixels = images(2, 2)
     with torch.no_grad():
         full = model(ids, pixels, mask).logits
-        visual_kv = model.model.encode_visual(model.model.embed_images(pixels))  # an earlier call's K/V
+        context_kv = model.model.encode_context(model.model.embed_images(pixels))  # an earlier call's K/V
         prompt = 4
-        out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], visual_key_values=visual_kv)
+        out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], context_key_values=context_kv)
         steps = [out.logits]
         for t in range(prompt, ids.shape[1]):
             out = model(
                 ids[:, t : t + 1],
                 attention_mask=mask[:, : t + 1],
                 past_key_values=out.past_key_values,
-                visual_key_values=visual_kv,
+                context_key_values=context_kv,
             )
             steps.append(out.logits)
     incremental = torch.cat(steps, dim=1)
@@ -162,8 +162,8 @@ def test_mmca_visual_stream_is_attention_within_each_image(family):
     per_image = config.patch_grid**2
     with torch.no_grad():
         visual = m.embed_images(images(2, 3))
-        together = m.encode_visual(visual)
-        alone = m.encode_visual(visual[:, per_image : 2 * per_image])
+        together = m.encode_context(visual)
+        alone = m.encode_context(visual[:, per_image : 2 * per_image])
         for (k, v), (k_alone, v_alone) in zip(together, alone):
             torch.testing.assert_close(k[:, :, per_image : 2 * per_image], k_alone, atol=ATOL, rtol=0)
             torch.testing.assert_close(v[:, :, per_image : 2 * per_image], v_alone, atol=ATOL, rtol=0)

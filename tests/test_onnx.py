@@ -34,9 +34,9 @@ def test_onnx_runtime_matches_reference(tmp_path, family, mode):
     # greedy generation through the graphs with the KV cache: the reference's tokens
     ids, mask = left_padded_batch([9])
     pixels = images(1, 1)
-    visual, visual_mask = runtime.encode_images(pixels.numpy())
+    visual, context_mask = runtime.encode_images(pixels.numpy())
     expected = model.generate(ids, pixels, mask, max_new_tokens=20)
-    got = runtime.generate(ids.numpy(), mask.numpy(), visual, 20, visual_mask=visual_mask)
+    got = runtime.generate(ids.numpy(), mask.numpy(), visual, 20, context_mask=context_mask)
     assert got.tolist() == expected.tolist()
 
     # one image's visual K/V, reused for two prompts, gives each prompt's from-scratch logits
@@ -56,11 +56,11 @@ def test_chunked_visual_encoding_and_prompt_pieces_equal_one_run(tmp_path, monke
     export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
     runtime = OrtModel(tmp_path / "onnx")
     embeds, _ = runtime.embed_images(images(2, 3).numpy())  # 48 visual tokens
-    whole, chunked = runtime.encode_visual(embeds), runtime.encode_visual(embeds, chunk=10)
+    whole, chunked = runtime.encode_context(embeds), runtime.encode_context(embeds, chunk=10)
     for a, b in zip(whole, chunked):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
     with torch.no_grad():
-        reference = model.model.encode_visual(torch.from_numpy(embeds))
+        reference = model.model.encode_context(torch.from_numpy(embeds))
     np.testing.assert_allclose(chunked[-1], reference[-1][1].numpy(), atol=1e-5, rtol=0)
     ids, mask = (t.numpy() for t in left_padded_batch([9, 6]))
     whole_logits, whole_past = runtime.decode(ids, mask, runtime.empty_kv(2), whole)
@@ -79,7 +79,7 @@ def test_large_graphs_keep_weights_in_external_data(tmp_path, monkeypatch):
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
     model = build_model("mistral")
     export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
-    for graph in ("vision", "visual_kv", "decoder"):
+    for graph in ("vision", "context_kv", "decoder"):
         data = tmp_path / "onnx" / f"{graph}.onnx.data"
         assert data.is_file() and data.stat().st_size > 10_000, graph
         proto = onnx.load(tmp_path / "onnx" / f"{graph}.onnx", load_external_data=False)
@@ -88,8 +88,8 @@ def test_large_graphs_keep_weights_in_external_data(tmp_path, monkeypatch):
 
 
 def test_visual_kv_reads_the_decoders_weights_from_its_data_file(tmp_path, monkeypatch):
-    """Every layer weight visual_kv.onnx has in common with decoder.onnx (the norms, K/V projections and MLPs) is on
-    the disk once, in decoder.onnx.data, at the bytes the decoder reads; o_proj's folded group sum is visual_kv's own.
+    """Every layer weight context_kv.onnx has in common with decoder.onnx (the norms, K/V projections and MLPs) is on
+    the disk once, in decoder.onnx.data, at the bytes the decoder reads; o_proj's folded group sum is context_kv's own.
     Each data file holds exactly what the graphs read from it."""
     import dattn_export.stages.onnx_export as onnx_export
     from dattn_export.runtime.ort import external_tensors
@@ -102,14 +102,14 @@ def test_visual_kv_reads_the_decoders_weights_from_its_data_file(tmp_path, monke
         g: external_tensors(onnx.load(folder / f"{g}.onnx", load_external_data=False).graph) for g in manifest.graphs
     }
     decoder_ranges = set(ranges["decoder"].values())
-    shared = {name: r for name, r in ranges["visual_kv"].items() if r[0] == "decoder.onnx.data"}
+    shared = {name: r for name, r in ranges["context_kv"].items() if r[0] == "decoder.onnx.data"}
     assert set(shared.values()) <= decoder_ranges
-    assert sum(length for _, _, length in shared.values()) == manifest.graphs["visual_kv"].weight_bytes_in_decoder_data
+    assert sum(length for _, _, length in shared.values()) == manifest.graphs["context_kv"].weight_bytes_in_decoder_data
     layers = model.config.num_hidden_layers
     # k_proj, v_proj and the MLP's three of each layer (the last layer's o_proj and MLP are dropped: their output is
     # never read), and both norms where they are used
     assert len([r for r in shared.values() if r[2] > 4 * model.config.hidden_size]) == 2 * layers + 3 * (layers - 1)
-    own = [length for file, _, length in ranges["visual_kv"].values() if file == "visual_kv.onnx.data"]
+    own = [length for file, _, length in ranges["context_kv"].values() if file == "context_kv.onnx.data"]
     config = model.config  # o_proj summed over each query group: (kv heads x head dim, hidden) in fp32
     assert own == [config.num_key_value_heads * config.head_dim * config.hidden_size * 4] * (layers - 1)
     for graph, found in ranges.items():
@@ -132,8 +132,8 @@ def test_fused_node_and_function(tmp_path):
     assert [(f.domain, f.name) for f in decoder.functions] == [("dattn", "DecomposedAttention")]
     assert {(o.domain, o.version) for o in decoder.opset_import} == {("", 18), ("dattn", 1)}
     assert decoder.ir_version <= 10
-    # the visual stream is diagonal: no attention node at all in visual_kv.onnx
-    assert not [n for n in onnx.load(tmp_path / "onnx" / "visual_kv.onnx").graph.node if n.domain == "dattn"]
+    # the visual stream is diagonal: no attention node at all in context_kv.onnx
+    assert not [n for n in onnx.load(tmp_path / "onnx" / "context_kv.onnx").graph.node if n.domain == "dattn"]
     # every RMSNorm (four a layer, the final one) runs as ONNX Runtime's fused kernel
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
@@ -147,7 +147,7 @@ def test_standard_attention_and_fp16(tmp_path):
     model = build_model("mistral", dattn_diagonal=False)  # V2V is then attention too
     checkpoint = checkpoint_of(model, tmp_path / "ckpt")
     export_onnx(checkpoint, tmp_path / "standard", attention="standard")
-    for graph in ("visual_kv", "decoder"):
+    for graph in ("context_kv", "decoder"):
         assert not [n for n in onnx.load(tmp_path / "standard" / f"{graph}.onnx").graph.node if n.domain]
     runtime = OrtModel(tmp_path / "standard")
     run_case(model, runtime, 3, 52, 0, 2, seed=7)
@@ -206,7 +206,7 @@ def test_the_verdict_is_numpys_allclose(atol, rtol):
         got = (expected + torch.randn(4, 50, generator=g) * scale).numpy()
         comparison = Comparison.of("decoder", "logits", got, expected, (atol, rtol))
         assert comparison.within == np.allclose(got, expected.numpy(), rtol=rtol, atol=atol), (scale, atol, rtol)
-    assert Comparison.of("vision", "visual_embeds", got, expected).within is None  # not gated
+    assert Comparison.of("vision", "context_embeds", got, expected).within is None  # not gated
 
 
 def test_error_percentiles_are_numpys():
@@ -252,7 +252,7 @@ def test_onnx_bad_input(tmp_path, args, expected):
 def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path, monkeypatch, family, dtype):
     """Our export traces stand-in weights and streams each weight from the checkpoint as it writes (lazy folds of the
     weights included, the tied head's transpose a block of rows at a time): every graph's .onnx.data is byte for byte
-    what torch.onnx.export writes for the model with its weights loaded (visual_kv's tensor for tensor: it reads those
+    what torch.onnx.export writes for the model with its weights loaded (context_kv's tensor for tensor: it reads those
     the decoder holds from decoder.onnx.data)."""
     import warnings
 
@@ -284,7 +284,7 @@ def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path,
             )
         program.save(tmp_path / "torch" / f"{name}.onnx", external_data=True)
         ours = (tmp_path / "ours" / f"{name}.onnx.data").read_bytes()
-        if name != "visual_kv":
+        if name != "context_kv":
             assert ours == (tmp_path / "torch" / f"{name}.onnx.data").read_bytes(), name
         else:  # most of its tensors are read from decoder.onnx.data: each tensor's bytes are torch's
             assert len(ours) < (tmp_path / "torch" / f"{name}.onnx.data").stat().st_size / 2

@@ -39,9 +39,9 @@ def problem(batch, heads, kv_heads, queries, past, visual, dim, seed):
     keys = past + queries
     key_mask = torch.ones(batch, keys, dtype=torch.bool)
     key_mask[0, :2] = False  # left padding
-    visual_mask = torch.ones(batch, visual, dtype=torch.bool)
+    context_mask = torch.ones(batch, visual, dtype=torch.bool)
     if visual > 3:
-        visual_mask[-1, -3:] = False  # fewer images in the last row
+        context_mask[-1, -3:] = False  # fewer images in the last row
     return dict(
         q=rand(batch, heads, queries, dim),
         k=rand(batch, kv_heads, keys, dim),
@@ -50,12 +50,12 @@ def problem(batch, heads, kv_heads, queries, past, visual, dim, seed):
         q_vis=rand(batch, heads, queries, dim),
         k_vis=rand(batch, kv_heads, visual, dim),
         v_vis=rand(batch, kv_heads, visual, dim),
-        visual_mask=visual_mask,
+        context_mask=context_mask,
     )
 
 
 GRID = [
-    # heads, kv_heads, queries, past, visual, softcap, window, merge, causal_visual
+    # heads, kv_heads, queries, past, visual, softcap, window, merge, causal_context
     (8, 8, 5, 0, 7, None, None, "alpha", False),
     (8, 2, 5, 3, 7, None, None, "alpha", False),
     (8, 1, 1, 9, 13, 1.5, None, "alpha", False),  # decode step, GQA 8, soft-capping that bites
@@ -68,13 +68,15 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("heads, kv_heads, queries, past, visual, softcap, window, merge, causal_visual", GRID)
-def test_function_body_matches_reference(heads, kv_heads, queries, past, visual, softcap, window, merge, causal_visual):
+@pytest.mark.parametrize("heads, kv_heads, queries, past, visual, softcap, window, merge, causal_context", GRID)
+def test_function_body_matches_reference(
+    heads, kv_heads, queries, past, visual, softcap, window, merge, causal_context
+):
     inputs = problem(2, heads, kv_heads, queries, past, visual, 16, seed=heads + queries + visual)
     attributes = Attributes.from_reference(
-        scale=0.3, softcap=softcap, window=window, merge=merge, causal_visual=causal_visual
+        scale=0.3, softcap=softcap, window=window, merge=merge, causal_context=causal_context
     )
-    variant = Variant(merge, softcap is not None, causal_visual, compute_cast=False)
+    variant = Variant(merge, softcap is not None, causal_context, compute_cast=False)
     node = single_node_model(attributes.node_attributes(heads, kv_heads, 16), variant)
     session = ort.InferenceSession(node, providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {n: t.numpy() for n, t in inputs.items()})
@@ -89,7 +91,7 @@ def test_function_body_with_context_segments(lengths, merge, queries, window):
     """N context segments (a video model's frames and audio): the mask gives each key's segment (int64, as the
     decoder graphs feed it), one row without segment 2."""
     inputs = problem(2, 8, 2, queries, 5, sum(lengths), 16, seed=sum(lengths) + queries)
-    inputs["key_mask"], inputs["visual_mask"] = inputs["key_mask"].long(), context_segments(2, lengths)
+    inputs["key_mask"], inputs["context_mask"] = inputs["key_mask"].long(), context_segments(2, lengths)
     attributes = Attributes.from_reference(
         scale=0.3, softcap=2.0, window=window, merge=merge, num_contexts=len(lengths)
     )

@@ -39,9 +39,9 @@ def test_quantized_decoder_passes_the_gate(trained, scheme):
     assert exported.returncode == 0 and "[INFO]" not in exported.stderr, exported.stderr[-2000:]  # no library's logs
     manifest = json.loads((out / "onnx_manifest.json").read_text())
     assert manifest["quantization"]["scheme"] == scheme
-    visual_kv = [n.op_type for n in onnx.load(out / "visual_kv.onnx").graph.node]
-    assert manifest["quantization"]["matmuls"] == {"visual_kv": visual_kv.count("MatMulNBits"), "decoder": 21}
-    assert "MatMul" not in visual_kv  # the visual stream's layers: every weight quantized
+    context_kv = [n.op_type for n in onnx.load(out / "context_kv.onnx").graph.node]
+    assert manifest["quantization"]["matmuls"] == {"context_kv": context_kv.count("MatMulNBits"), "decoder": 21}
+    assert "MatMul" not in context_kv  # the visual stream's layers: every weight quantized
     graph = onnx.load(out / "decoder.onnx")
     ops = [n.op_type for n in graph.graph.node]
     assert ops.count("MatMulNBits") == 21 and ops.count("DecomposedAttention") == 3  # 3 layers x 7
@@ -181,7 +181,7 @@ def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_pa
         assert (tmp_path / "streamed" / f"{name}.onnx.data").stat().st_size == written  # no weight written unread
         quantized = sum(n.op_type == "MatMulNBits" for n in got.graph.node)
         assert quantized == manifest.quantization.matmuls[name] > 0
-        if name == "visual_kv":  # every matrix, o_proj's group sum (folded whatever its size) too: each layer's
+        if name == "context_kv":  # every matrix, o_proj's group sum (folded whatever its size) too: each layer's
             # k_proj and v_proj, and o_proj and the MLP's three of all layers but the last (whose output is not read)
             layers = config.num_hidden_layers
             scales = {n.input[2] for n in got.graph.node if n.op_type == "MatMulNBits"}

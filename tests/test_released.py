@@ -88,9 +88,9 @@ def test_onnx_runtime_equals_released_forward(tmp_path, family):
     export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
     runtime = OrtModel(tmp_path / "onnx")
     ids, pixels = prompts()
-    visual, visual_mask = runtime.encode_images(pixels.numpy())
-    assert visual_mask.tolist() == [[1] * 16, [0] * 16]
-    logits, _ = runtime.decode(ids.numpy(), np.ones_like(ids.numpy()), runtime.empty_kv(2), visual, visual_mask)
+    visual, context_mask = runtime.encode_images(pixels.numpy())
+    assert context_mask.tolist() == [[1] * 16, [0] * 16]
+    logits, _ = runtime.decode(ids.numpy(), np.ones_like(ids.numpy()), runtime.empty_kv(2), visual, context_mask)
     with torch.no_grad():
         expected = vidi_logits(model, ids, [image_stream(model, pixels[:, 0])]).numpy()
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
@@ -181,9 +181,9 @@ def test_anyres_equals_released_forward(family, case):
     with torch.no_grad():
         stream = anyres_stream(model, tiles, sizes)
         expected = vidi_logits(model, ids, [stream])
-        visual, visual_mask = model.model.encode_anyres(tiles, sizes)
-        got = model(ids, visual_key_values=visual, visual_mask=visual_mask).logits
-    assert torch.equal(visual_mask, stream[1]) and visual_mask.sum(-1).tolist()[0] == 16 + 2 * 16
+        visual, context_mask = model.model.encode_anyres(tiles, sizes)
+        got = model(ids, context_key_values=visual, context_mask=context_mask).logits
+    assert torch.equal(context_mask, stream[1]) and context_mask.sum(-1).tolist()[0] == 16 + 2 * 16
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
@@ -217,10 +217,10 @@ def test_generate_tiles_an_image_for_anyres_models(tmp_path):
     processor = load_image_processor(folder, model.config)
     tiles = processor([image.resize((32, 32), resample=Image.BICUBIC), *patches], return_tensors="pt")
     with torch.no_grad():
-        visual, visual_mask = model.model.encode_anyres([tiles["pixel_values"]], [image.size])
+        visual, context_mask = model.model.encode_anyres([tiles["pixel_values"]], [image.size])
         ids = load_tokenizer(folder, model.config)("what is this", return_tensors="pt")["input_ids"]
         expected = model.generate(
-            ids, max_new_tokens=5, visual_key_values=visual, visual_mask=visual_mask, eos_token_id=2
+            ids, max_new_tokens=5, context_key_values=visual, context_mask=context_mask, eos_token_id=2
         )
     assert (width, height) == (64, 64) and result.visual_tokens == 16 + 64  # 90 x 50 keeps most in 2 x 2 tiles
     assert result.generated_ids == expected[0].tolist()

@@ -51,7 +51,7 @@ def test_tensorrt_rtx_parses_and_builds_every_graph(tmp_path, family, overrides)
     assert result.returncode == 0, result.stderr[-2000:]
     sizes = json.loads(result.stdout)
     graphs = (
-        {"vision", "audio", "visual_kv", "decoder"} if overrides.get("video") else {"vision", "visual_kv", "decoder"}
+        {"vision", "audio", "context_kv", "decoder"} if overrides.get("video") else {"vision", "context_kv", "decoder"}
     )
     assert set(sizes) == graphs and all(size > 10_000 for size in sizes.values())
 
@@ -61,10 +61,10 @@ def test_profiles_cover_prefill_decode_and_no_image():
         GraphValue("input_ids", "int64", ["batch", "sequence"]),
         GraphValue("attention_mask", "int64", ["batch", "total_sequence"]),
         GraphValue("past_key_values.0.key", "float", ["batch", 8, "past_sequence", 64]),
-        GraphValue("visual_key_values.0.key", "float", ["batch", 8, "visual_sequence", 64]),
+        GraphValue("context_key_values.0.key", "float", ["batch", 8, "context_sequence", 64]),
     ]
-    shapes = profile_shapes(decoder_inputs, Limits(max_batch=4, max_text_tokens=512, max_visual_tokens=9216))
+    shapes = profile_shapes(decoder_inputs, Limits(max_batch=4, max_text_tokens=512, max_context_tokens=9216))
     assert shapes["input_ids"] == ([1, 1], [4, 128], [4, 512])
     assert shapes["past_key_values.0.key"][0] == [1, 8, 0, 64]  # prefill: empty cache
-    assert shapes["visual_key_values.0.key"] == ([1, 8, 0, 64], [4, 8, 4608, 64], [4, 8, 9216, 64])
+    assert shapes["context_key_values.0.key"] == ([1, 8, 0, 64], [4, 8, 4608, 64], [4, 8, 9216, 64])
     assert shapes["attention_mask"][2] == [4, 512]

@@ -87,7 +87,7 @@ def test_engines_match_pytorch_with_plugin_and_with_function(tmp_path, family):
 
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt", family)
     export_onnx(checkpoint, tmp_path / "onnx")
-    limits = Limits(max_batch=2, max_text_tokens=128, max_visual_tokens=64)
+    limits = Limits(max_batch=2, max_text_tokens=128, max_context_tokens=64)
     for name, use_plugin in (("plugin", True), ("function", False)):
         manifest = build_engines(tmp_path / "onnx", tmp_path / name, "fp32", limits, None, False, use_plugin=use_plugin)
         assert manifest["plugin"] is use_plugin
@@ -106,9 +106,9 @@ def test_min_opt_max_set_named_axes_over_the_shorthands(tmp_path):
     from dattn_export.errors import InputError
     from dattn_export.stages.trt_build import Limits, profile_shapes
 
-    limits = Limits(max_batch=4, min={"sequence": 2}, opt={"sequence": 8}, max={"visual_sequence": 100, "images": 2})
+    limits = Limits(max_batch=4, min={"sequence": 2}, opt={"sequence": 8}, max={"context_sequence": 100, "images": 2})
     assert limits.axis("sequence") == (2, 8, 256)
-    assert limits.axis("visual_sequence") == (0, 100, 100)  # the shorthand's optimum (1152) clamped to the max
+    assert limits.axis("context_sequence") == (0, 100, 100)  # the shorthand's optimum (1152) clamped to the max
     assert limits.axis("batch") == (1, 4, 4) and limits.axis("images") == (1, 1, 2)
     shapes = profile_shapes([GraphValue("input_ids", "int64", ["batch", "sequence"])], limits)
     assert shapes["input_ids"] == ([1, 2], [4, 8], [4, 256])

@@ -20,8 +20,9 @@ from transformers import WhisperFeatureExtractor
 
 from dattn_export.checkpoints.source import load_model
 from dattn_export.errors import InputError
+from dattn_export.modeling import modeling_dattn
+from dattn_export.modeling.streams import AUDIO, FRAMES
 from dattn_export.processing import load_image_processor, load_tokenizer
-from dattn_export.runtime import graph as graph_runtime
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.demo import write_demo_checkpoint, write_video
 from dattn_export.stages.generate import Media, run_prompt
@@ -60,13 +61,13 @@ def test_model_equals_released_forward(family, case):
         streams, kwargs = [], {}
         if use_video:
             streams.append(video_stream(model, frames))
-            kwargs["visual_key_values"], kwargs["visual_mask"] = model.model.encode_video(frames)
+            kwargs["context_key_values"], kwargs["context_mask"] = model.model.encode_video(frames)
         if use_audio:
             streams.append(audio_stream(model, mels, mel_frames))
             kwargs["audio_key_values"], kwargs["audio_mask"] = model.model.encode_audio(mels, mel_frames)
         expected = vidi_logits(model, ids, streams)
         got = model(ids, **kwargs).logits
-    ours = [kwargs[key] for key in ("visual_mask", "audio_mask") if key in kwargs]
+    ours = [kwargs[key] for key in ("context_mask", "audio_mask") if key in kwargs]
     assert all(torch.equal(mask, theirs) for mask, (_, theirs) in zip(ours, streams, strict=True))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
@@ -82,6 +83,21 @@ def test_stream_shapes_follow_the_pool_rules(family):
     per_frame = 4 if family == "mistral" else 16
     assert video.shape == (2, 3 * per_frame, 64) and video_mask.sum(-1).tolist() == [3 * per_frame, 2 * per_frame]
     assert audio.shape == (2, 25, 64) and audio_mask.sum(-1).tolist() == [25, 10]  # 100 -> 50 -> 25; 41 -> 20 -> 10
+
+
+def test_audio_parts_pool_as_the_whole_sample_where_the_pool_does_not_divide_a_chunk(monkeypatch):
+    """mm_audio_pool_size 4 over a chunk's 30 encoder positions: a pooling window spans two chunks, so the parts
+    (one chunk a run asked) hold two chunks each; the part by part stream is the released whole-sample one."""
+    model = released_model("mistral", video=True, mm_audio_pool_size=4)
+    monkeypatch.setattr(AUDIO, "parts_per_run", 1)
+    generator = torch.Generator().manual_seed(1)
+    mels, mel_frames = [torch.randn(n, 16, 60, generator=generator) for n in (3, 1)], [170, 41]
+    with torch.no_grad():
+        got, got_mask = model.model.embed_audio(mels, mel_frames)
+        expected, expected_mask = audio_stream(model, mels, mel_frames)
+    assert model.model.audio_chunks_per_run() == 2 and got_mask.sum(-1).tolist() == [21, 5]  # 85 // 4, 20 // 4
+    assert torch.equal(got_mask, expected_mask)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
 def test_long_videos_are_resized_before_pooling():
@@ -101,9 +117,11 @@ def test_incremental_decoding_and_cached_streams(family):
     model = video_model(family)
     ids, frames, mels, mel_frames = inputs()
     with torch.no_grad():
-        visual, visual_mask = model.model.encode_video(frames)
+        visual, context_mask = model.model.encode_video(frames)
         audio, audio_mask = model.model.encode_audio(mels, mel_frames)
-        streams = dict(visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask)
+        streams = dict(
+            context_key_values=visual, context_mask=context_mask, audio_key_values=audio, audio_mask=audio_mask
+        )
         full = model(ids, **streams).logits
         out, pieces = model(ids[:, :5], **streams), []
         pieces.append(out.logits)
@@ -116,7 +134,7 @@ def test_incremental_decoding_and_cached_streams(family):
         second = ids.flip(1)
         fresh_visual, _ = model.model.encode_video(frames)
         fresh_audio, _ = model.model.encode_audio(mels, mel_frames)
-        fresh = dict(streams, visual_key_values=fresh_visual, audio_key_values=fresh_audio)
+        fresh = dict(streams, context_key_values=fresh_visual, audio_key_values=fresh_audio)
         torch.testing.assert_close(model(second, **streams).logits, model(second, **fresh).logits, atol=0, rtol=0)
 
 
@@ -130,7 +148,7 @@ def test_released_video_folder_through_the_commands(tmp_path, family):
     assert run_cli("info", folder).returncode == 0
     architecture = describe(folder).architecture
     assert architecture["input"] == "video" and "runs the audio stream" in architecture["audio_tower"]
-    assert architecture["visual_tokens_per_frame"] == (4 if family == "mistral" else 16)
+    assert architecture["tokens_per_frame"] == (4 if family == "mistral" else 16)
     assert architecture["audio_tokens_per_chunk"] == 15  # 30 encoder positions / mm_audio_pool_size 2
     converted = tmp_path / "converted"
     assert run_cli("convert", folder, "-o", converted).returncode == 0
@@ -143,10 +161,12 @@ def test_released_video_folder_through_the_commands(tmp_path, family):
     validated = run_cli("validate", tmp_path / "onnx", "--video", folder / "demo.mov", "--max-new-tokens", "6")
     assert validated.returncode == 0, validated.stdout + validated.stderr
     report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
-    assert report["passed"] and report["visual_tokens"] == 6 * architecture["visual_tokens_per_frame"]
+    assert report["passed"] and report["visual_tokens"] == 6 * architecture["tokens_per_frame"]
     assert report["audio_tokens"] == 3  # 6 s of sound: 300 of the 60-frame chunk's mel frames / 2 / pool 2 / 25
+    streams = {c["output"]: c["max_abs"] for c in report["comparisons"] if c["output"].endswith(" K/V")}
+    assert set(streams) == {"frames K/V", "audio K/V"} and max(streams.values()) < 1e-4  # each stream's K/V checked
     graphs = json.loads((tmp_path / "onnx" / "onnx_manifest.json").read_text())["graphs"]
-    assert set(graphs) == {"vision", "audio", "visual_kv", "decoder"}
+    assert set(graphs) == {"vision", "audio", "context_kv", "decoder"}
     assert graphs["decoder"]["fused_attention_nodes"] == 3  # one per layer, over both context streams
 
 
@@ -163,8 +183,8 @@ def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
     frames and audio built part by part (2 frames, 1 audio chunk a run), a batch whose second sample has no audio,
     incremental decoding equal to the full forward, and the context caches reused for a second prompt."""
     model, runtime = exported_video
-    monkeypatch.setattr(graph_runtime, "FRAME_CHUNK", 2)
-    monkeypatch.setattr(graph_runtime, "AUDIO_CHUNK", 1)
+    monkeypatch.setattr(FRAMES, "parts_per_run", 2)
+    monkeypatch.setattr(AUDIO, "parts_per_run", 1)
     ids, frames, mels, mel_frames = inputs()
     mels[1] = torch.zeros_like(mels[1])
     contexts = [
@@ -219,14 +239,14 @@ def test_generate_reads_a_video_file(tmp_path, family):
     mels = extractor(chunks, sampling_rate=16000, return_tensors="pt").input_features
     mel_frames = 480000 // 8000 + 160000 // 8000  # a mel frame per hop of the chunk's real samples: 60 + 20
     with torch.no_grad():
-        visual, visual_mask = model.model.encode_video([pixels])
+        visual, context_mask = model.model.encode_video([pixels])
         audio, audio_mask = model.model.encode_audio([mels], [mel_frames])
         prompt = load_tokenizer(folder, model.config)("what happens", return_tensors="pt")
         expected = model.generate(
             prompt["input_ids"],
             max_new_tokens=6,
-            visual_key_values=visual,
-            visual_mask=visual_mask,
+            context_key_values=visual,
+            context_mask=context_mask,
             audio_key_values=audio,
             audio_mask=audio_mask,
             eos_token_id=2,
@@ -289,8 +309,9 @@ def test_long_streams_run_in_chunks(monkeypatch, family):
     _, frames, mels, mel_frames = inputs()
     with torch.no_grad():
         whole = model.model.encode_video(frames), model.model.encode_audio(mels, mel_frames)
-        monkeypatch.setattr(type(model.model), "FRAME_CHUNK", 2)
-        monkeypatch.setattr(type(model.model), "STREAM_CHUNK", 7)
+        monkeypatch.setattr(FRAMES, "parts_per_run", 2)
+        monkeypatch.setattr(AUDIO, "parts_per_run", 1)
+        monkeypatch.setattr(modeling_dattn, "CONTEXT_CHUNK", 7)
         chunked = model.model.encode_video(frames), model.model.encode_audio(mels, mel_frames)
     for (caches, mask), (chunk_caches, chunk_mask) in zip(whole, chunked):
         assert torch.equal(mask, chunk_mask)

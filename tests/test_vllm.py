@@ -86,7 +86,7 @@ def reference(folder: Path, prompt: str | list[int], media: DecodedMedia, steps:
     if media.images and not model.config.is_anyres:  # the pixels the released path makes of the picture
         processor = with_output_size(load_image_processor(folder, model.config))
         rule = SimpleNamespace(mm_image_aspect_ratio=model.config.mm_image_aspect_ratio)
-        streams = dict(zip(("visual_key_values", "visual_mask"), model.model.encode_images(
+        streams = dict(zip(("context_key_values", "context_mask"), model.model.encode_images(
             process_images(media.images, processor, rule)[None]
         )))  # fmt: skip
     else:
@@ -212,6 +212,7 @@ def test_segments_give_each_segment_its_own_softmax(segments_present):
     reference's frames and audio softmaxes, summed; the frames' logits far above the audio's, so the audio's share
     of the one softmax is small; a video without sound adds nothing for it."""
     from dattn_export.modeling.attention import decomposed_attention
+    from dattn_export.modeling.streams import STREAMS
     from dattn_export.vllm_plugin.model import Segments
 
     torch.manual_seed(0)
@@ -228,7 +229,7 @@ def test_segments_give_each_segment_its_own_softmax(segments_present):
         out = F.scaled_dot_product_attention(by_head(q, heads), by_head(k, kv_heads), by_head(values, kv_heads))
         return out[0].transpose(0, 1).flatten(1)
 
-    segments = Segments(2, dim)
+    segments = Segments(STREAMS["video"], dim)
     got = segments.merge([cross_attention(values) for values in segments.values(v, segment)])
     no_text = torch.zeros(1, kv_heads, 0, dim)
     expected = decomposed_attention(

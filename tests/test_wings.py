@@ -56,21 +56,21 @@ def learner_attention(q, k, v, allowed, o_proj):
     return torch.cat(outs, dim=-1) @ o_proj[0].weight.T @ o_proj[1].weight.T
 
 
-def main_attention_mass(layer, q, q_vis, k, k_vis, key_mask, visual_mask):
+def main_attention_mass(layer, q, q_vis, k, k_vis, key_mask, context_mask):
     """(B, T, 2 * heads): per head [mass on visual keys, mass on text keys] of one softmax over all keys, from
     slots written out: visual keys at slots [0, V) (causal and windowed only when not debiased), text after."""
     attn = layer.self_attn
     heads, num_new = q.shape[1:3]
-    num_visual, num_text = k_vis.shape[2], k.shape[2]
-    q_slot = num_visual + num_text - num_new + torch.arange(num_new)
-    k_slot = torch.cat([torch.arange(num_visual), num_visual + torch.arange(num_text)])
-    is_text = torch.arange(num_visual + num_text) >= num_visual
+    num_context, num_text = k_vis.shape[2], k.shape[2]
+    q_slot = num_context + num_text - num_new + torch.arange(num_new)
+    k_slot = torch.cat([torch.arange(num_context), num_context + torch.arange(num_text)])
+    is_text = torch.arange(num_context + num_text) >= num_context
     ordered = (k_slot[None] <= q_slot[:, None]) & (
         attn.window is None or (q_slot[:, None] - k_slot[None] < attn.window)
     )
-    if not attn.causal_visual:  # debiased: every real visual key is visible
+    if not attn.causal_context:  # debiased: every real visual key is visible
         ordered = ordered | ~is_text[None]
-    allowed = ordered[None] & torch.cat([visual_mask, key_mask], dim=1).bool()[:, None]
+    allowed = ordered[None] & torch.cat([context_mask, key_mask], dim=1).bool()[:, None]
     features = []
     for h in range(heads):
         kv_head = h // (heads // k.shape[1])
@@ -93,16 +93,16 @@ def test_layer_equals_literal_formulas(family, mode):
     ids, key_mask = left_padded_batch([13, 10, 4])  # beyond Gemma's 8-token window
     batch, num_new = ids.shape
     pixels = images(batch, 2)
-    visual_mask = torch.ones(batch, 32, dtype=torch.long)
-    visual_mask[1, 20:] = 0  # a second image that is padding for row 1
+    context_mask = torch.ones(batch, 32, dtype=torch.long)
+    context_mask[1, 20:] = 0  # a second image that is padding for row 1
     generator = torch.Generator().manual_seed(3)
     h = torch.randn(batch, num_new, model.config.hidden_size, generator=generator)
     positions = (key_mask.cumsum(-1) - 1).clamp_min(0) + (0 if model.config.use_debias else 32)
     with torch.no_grad():
         embeds = model.model.embed_images(pixels)
-        visual = model.model.encode_visual(embeds, visual_mask)[0]
+        visual = model.model.encode_context(embeds, context_mask)[0]
         cos, sin = model.model.rotary_emb(h, positions)
-        got, cache = layer.text_forward(h, (cos, sin), None, visual, key_mask, visual_mask)
+        got, cache = layer.text_forward(h, (cos, sin), None, visual, key_mask, context_mask)
 
         # the visual learner's keys come from the visual stream's input to this layer (layer 0: the embeddings)
         x_vis = layer.input_layernorm(embeds)
@@ -116,13 +116,13 @@ def test_layer_equals_literal_formulas(family, mode):
         q_rot, k_main = rotate(q_main, cos, sin), rotate(split_heads(attn.k_proj(x), attn.head_dim), cos, sin)
         v_main = split_heads(attn.v_proj(x), attn.head_dim)
         q_vis = q_main if model.config.use_debias else q_rot
-        mass = main_attention_mass(layer, q_rot, q_vis, k_main, visual[0], key_mask, visual_mask)
+        mass = main_attention_mass(layer, q_rot, q_vis, k_main, visual[0], key_mask, context_mask)
         router = layer.wings_router
         weights = torch.softmax(mass @ router.weight.T + router.bias, dim=-1)
 
         q_v = split_heads(residual_low_rank(x, layer.wings_visual.q_proj), attn.head_dim)
         visual_out = learner_attention(
-            q_v, k_wv, v_wv, visual_mask.bool()[:, None, :].expand(-1, num_new, -1), layer.wings_visual.o_proj
+            q_v, k_wv, v_wv, context_mask.bool()[:, None, :].expand(-1, num_new, -1), layer.wings_visual.o_proj
         )
         text = layer.wings_text
         q_t = rotate(split_heads(residual_low_rank(x, text.q_proj), attn.head_dim), cos, sin)
@@ -132,7 +132,7 @@ def test_layer_equals_literal_formulas(family, mode):
         text_out = learner_attention(q_t, k_t, v_t, causal, text.o_proj)
 
         # the main attention is tested against transformers elsewhere: here it is the trusted term of the sum
-        main = attn.output(attn.attend(q_rot, k_main, v_main, key_mask, q_vis, visual[:2], visual_mask))
+        main = attn.output(attn.attend(q_rot, k_main, v_main, key_mask, q_vis, visual[:2], context_mask))
         expected = layer.residual_mlp(h, main + weights[..., :1] * visual_out + weights[..., 1:] * text_out)
 
     keep = key_mask.bool()
@@ -177,7 +177,7 @@ def test_incremental_decoding_equals_full_forward(family, mode):
                 ids[:, t : t + 1],
                 attention_mask=mask[:, : t + 1],
                 past_key_values=step.past_key_values,
-                visual_key_values=step.visual_key_values,
+                context_key_values=step.context_key_values,
             )
             pieces.append(step.logits)
         assert [len(layer) for layer in step.past_key_values] == [4, 2, 4]
@@ -243,6 +243,6 @@ def test_onnx_runtime_matches_reference(tmp_path, family, mode):
     report = validate(tmp_path / "onnx", steps=20)  # greedy tokens through the graphs, every cache part compared
     assert report.passed and report.agreement == 20
     assert {c.output for c in report.comparisons} >= {
-        "visual_key_values.0.wings_key",
-        "visual_key_values.2.wings_value",
+        "context_key_values.0.wings_key",
+        "context_key_values.2.wings_value",
     }

@@ -94,7 +94,7 @@ def materialize(
 
 # A unit's entry points: the decoder layers' streams are methods of their own, the towers' layers are called, a
 # position embedding is also asked for some positions (`at`).
-LAYER_ENTRY_POINTS = ("forward", "visual_forward", "text_forward", "at")
+LAYER_ENTRY_POINTS = ("forward", "context_forward", "text_forward", "at")
 
 
 def layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -119,28 +119,28 @@ def dattn_op(
     q_vis: Tensor,
     k_vis: Tensor,
     v_vis: Tensor,
-    visual_mask: Tensor,
+    context_mask: Tensor,
     *,
     scale: float,
     softcap: float | None,
     window: int | None,
     merge: str,
-    causal_visual: bool,
+    causal_context: bool,
     causal: bool,
     num_contexts: int = 1,
 ) -> Tensor:
     """The DecomposedAttention op's math (its contract, with defaults, is `dattn_export.plugins.contract`).
 
     The T queries `q` (rotated) sit at the last T of the S text key slots; `key_mask` (B, S) marks real text keys
-    and `visual_mask` (B, V) each context key's segment, 1..`num_contexts` (0: not a key; V may be 0). Text keys
+    and `context_mask` (B, V) each context key's segment, 1..`num_contexts` (0: not a key; V may be 0). Text keys
     are causal, and with `window` a query at slot i sees slot j only when i - j < window. Every context key is
-    visible to `q_vis` (debiased), unless `causal_visual` (one segment): then the visual keys take slots [0, V)
+    visible to `q_vis` (debiased), unless `causal_context` (one segment): then the visual keys take slots [0, V)
     before the text and the same causal and window rule covers them (conventional attention, no debiasing). With
     `causal` false every real text key is visible (MMCA's attention within an image).
     """
-    if causal_visual and num_contexts != 1:
+    if causal_context and num_contexts != 1:
         raise ValueError(f"causal visual keys take one context segment, not {num_contexts}")
-    txt_mask, vis_mask = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual, causal)
+    txt_mask, vis_mask = segment_masks(key_mask, context_mask, q.shape[2], window, causal_context, causal)
     return decomposed_attention(
         q,
         k,
@@ -159,21 +159,21 @@ def dattn_op(
 
 def segment_masks(
     key_mask: Tensor,
-    visual_mask: Tensor,
+    context_mask: Tensor,
     num_queries: int,
     window: int | None,
-    causal_visual: bool,
+    causal_context: bool,
     causal: bool,
 ) -> tuple[Tensor, Tensor]:
     """The op contract's masks from key validity: text bool (B, T, S), and the context keys' segments (B, T, V),
     0 where a query may not attend."""
-    segments = visual_mask.long()[:, None, :].expand(-1, num_queries, -1)
+    segments = context_mask.long()[:, None, :].expand(-1, num_queries, -1)
     if not causal:
         return key_mask.bool()[:, None, :].expand(-1, num_queries, -1), segments
-    if causal_visual:
-        full = causal_mask(torch.cat([visual_mask.bool(), key_mask.bool()], dim=1), num_queries, window)
-        num_visual = visual_mask.shape[1]
-        return full[..., num_visual:], segments * full[..., :num_visual]
+    if causal_context:
+        full = causal_mask(torch.cat([context_mask.bool(), key_mask.bool()], dim=1), num_queries, window)
+        num_context = context_mask.shape[1]
+        return full[..., num_context:], segments * full[..., :num_context]
     return causal_mask(key_mask, num_queries, window), segments
 
 
@@ -183,12 +183,12 @@ def segment_shares(
     key_mask: Tensor,
     q_vis: Tensor,
     k_vis: Tensor,
-    visual_mask: Tensor,
+    context_mask: Tensor,
     *,
     scale: float,
     softcap: float | None,
     window: int | None,
-    causal_visual: bool,
+    causal_context: bool,
     num_contexts: int = 1,
     text_split: Tensor | None = None,
 ) -> Tensor:
@@ -197,7 +197,7 @@ def segment_shares(
     over the text keys (B, Hq, T, N + 2) as [..., text where split, text elsewhere]. For the alpha merge and
     conventional attention this is the attention mass on each segment (one visual segment: sigmoid(S_V - S_T));
     for the sum merge the share one softmax would give; a query that sees no key gets 0."""
-    txt_mask, segments = segment_masks(key_mask, visual_mask, q.shape[2], window, causal_visual, causal=True)
+    txt_mask, segments = segment_masks(key_mask, context_mask, q.shape[2], window, causal_context, causal=True)
     s_vis = _masked(_logits(q_vis, k_vis, scale, softcap), segments != 0)
     p = _softmax(torch.cat([s_vis, _masked(_logits(q, k, scale, softcap), txt_mask)], dim=-1))
     p_vis, p_text = p.split([k_vis.shape[2], k.shape[2]], dim=-1)

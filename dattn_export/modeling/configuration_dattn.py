@@ -13,13 +13,14 @@ from huggingface_hub.dataclasses import strict
 from transformers import CLIPVisionConfig, SiglipVisionConfig, WhisperConfig
 
 from .families import BY_MODEL_TYPE, FAMILIES, Family
+from .streams import STREAMS, ContextStream
 
 ATTENTION_MODES = ("dattn", "dattn-sum", "sattn", "mmca")
 # how many text keys a sliding window of w shows a query: transformers' masks show w (itself and w - 1 before);
 # flash-attn's window_size=(w, w), which the released models were trained with, shows w + 1
 WINDOW_RULES = {"transformers": 0, "flash_attn": 1}
 VISION_CONFIG_CLASSES = {"siglip_vision_model": SiglipVisionConfig, "clip_vision_model": CLIPVisionConfig}
-INPUT_TYPES = ("image", "video")
+INPUT_TYPES = tuple(STREAMS)  # mm_input_type: image | video
 # how a picture becomes the tower's input (images.py): the released img_utils.process_images' rules
 ASPECT_RATIOS = ("resize", "pad", "crop", "anyres")
 # how a video model pools a frame's tower features and its audio features (the released models differ):
@@ -187,10 +188,14 @@ class DAttnFields:
         return 2 * self.mm_audio_pool_size
 
     @property
+    def streams(self) -> tuple[ContextStream, ...]:
+        """The context streams text attends to (`streams.py`): frames and audio for a video model, images otherwise."""
+        return STREAMS[self.mm_input_type]
+
+    @property
     def num_contexts(self) -> int:
-        """The context segments text attends to, each under its own softmax with the sum merge: frames and audio
-        for a video model, the visual tokens otherwise."""
-        return 2 if self.is_video else 1
+        """The context segments, each under its own softmax with the sum merge."""
+        return len(self.streams)
 
     @property
     def is_anyres(self) -> bool:

@@ -5,7 +5,7 @@ stream (video models, `mm_input_type="video"`: frames pooled, + time embeddings,
 Whisper tower; the audio stream runs the layers as the visual one does and text attends to it with its own
 softmax, summed); the LLM's decoder layers (its family's weights and names, `families.py`) run two streams:
   * visual: V2V is diagonal (each token attends only to itself) so a layer's visual K/V depend on the
-    image alone: `encode_visual` computes them once per image and any prompt reuses them;
+    image alone: `encode_context` computes them once per image and any prompt reuses them;
   * text: one op call (`dattn_op`) per layer over [context K/V (unrotated) ; text K/V (causal)]; a video model's
     context is [frames ; audio], each key's segment given by its mask.
 `dattn_mode="sattn"` turns the decomposition off (full causal V2V, RoPE everywhere, positions shared):
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import CLIPVisionModel, PreTrainedModel, SiglipVisionModel
+from transformers import CLIPVisionModel, PretrainedConfig, PreTrainedModel, SiglipVisionModel
 from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import rotate_half
@@ -40,6 +40,7 @@ from .attention import causal_mask, dattn_op, decomposed_attention, segment_shar
 from .configuration_dattn import CONFIG_CLASSES
 from .families import FAMILIES, Family
 from .images import anyres_grid, anyres_tiles, prepare_pictures
+from .streams import AUDIO, CONTEXT_CHUNK, FRAMES
 
 # one layer's cache: key, value (B, kv_heads, S, head_dim) [, WINGS key, value (B, hidden / head_dim, S, head_dim)]
 KV = tuple[Tensor, ...]
@@ -215,7 +216,7 @@ class DAttnAttention(nn.Module):
         self.softcap = config.attention_softcap
         self.merge = config.merge
         self.window = config.sliding_window_of(layer_idx)
-        self.causal_visual = not config.use_debias
+        self.causal_context = not config.use_debias
         self.num_contexts = config.num_contexts
         # the one seam to the op: the ONNX exporter swaps in a fused-node emitter, analyze a recorder
         self.op = dattn_op
@@ -243,8 +244,8 @@ class DAttnAttention(nn.Module):
         v: Tensor,
         key_mask: Tensor,
         q_vis: Tensor,
-        visual: KV,
-        visual_mask: Tensor,
+        context: KV,
+        context_mask: Tensor,
         causal: bool = True,
     ) -> Tensor:
         return self.op(
@@ -253,18 +254,18 @@ class DAttnAttention(nn.Module):
             v,
             key_mask,
             q_vis,
-            *visual,
-            visual_mask.to(torch.int32),  # each context key's segment (the kernels read int32 ids)
+            *context,
+            context_mask.to(torch.int32),  # each context key's segment (the kernels read int32 ids)
             scale=self.scale,
             softcap=self.softcap,
             window=self.window if causal else None,
             merge=self.merge,
-            causal_visual=self.causal_visual,
+            causal_context=self.causal_context,
             causal=causal,
             num_contexts=self.num_contexts,
         )
 
-    def no_visual(self, like: Tensor) -> tuple[KV, Tensor]:
+    def no_context(self, like: Tensor) -> tuple[KV, Tensor]:
         """An empty visual segment for a batch like `like`: (K, V) with zero keys and its (B, 0) mask."""
         empty = like.new_zeros(like.shape[0], self.num_kv_heads, 0, self.head_dim)
         return (empty, empty), torch.ones(like.shape[0], 0, dtype=torch.bool, device=like.device)
@@ -301,6 +302,8 @@ class LayerNorms:
     """A decoder layer's norms, and what runs after its attention (residual add, the MLP, the family's norms): mixed
     into this decoder layer and the vLLM plugin's, which hold the same modules under the same names."""
 
+    mlp: nn.Module  # the host's MLP (this file's family MLP, or the plugin's tensor-parallel one)
+
     def init_norms(self, config) -> None:
         norm = family_part(config.family, "RMSNorm")
         self.input_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
@@ -334,15 +337,15 @@ class DAttnDecoderLayer(nn.Module, LayerNorms):
             self.wings_router = nn.Linear(2 * config.num_attention_heads, 2)
             self.wings_heads = config.wings_heads
 
-    def no_visual(self, like: Tensor) -> tuple[KV, Tensor]:
+    def no_context(self, like: Tensor) -> tuple[KV, Tensor]:
         """An empty visual cache (every part of it) for a batch like `like`, and its (B, 0) mask."""
-        (empty, _), mask = self.self_attn.no_visual(like)
+        (empty, _), mask = self.self_attn.no_context(like)
         if not self.wings:
             return (empty, empty), mask
         learner_empty = like.new_zeros(like.shape[0], self.wings_heads, 0, self.self_attn.head_dim)
         return (empty, empty, learner_empty, learner_empty), mask
 
-    def visual_forward(
+    def context_forward(
         self, h: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor, need_output: bool = True
     ) -> tuple[Tensor | None, KV]:
         """One layer of the visual stream: its output (unless not needed: the last layer's is never read)
@@ -351,13 +354,13 @@ class DAttnDecoderLayer(nn.Module, LayerNorms):
         x = self.input_layernorm(h)
         k, v = attn.heads(attn.k_proj, x), attn.heads(attn.v_proj, x)
         k_rot = apply_rope(k, *rope)
-        visual_kv = (k if self.debias else k_rot, v)
+        context_kv = (k if self.debias else k_rot, v)
         if self.wings:  # the visual learner's keys: position-free like debiased T2V, so cacheable with the image
-            visual_kv += self.wings_visual.keys(x)
+            context_kv += self.wings_visual.keys(x)
         if not need_output:
-            return None, visual_kv
+            return None, context_kv
         if self.diagonal:  # softmax over the token's own key alone is 1: the output is its value
-            return self.residual_mlp(h, attn.value_output(v)), visual_kv
+            return self.residual_mlp(h, attn.value_output(v)), context_kv
         if self.tokens_per_image:  # MMCA: full attention within each image, images never mix
             q = apply_rope(attn.heads(attn.q_proj, x), *rope)
             per_image = lambda t: t.unflatten(2, (-1, self.tokens_per_image)).transpose(1, 2).flatten(0, 1)  # noqa: E731
@@ -367,24 +370,24 @@ class DAttnDecoderLayer(nn.Module, LayerNorms):
                 per_image(v),
                 valid.unflatten(1, (-1, self.tokens_per_image)).flatten(0, 1),
             )
-            out = attn.attend(q_i, k_i, v_i, valid_i, q_i, *attn.no_visual(q_i), causal=False)
+            out = attn.attend(q_i, k_i, v_i, valid_i, q_i, *attn.no_context(q_i), causal=False)
             out = out.unflatten(0, (h.shape[0], -1)).transpose(1, 2).flatten(2, 3)
         else:  # causal self-attention among visual tokens, as the base LLM does
             q = apply_rope(attn.heads(attn.q_proj, x), *rope)
-            out = attn.attend(q, k_rot, v, valid, q, *attn.no_visual(q))
-        return self.residual_mlp(h, attn.output(out)), visual_kv
+            out = attn.attend(q, k_rot, v, valid, q, *attn.no_context(q))
+        return self.residual_mlp(h, attn.output(out)), context_kv
 
     def text_forward(
         self,
         h: Tensor,
         rope,
         past: KV | None,
-        visual: KV,
+        context: KV,
         key_mask: Tensor,
-        visual_mask: Tensor,
+        context_mask: Tensor,
     ) -> tuple[Tensor, KV]:
-        """One layer of the text stream; returns its output and the text K/V cache (past + new). `visual`: the
-        context K/V, `visual_mask` (B, V) each key's context segment (a video model's frames 1, audio 2; 0: none),
+        """One layer of the text stream; returns its output and the text K/V cache (past + new). `context`: the
+        context K/V, `context_mask` (B, V) each key's context segment (a video model's frames 1, audio 2; 0: none),
         every segment under its own softmax with the sum merge."""
         attn = self.self_attn
         x = self.input_layernorm(h)
@@ -394,7 +397,7 @@ class DAttnDecoderLayer(nn.Module, LayerNorms):
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         q_vis = q if self.debias else q_rot
-        heads_out = attn.attend(q_rot, k, v, key_mask, q_vis, visual[:2], visual_mask)
+        heads_out = attn.attend(q_rot, k, v, key_mask, q_vis, context[:2], context_mask)
         attn_out = attn.output(heads_out)
         if not self.wings:
             return self.residual_mlp(h, attn_out), (k, v)
@@ -403,27 +406,27 @@ class DAttnDecoderLayer(nn.Module, LayerNorms):
             k,
             key_mask,
             q_vis,
-            visual[0],
-            visual_mask,
+            context[0],
+            context_mask,
             scale=attn.scale,
             softcap=attn.softcap,
             window=attn.window,
-            causal_visual=attn.causal_visual,
+            causal_context=attn.causal_context,
         )
-        learners_out, learner_kv = self.learners(x, rope, past, visual, key_mask, visual_mask, shares)
+        learners_out, learner_kv = self.learners(x, rope, past, context, key_mask, context_mask, shares)
         return self.residual_mlp(h, attn_out + learners_out), (k, v, *learner_kv)
 
     def learners(
-        self, x: Tensor, rope, past: KV | None, visual: KV, key_mask: Tensor, visual_mask: Tensor, shares: Tensor
+        self, x: Tensor, rope, past: KV | None, context: KV, key_mask: Tensor, context_mask: Tensor, shares: Tensor
     ) -> tuple[Tensor, KV]:
         """WINGS: the visual and text learners' outputs weighed by the router, and the text learner's cache.
         `shares` (B, heads, T, 2): the main attention's mass on [visual, text] per head, the router's input."""
         num_new = x.shape[1]
         router_input = shares.transpose(1, 2).flatten(2).to(x.dtype)  # the shares are fp32 in a 16-bit model
         weights = torch.softmax(self.wings_router(router_input), dim=-1)  # (B, T, 2)
-        visual_mask = visual_mask.bool()[:, None, :].expand(-1, num_new, -1)
+        context_mask = context_mask.bool()[:, None, :].expand(-1, num_new, -1)
         visual_learner, text_learner = self.wings_visual, self.wings_text
-        visual_out = visual_learner.attend(visual_learner.heads(visual_learner.q_proj, x), *visual[2:], visual_mask)
+        visual_out = visual_learner.attend(visual_learner.heads(visual_learner.q_proj, x), *context[2:], context_mask)
         q, k = (apply_rope(text_learner.heads(proj, x), *rope) for proj in (text_learner.q_proj, text_learner.k_proj))
         v = text_learner.heads(text_learner.v_proj, x)
         if past is not None:
@@ -460,6 +463,9 @@ class ContextStreams:
     """The context streams before the decoder layers: images (tower -> adapter -> positions -> LLM norm), a video
     model's frames and audio. Mixed into DAttnModel and into the vLLM plugin's model, which hold these modules under
     the same names (`init_streams`)."""
+
+    config: PretrainedConfig  # what the host provides beside the modules init_streams makes
+    dtype: torch.dtype  # the weights' dtype, which the towers' inputs are cast to
 
     def init_streams(self, config, audio_tower: bool) -> None:
         """The modules from pixels (and a video model's audio) to the context streams; `audio_tower`: the Whisper
@@ -534,89 +540,87 @@ class ContextStreams:
     def embed_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
         """Anyres images (multimodal.py encode_images, its list branch): each sample's thumbnail and tiles
         (1 + columns x rows, 3, H, W) and its image's (width, height) -> (B, L, hidden) visual embeddings and their
-        mask. Tower features -> projector (no mm_rand_norm on this path) -> `anyres_tokens` -> end to end."""
-        grid, tile = self.config.patch_grid, self.config.vision_config["image_size"]
-        features = self.mm_rand_projector(self.mm_vis(torch.cat(tiles).to(self.dtype)))
+        mask; each image is one `anyres_stream` part."""
+        tile = self.config.vision_config["image_size"]
         samples = []
-        for feature, size in zip(features.split([len(t) for t in tiles]), image_sizes):
+        for pixels, size in zip(tiles, image_sizes):
             columns, rows = anyres_grid(size, self.config.mm_image_grid_points, tile)
-            samples.append(self.anyres_tokens(feature[0], feature[1:].reshape(rows, columns, grid * grid, -1)))
+            samples.append(self.anyres_stream(pixels[:1], pixels[1:].unflatten(0, (rows, columns)))[0])
         # the released path leaves masked tokens unzeroed; they are never read, so the shared stream ending serves
         return self.context_stream(samples, [t.abs().sum() != 0 for t in tiles])
 
     def embed_video(self, frames: list[Tensor]) -> tuple[Tensor, Tensor]:
         """Each sample's frames (F_i, 3, H, W) -> (B, L, hidden) visual embeddings and their (B, L) mask
-        (multimodal.py encode_video_images): tower features -> mm_rand_img_pool -> projector -> norm -> + row,
-        + column embeddings (over the pooled grid) -> + time embeddings (over the sample's frames). A sample whose
-        frames are all zero has no video."""
-        pixels = torch.cat(frames)
-        x = torch.cat([self.frame_tokens(chunk, len(pixels)) for chunk in pixels.split(self.FRAME_CHUNK)])
-        samples = [f + self.mm_rand_pos_t(len(f), x.dtype)[:, None, None] for f in x.split([len(f) for f in frames])]
-        return self.context_stream([f.flatten(0, 2) for f in samples], [f.abs().sum() != 0 for f in frames])
+        (multimodal.py encode_video_images), `frame_stream` part by part. A sample whose frames are all zero has no
+        video."""
+        pool_frames = sum(len(f) for f in frames)  # the released pool's resize budget counts the batch's frames
+        samples = []
+        for sample in frames:
+            parts = sample.split(FRAMES.parts_per_run)
+            index = torch.arange(len(sample), device=sample.device).split(FRAMES.parts_per_run)
+            num_frames = torch.tensor(len(sample))
+            samples.append(torch.cat([self.frame_stream(*p, num_frames, pool_frames)[0] for p in zip(parts, index)]))
+        return self.context_stream(samples, [f.abs().sum() != 0 for f in frames])
 
-    FRAME_CHUNK = 16  # frames through the tower at once
-
-    def frame_stream(self, pixels: Tensor, frame_index: Tensor, num_frames: Tensor) -> Tensor:
-        """Part of one video as its stream tokens (the frames graph; a video within the resize budget): frames
-        (N, 3, H, W) at `frame_index` (N,) of the video's `num_frames` -> (1, N * tokens per frame, hidden)."""
-        x = self.frame_tokens(pixels, None)
-        x = x + self.mm_rand_pos_t.at(frame_index, num_frames, x.dtype)[:, None, None]
-        return self.stream_tokens(x.flatten(0, 2))[None]
-
-    def frame_tokens(self, pixels: Tensor, total_frames: int | None) -> Tensor:
-        """(N, 3, H, W) frames -> (N, rows, columns, hidden): tower, pool (sized for `total_frames` in all),
-        projector, norm, + row and column embeddings."""
+    def frame_stream(
+        self, pixels: Tensor, frame_index: Tensor, num_frames: Tensor, pool_frames: int | None = None
+    ) -> Tensor:
+        """Part of one video as its stream tokens (the frames graph): frames (N, 3, H, W) at `frame_index` (N,) of
+        the video's `num_frames` -> (1, N * tokens per frame, hidden): tower features -> mm_rand_img_pool (resized
+        when `pool_frames` pass its budget; None: within it, as the graph runs) -> projector -> norm -> + row,
+        + column embeddings (over the pooled grid) -> + time embeddings (over the video's frames)."""
         grid, size = self.config.patch_grid, self.config.vision_config["image_size"]
         if tuple(pixels.shape[-3:]) != (3, size, size):
             raise ValueError(f"frames of shape {list(pixels.shape[-3:])}: the tower takes [3, {size}, {size}]")
         features = self.mm_vis(pixels.to(self.dtype)).unflatten(1, (grid, grid)).permute(0, 3, 1, 2)
-        x = self.mm_rand_img_pool(features, total_frames).permute(0, 2, 3, 1)
-        x = self.mm_rand_img_norm(self.mm_rand_img_projector(x))
-        return self.with_positions(x)
+        x = self.mm_rand_img_pool(features, pool_frames).permute(0, 2, 3, 1)
+        x = self.with_positions(self.mm_rand_img_norm(self.mm_rand_img_projector(x)))
+        x = x + self.mm_rand_pos_t.at(frame_index, num_frames, x.dtype)[:, None, None]
+        return self.stream_tokens(x.flatten(0, 2))[None]
 
     def embed_audio(self, mels: list[Tensor], mel_frames: list[int]) -> tuple[Tensor, Tensor]:
         """Each sample's log-mel chunks (C_i, mel bins, chunk frames) and its length in mel frames -> (B, L, hidden)
-        audio embeddings and their (B, L) mask (multimodal.py encode_video_audios): the Whisper encoder per chunk
-        -> the sample's chunks end to end, cut to its length -> mm_rand_aud_pool (a strided conv) -> projector ->
-        norm -> + time embeddings. A sample whose features are all zero has no audio."""
-        groups = torch.cat(mels).to(self.dtype).split(self.FRAME_CHUNK)  # 30 s chunks through Whisper, a few at once
-        features = torch.cat([self.mm_aud.encoder(group).last_hidden_state for group in groups])
-        per_frame = features.shape[1] / mels[0].shape[-1]  # encoder positions per mel frame (1500 / 3000)
-        lengths = [math.floor(n * per_frame) for n in mel_frames]
-        chunks = features.split([len(m) for m in mels])
-        x = nn.utils.rnn.pad_sequence([f.flatten(0, 1)[:n] for f, n in zip(chunks, lengths)], batch_first=True)
-        x = self.audio_tokens(x)
-        lengths = [n // self.config.mm_audio_pool_size for n in lengths]
-        x = torch.cat([row[:n] for row, n in zip(x, lengths)])
-        samples = [f + self.mm_rand_pos_t(len(f), x.dtype) for f in x.split(lengths)]
+        audio embeddings and their (B, L) mask (multimodal.py encode_video_audios), `audio_stream` part by part,
+        each part's tokens within the sample kept. A sample whose features are all zero has no audio."""
+        samples = []
+        for sample, length in zip(mels, mel_frames):
+            parts = sample.split(self.audio_chunks_per_run())
+            starts = range(0, len(sample), self.audio_chunks_per_run())
+            streams = [
+                self.audio_stream(part, torch.tensor(start), torch.tensor(length)) for part, start in zip(parts, starts)
+            ]
+            samples.append(torch.cat([x[0, within[0] == 1] for x, within in streams]))
         return self.context_stream(samples, [m.abs().sum() != 0 for m in mels])
 
-    def audio_tokens(self, features: Tensor) -> Tensor:
-        """Whisper's features (B, L, d) -> (B, L // pool, hidden): mm_rand_aud_pool (a strided conv), projector,
-        norm."""
-        x = self.mm_rand_aud_pool(features.transpose(1, 2)).transpose(1, 2)
-        return self.mm_rand_aud_norm(self.mm_rand_aud_projector(x))
+    def audio_chunks_per_run(self) -> int:
+        """AUDIO.parts_per_run, rounded up so that no pooling window spans two runs: then the parts pool as the
+        sample's chunks end to end do."""
+        positions, pool = self.config.audio_config["max_source_positions"], self.config.mm_audio_pool_size
+        period = pool // math.gcd(positions, pool)  # chunks after which a pooling window ends with a chunk
+        return -(-AUDIO.parts_per_run // period) * period
 
     def audio_stream(self, mels: Tensor, first_chunk: Tensor, mel_frames: Tensor) -> tuple[Tensor, Tensor]:
         """Part of one sample's audio as its stream tokens (the audio graph): 30 s chunks `first_chunk`, ... of
         log-mel features (C, mel bins, chunk frames) of a sample `mel_frames` long -> (1, C * tokens per chunk,
-        hidden) and (1, C * tokens per chunk) int64, 1 for the tokens within the sample (the runtime keeps those).
-        Equals `embed_audio` when the pool divides a chunk's encoder positions: no pooling window spans two
-        chunks."""
+        hidden) and (1, C * tokens per chunk) int64, 1 for the tokens within the sample. The Whisper encoder per
+        chunk -> the chunks end to end -> mm_rand_aud_pool (a strided conv) -> projector -> norm -> + time
+        embeddings (over the sample's tokens). A part starts where a pooling window starts (`audio_chunks_per_run`)."""
         features = self.mm_aud.encoder(mels.to(self.dtype)).last_hidden_state
-        x = self.audio_tokens(features.flatten(0, 1)[None])[0]
-        per_chunk = features.shape[1] // self.config.mm_audio_pool_size
-        index = first_chunk * per_chunk + torch.arange(x.shape[0], device=x.device)
-        num_tokens = mel_frames // self.config.mel_frames_per_audio_token
+        x = self.mm_rand_aud_pool(features.flatten(0, 1)[None].transpose(1, 2)).transpose(1, 2)[0]
+        x = self.mm_rand_aud_norm(self.mm_rand_aud_projector(x))
+        first = first_chunk * features.shape[1] // self.config.mm_audio_pool_size
+        index = first + torch.arange(x.shape[0], device=x.device)
+        num_tokens = AUDIO.tokens(self.config, mel_frames)
         x = self.stream_tokens(x + self.mm_rand_pos_t.at(index, num_tokens, x.dtype))
         return x[None], (index < num_tokens).long()[None]
 
-    def context_stream(self, samples: list[Tensor], present: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """Per-sample token embeddings -> padded to the longest (B, L, hidden), LLM-normed and zeroed outside the
-        mask: the tokens that are not padding, of the samples that are `present`."""
+    @staticmethod
+    def context_stream(samples: list[Tensor], present: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """Per-sample stream tokens -> padded to the longest (B, L, hidden) and zeroed outside the mask: the tokens
+        that are not padding, of the samples that are `present`."""
         x = nn.utils.rnn.pad_sequence(samples, batch_first=True)
         mask = (x.abs().sum(-1) != 0) & torch.stack(present)[:, None]
-        return self.stream_tokens(x) * mask[..., None], mask
+        return x * mask[..., None], mask
 
 
 class DAttnModel(DAttnPreTrainedModel, ContextStreams):
@@ -663,7 +667,7 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
 
     def stream_caches(self, embeds: Tensor, mask: Tensor) -> tuple[list[KV], Tensor]:
         """A context stream's K/V for every layer, with the mask that goes with them."""
-        return self.encode_visual(embeds, mask), mask
+        return self.encode_context(embeds, mask), mask
 
     def image_mask(self, pixel_values: Tensor) -> Tensor:
         """(B, images * tokens_per_image) bool: with mm_mask_empty_images an all-zero image stands for "no image"
@@ -677,26 +681,24 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
         """Every layer's visual K/V for the images, and the visual mask that goes with them."""
         return self.stream_caches(self.embed_images(pixel_values), self.image_mask(pixel_values))
 
-    STREAM_CHUNK = 2048  # context tokens through the layers at once, where each token's K/V depend on it alone
-
-    def encode_visual(self, visual_embeds: Tensor, visual_mask: Tensor | None = None) -> list[KV]:
-        """Every layer's visual K/V: a function of the image alone, reusable for any prompt. With diagonal V2V a
-        token's K/V depend on that token alone, so long streams (videos) run through the layers in chunks written
-        into the caches: memory beyond the caches stays that of one chunk."""
-        batch, num_visual = visual_embeds.shape[:2]
-        valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask.bool()
-        positions = torch.arange(num_visual, device=visual_embeds.device).expand(batch, -1)
+    def encode_context(self, context_embeds: Tensor, context_mask: Tensor | None = None) -> list[KV]:
+        """Every layer's K/V of a context stream: a function of the stream alone, reusable for any prompt. With
+        diagonal V2V a token's K/V depend on that token alone, so long streams (videos) run through the layers in
+        chunks written into the caches: memory beyond the caches stays that of one chunk."""
+        batch, num_context = context_embeds.shape[:2]
+        valid = torch.ones(batch, num_context, dtype=torch.bool) if context_mask is None else context_mask.bool()
+        positions = torch.arange(num_context, device=context_embeds.device).expand(batch, -1)
         if self.config.v2v_per_image:  # each image is its own sequence
             positions = positions % self.config.tokens_per_image
         tracing = torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()
-        if not self.config.use_diagonal or num_visual <= self.STREAM_CHUNK or tracing:
-            return self.stream_layers(visual_embeds, valid, positions)
+        if not self.config.use_diagonal or num_context <= CONTEXT_CHUNK or tracing:
+            return self.stream_layers(context_embeds, valid, positions)
         caches = None
-        for start in range(0, num_visual, self.STREAM_CHUNK):
-            part = slice(start, start + self.STREAM_CHUNK)
-            chunk = self.stream_layers(visual_embeds[:, part], valid[:, part], positions[:, part])
+        for start in range(0, num_context, CONTEXT_CHUNK):
+            part = slice(start, start + CONTEXT_CHUNK)
+            chunk = self.stream_layers(context_embeds[:, part], valid[:, part], positions[:, part])
             if caches is None:
-                caches = [tuple(t.new_empty(*t.shape[:2], num_visual, t.shape[3]) for t in kv) for kv in chunk]
+                caches = [tuple(t.new_empty(*t.shape[:2], num_context, t.shape[3]) for t in kv) for kv in chunk]
             for cache, kv in zip(caches, chunk):
                 for whole, piece in zip(cache, kv):
                     whole[:, :, part] = piece
@@ -707,7 +709,7 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
         rope = self.rotary_emb(embeds, positions)
         h, caches = embeds, []
         for i, layer in enumerate(self.layers):
-            h, kv = layer.visual_forward(h, rope, valid, need_output=i + 1 < len(self.layers))
+            h, kv = layer.context_forward(h, rope, valid, need_output=i + 1 < len(self.layers))
             caches.append(kv)
         return caches
 
@@ -718,24 +720,24 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         past_key_values: list[KV] | None = None,
-        visual_key_values: list[KV] | None = None,
-        visual_mask: Tensor | None = None,
+        context_key_values: list[KV] | None = None,
+        context_mask: Tensor | None = None,
         audio_key_values: list[KV] | None = None,
         audio_mask: Tensor | None = None,
     ) -> tuple[Tensor, list[KV]]:
         """The text stream. attention_mask (B, past + T) marks real text tokens (left padding allowed);
-        visual_mask (B, V) and audio_mask (B, A) mark real visual and audio tokens. Returns the final hidden
+        context_mask (B, V) and audio_mask (B, A) mark real visual and audio tokens. Returns the final hidden
         states and the text cache."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, num_new = h.shape[:2]
         num_past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
-        num_visual = 0 if visual_key_values is None else visual_key_values[0][0].shape[2]
+        num_context = 0 if context_key_values is None else context_key_values[0][0].shape[2]
         text_valid = (
             torch.ones(batch, num_past + num_new, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         )
-        visual_valid = torch.ones(batch, num_visual, dtype=torch.bool) if visual_mask is None else visual_mask
+        context_valid = torch.ones(batch, num_context, dtype=torch.bool) if context_mask is None else context_mask
         # Debiased: text positions count text tokens only. Otherwise the visual tokens come first.
-        offset = 0 if self.config.use_debias else num_visual
+        offset = 0 if self.config.use_debias else num_context
         if position_ids is None:
             position_ids = offset + (text_valid.long().cumsum(-1) - 1).clamp_min(0)[:, -num_new:]
         rope = self.rotary_emb(h, position_ids)
@@ -743,22 +745,24 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
         present = []
         for i, layer in enumerate(self.layers):
             past = None if past_key_values is None else past_key_values[i]
-            if visual_key_values is None:
-                visual, layer_visual_valid = layer.no_visual(h)
+            if context_key_values is None:
+                context, layer_context_valid = layer.no_context(h)
             else:
-                visual, layer_visual_valid = visual_key_values[i], visual_valid
+                context, layer_context_valid = context_key_values[i], context_valid
             if audio_key_values is not None:  # the second context segment
-                visual, layer_visual_valid = join_contexts(visual, layer_visual_valid, audio_key_values[i], audio_mask)
-            h, kv = layer.text_forward(h, rope, past, visual, text_valid, layer_visual_valid)
+                context, layer_context_valid = join_contexts(
+                    context, layer_context_valid, audio_key_values[i], audio_mask
+                )
+            h, kv = layer.text_forward(h, rope, past, context, text_valid, layer_context_valid)
             present.append(kv)
         return self.norm(h), present
 
 
-def join_contexts(visual: KV, visual_mask: Tensor, audio: KV, audio_mask: Tensor) -> tuple[KV, Tensor]:
-    """One layer's context as the op takes it: [visual ; audio] keys and values, and each key's segment (visual 1,
-    audio 2, 0: none)."""
-    kv = tuple(torch.cat([a, b], dim=2) for a, b in zip(visual[:2], audio[:2]))
-    return kv, torch.cat([visual_mask.bool().long(), 2 * audio_mask.bool().long()], dim=1)
+def join_contexts(frames: KV, frames_mask: Tensor, audio: KV, audio_mask: Tensor) -> tuple[KV, Tensor]:
+    """One layer's context as the op takes it: [frames ; audio] keys and values, and each key's segment (0: none)."""
+    kv = tuple(torch.cat([a, b], dim=2) for a, b in zip(frames[:2], audio[:2]))
+    segments = [FRAMES.segment * frames_mask.bool().long(), AUDIO.segment * audio_mask.bool().long()]
+    return kv, torch.cat(segments, dim=1)
 
 
 @dataclass
@@ -768,8 +772,8 @@ class DAttnOutput(ModelOutput):
 
     logits: Tensor | None = None
     cache: list[KV] | None = None
-    visual_key_values: list[KV] | None = None
-    visual_mask: Tensor | None = None
+    context_key_values: list[KV] | None = None
+    context_mask: Tensor | None = None
     audio_key_values: list[KV] | None = None
     audio_mask: Tensor | None = None
 
@@ -795,26 +799,26 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         past_key_values: list[KV] | None = None,
-        visual_key_values: list[KV] | None = None,
-        visual_mask: Tensor | None = None,
+        context_key_values: list[KV] | None = None,
+        context_mask: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
         audio_key_values: list[KV] | None = None,
         audio_mask: Tensor | None = None,
     ) -> DAttnOutput:
         """Logits for the text tokens. Images come as `pixel_values` (B, images, 3, H, W), or as the
-        `visual_key_values` an earlier call returned; a video model's frames and audio as the K/V that
+        `context_key_values` an earlier call returned; a video model's frames and audio as the K/V that
         `model.encode_video` and `model.encode_audio` return."""
-        if pixel_values is not None and visual_key_values is None:
-            visual_key_values, image_mask = self.model.encode_images(pixel_values)
-            visual_mask = image_mask if visual_mask is None else visual_mask.bool() & image_mask
+        if pixel_values is not None and context_key_values is None:
+            context_key_values, image_mask = self.model.encode_images(pixel_values)
+            context_mask = image_mask if context_mask is None else context_mask.bool() & image_mask
         hidden, present = self.model(
             input_ids,
             inputs_embeds,
             attention_mask,
             position_ids,
             past_key_values,
-            visual_key_values,
-            visual_mask,
+            context_key_values,
+            context_mask,
             audio_key_values,
             audio_mask,
         )
@@ -825,8 +829,8 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         return DAttnOutput(
             logits=logits,
             cache=present,
-            visual_key_values=visual_key_values,
-            visual_mask=visual_mask,
+            context_key_values=context_key_values,
+            context_mask=context_mask,
             audio_key_values=audio_key_values,
             audio_mask=audio_mask,
         )
@@ -838,9 +842,9 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         pixel_values: Tensor | None = None,
         attention_mask: Tensor | None = None,
         max_new_tokens: int = 20,
-        visual_key_values: list[KV] | None = None,
+        context_key_values: list[KV] | None = None,
         eos_token_id: int | None = None,
-        visual_mask: Tensor | None = None,
+        context_mask: Tensor | None = None,
         audio_key_values: list[KV] | None = None,
         audio_mask: Tensor | None = None,
     ) -> Tensor:
@@ -849,8 +853,8 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         streams = dict(
-            visual_key_values=visual_key_values,
-            visual_mask=visual_mask,
+            context_key_values=context_key_values,
+            context_mask=context_mask,
             audio_key_values=audio_key_values,
             audio_mask=audio_mask,
         )
@@ -866,8 +870,8 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
                 next_token,
                 attention_mask=attention_mask,
                 past_key_values=out.past_key_values,
-                visual_key_values=out.visual_key_values,
-                visual_mask=out.visual_mask,
+                context_key_values=out.context_key_values,
+                context_mask=out.context_mask,
                 audio_key_values=out.audio_key_values,
                 audio_mask=out.audio_mask,
             )

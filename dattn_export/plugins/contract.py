@@ -8,7 +8,7 @@ Inputs (B batch, Hq query heads, Hkv KV heads, T queries, S text keys, V context
   q (B, Hq, T, D) rotated text queries; k, v (B, Hkv, S, D) text keys and values, the queries being the last T
   of the S slots; key_mask (B, S) real text keys; q_vis (B, Hq, T, D) the queries for the context keys (unrotated
   when debiased); k_vis, v_vis (B, Hkv, V, D) the context keys: `num_contexts` segments end to end (an image
-  model's visual tokens; a video model's frames, then its audio); visual_mask (B, V) integer, each key's segment
+  model's visual tokens; a video model's frames, then its audio); context_mask (B, V) integer, each key's segment
   1..num_contexts, 0 for no key (a bool mask: one segment; the exported graphs feed int32, which the TensorRT
   plugin's kernel reads). Output shaped like q.
 
@@ -31,7 +31,7 @@ from ..modeling.modeling_dattn import DAttnAttention
 
 DOMAIN, TYPE, VERSION = "dattn", "DecomposedAttention", 1
 ID = f"{DOMAIN}::{TYPE}"
-INPUTS = ("q", "k", "v", "key_mask", "q_vis", "k_vis", "v_vis", "visual_mask")
+INPUTS = ("q", "k", "v", "key_mask", "q_vis", "k_vis", "v_vis", "context_mask")
 SHAPE_ATTRIBUTES = ("num_heads", "num_kv_heads", "head_dim")  # the node states them: TensorRT plugins need them
 MAX_CONTEXTS = 3  # the kernels unroll one pass per segment
 PLUGIN_ATTRIBUTES = {"plugin_namespace": DOMAIN, "plugin_version": str(VERSION)}  # how TensorRT's parser finds it
@@ -45,17 +45,17 @@ class Attributes:
     softcap: float = 0.0  # logits -> softcap * tanh(logits / softcap) before the softmax
     window: int = 0  # a query at slot i sees text slot j only when i - j < window
     merge: str = "alpha"  # alpha: one softmax over [visual ; text]; sum: one per segment, outputs added
-    causal_visual: int = 0  # visual keys take slots [0, V) before the text, under the causal and window rule
+    causal_context: int = 0  # visual keys take slots [0, V) before the text, under the causal and window rule
     causal: int = 1  # 0: every real text key is visible (attention within an image)
-    num_contexts: int = 1  # context segments the visual mask names; with sum, each has its own softmax
+    num_contexts: int = 1  # context segments the context mask names; with sum, each has its own softmax
 
     def __post_init__(self):
         if self.merge not in MERGE_MODES:
             raise ValueError(f"{ID}: merge {self.merge!r} is not one of {MERGE_MODES}")
         if self.softcap < 0 or self.window < 0 or self.scale <= 0:
             raise ValueError(f"{ID}: scale must be > 0, softcap and window >= 0 (0 = off)")
-        if not 1 <= self.num_contexts <= MAX_CONTEXTS or (self.causal_visual and self.num_contexts != 1):
-            raise ValueError(f"{ID}: num_contexts {self.num_contexts}: 1 to {MAX_CONTEXTS}, 1 with causal_visual")
+        if not 1 <= self.num_contexts <= MAX_CONTEXTS or (self.causal_context and self.num_contexts != 1):
+            raise ValueError(f"{ID}: num_contexts {self.num_contexts}: 1 to {MAX_CONTEXTS}, 1 with causal_context")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -78,7 +78,7 @@ class Attributes:
             softcap=self.softcap or None,
             window=self.window or None,
             merge=self.merge,
-            causal_visual=bool(self.causal_visual),
+            causal_context=bool(self.causal_context),
             causal=bool(self.causal),
             num_contexts=self.num_contexts,
         )

@@ -35,7 +35,7 @@ class Variant:
 
     merge: str  # alpha | sum
     softcap: bool
-    causal_visual: bool
+    causal_context: bool
     compute_cast: bool  # inputs are fp16/bf16: compute in fp32 like the reference
     num_contexts: int = 1  # with the sum merge, one softmax per context segment
 
@@ -45,17 +45,17 @@ class Variant:
         return cls(
             attributes.merge,
             attributes.softcap > 0,
-            bool(attributes.causal_visual),
+            bool(attributes.causal_context),
             compute_cast,
             attributes.num_contexts,
         )
 
 
-def emit_node(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords) -> torch.Tensor:
+def emit_node(q, k, v, key_mask, q_vis, k_vis, v_vis, context_mask, **keywords) -> torch.Tensor:
     """`DAttnAttention.op` while exporting: one custom-domain node whose attributes carry everything a kernel
     needs (the exporter keeps a bare custom node; the function body is attached afterwards)."""
     attributes = Attributes.from_reference(**keywords).node_attributes(q.shape[1], k.shape[1], q.shape[3])
-    inputs = [q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask]
+    inputs = [q, k, v, key_mask, q_vis, k_vis, v_vis, context_mask]
     return torch.onnx.ops.symbolic(
         contract.ID, inputs, attributes, dtype=q.dtype, shape=q.shape, version=contract.VERSION
     )
@@ -97,13 +97,13 @@ class _Body:
 
 def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
     b = _Body()
-    q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask = contract.INPUTS
+    q, k, v, key_mask, q_vis, k_vis, v_vis, context_mask = contract.INPUTS
     if variant.compute_cast:
         q, k, v, q_vis, k_vis, v_vis = (b.op("Cast", x, to=TensorProto.FLOAT) for x in (q, k, v, q_vis, k_vis, v_vis))
     as_1d = lambda x: b.op("Reshape", x, b.const([1]))  # noqa: E731
     kv_heads = as_1d(b.attribute("num_kv_heads", "int"))
     groups = b.op("Div", as_1d(b.attribute("num_heads", "int")), kv_heads)
-    batch, queries, head_dim, keys, num_visual = b.dim(q, 0), b.dim(q, 2), b.dim(q, 3), b.dim(k, 2), b.dim(k_vis, 2)
+    batch, queries, head_dim, keys, num_context = b.dim(q, 0), b.dim(q, 2), b.dim(q, 3), b.dim(k, 2), b.dim(k_vis, 2)
     minus_one = b.const([-1])
     scale = b.attribute("scale", "float")
 
@@ -128,7 +128,7 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
     # slots: visual keys first when they are causal; text keys next; the queries are the last `queries` slots
     zero, one = b.const(0), b.const(1)
     scalar = lambda x: b.op("Squeeze", x, b.const([0]))  # noqa: E731
-    offset = num_visual if variant.causal_visual else b.const([0])
+    offset = num_context if variant.causal_context else b.const([0])
     key_slots_end = b.op("Add", offset, keys)
     query_slot = b.op("Range", scalar(b.op("Sub", key_slots_end, queries)), scalar(key_slots_end), one)
     window = b.attribute("window", "int")
@@ -150,12 +150,12 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
     s_txt = logits(q, k)
     s_txt = b.op("Where", visible(b.op("Range", scalar(offset), scalar(key_slots_end), one), key_mask), s_txt, neg_inf)
     s_vis = logits(q_vis, k_vis)
-    segment = b.op("Unsqueeze", b.op("Cast", visual_mask, to=TensorProto.INT64), b.const([1, 2, 3]))  # (B,1,1,1,V)
+    segment = b.op("Unsqueeze", b.op("Cast", context_mask, to=TensorProto.INT64), b.const([1, 2, 3]))  # (B,1,1,1,V)
 
     def context_logits(index: int | None) -> str:  # s_vis where the query sees a key of segment `index` (None: any)
         ok = b.op("Not", b.op("Equal", segment, zero)) if index is None else b.op("Equal", segment, b.const(index))
-        if variant.causal_visual:
-            ok = b.op("And", ok, visible(b.op("Range", zero, scalar(num_visual), one), visual_mask))
+        if variant.causal_context:
+            ok = b.op("And", ok, visible(b.op("Range", zero, scalar(num_context), one), context_mask))
         return b.op("Where", ok, s_vis, neg_inf)
 
     def reduce(op: str, x: str, pad: float) -> str:

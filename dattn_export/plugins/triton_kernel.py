@@ -3,7 +3,7 @@
 Flash-attention style: a program owns BLOCK_M queries of one query head and streams key segments in
 BLOCK_N tiles, never materialising the logits:
   * text keys with the rotated queries `q`, causal by slot, optionally windowed;
-  * context keys with the unrotated queries `q_vis` (all visible, or causal by slot when `CAUSAL_VISUAL`): one
+  * context keys with the unrotated queries `q_vis` (all visible, or causal by slot when `CAUSAL_CONTEXT`): one
     pass over all of them (alpha), or one pass per context segment (sum), each pass loading only the tiles that
     hold a key of its segment (the int32 segment ids are read first: a pass reads its own keys and the ids).
 Each segment keeps a running max, sum and accumulator; at the end
@@ -35,7 +35,7 @@ INT_ARGS = (
     "group",
     "num_queries",
     "num_keys",
-    "num_visual",
+    "num_context",
     "stride_qb",
     "stride_qh",
     "stride_qt",
@@ -143,7 +143,7 @@ def dattn_kernel(
     group,
     num_queries,
     num_keys,
-    num_visual,
+    num_context,
     stride_qb,
     stride_qh,
     stride_qt,
@@ -163,7 +163,7 @@ def dattn_kernel(
     BLOCK_N: tl.constexpr,
     MERGE_SUM: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    CAUSAL_VISUAL: tl.constexpr,
+    CAUSAL_CONTEXT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -195,15 +195,15 @@ def dattn_kernel(
         l_v = tl.zeros([BLOCK_M], tl.float32)
         for segment in tl.static_range(1, NUM_CONTEXTS + 1):
             m_s, l_s, acc_s = _segment(
-                q_vis, K_context, V_context, VIS_MASK, num_visual, stride_vn, b * num_visual, num_visual + text_slot,
-                0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL_VISUAL, UPCAST, segment,
+                q_vis, K_context, V_context, VIS_MASK, num_context, stride_vn, b * num_context, num_context + text_slot,
+                0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL_CONTEXT, UPCAST, segment,
             )  # fmt: skip
             out += _normalized(l_s, acc_s)
             m_v, l_v = _lse_union(m_v, l_v, m_s, l_s)
     else:  # one softmax over [context ; text]: rescale both running states to their common max
         m_v, l_v, acc_v = _segment(
-            q_vis, K_context, V_context, VIS_MASK, num_visual, stride_vn, b * num_visual, num_visual + text_slot,
-            0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL_VISUAL, UPCAST, 0,
+            q_vis, K_context, V_context, VIS_MASK, num_context, stride_vn, b * num_context, num_context + text_slot,
+            0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL_CONTEXT, UPCAST, 0,
         )  # fmt: skip
         m = tl.maximum(m_v, m_t)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -227,11 +227,11 @@ def int_arguments(q_shape, k_shape, k_vis_shape) -> list:
     """The kernel's scalar arguments (INT_ARGS order) for contiguous inputs, from shapes (ints or expressions)."""
     batch, heads, queries, head_dim = q_shape
     _, kv_heads, keys, _ = k_shape
-    num_visual = k_vis_shape[2]
-    return [heads, heads // kv_heads, queries, keys, num_visual,
+    num_context = k_vis_shape[2]
+    return [heads, heads // kv_heads, queries, keys, num_context,
             heads * queries * head_dim, queries * head_dim, head_dim,
             kv_heads * keys * head_dim, keys * head_dim, head_dim,
-            kv_heads * num_visual * head_dim, num_visual * head_dim, head_dim]  # fmt: skip
+            kv_heads * num_context * head_dim, num_context * head_dim, head_dim]  # fmt: skip
 
 
 def constants(attributes: Attributes, head_dim: int, block_m: int, block_n: int, **flags) -> dict:
@@ -245,7 +245,7 @@ def constants(attributes: Attributes, head_dim: int, block_m: int, block_n: int,
         BLOCK_N=block_n,
         MERGE_SUM=attributes.merge == "sum",
         SOFTCAP=attributes.softcap > 0,
-        CAUSAL_VISUAL=bool(attributes.causal_visual),
+        CAUSAL_CONTEXT=bool(attributes.causal_context),
         CAUSAL=bool(attributes.causal),
         NUM_CONTEXTS=attributes.num_contexts,
         **flags,
@@ -260,7 +260,7 @@ def launch(
     q_vis,
     k_vis,
     v_vis,
-    visual_mask,
+    context_mask,
     attributes: Attributes,
     *,
     return_lse: bool = False,
@@ -274,7 +274,7 @@ def launch(
     batch, heads, queries, head_dim = q.shape
     contract.check_shapes(heads, k.shape[1], head_dim)
     q, k, v, q_vis, k_vis, v_vis = (t.contiguous() for t in (q, k, v, q_vis, k_vis, v_vis))
-    key_mask, visual_mask = key_mask.to(torch.int8).contiguous(), visual_mask.to(torch.int32).contiguous()
+    key_mask, context_mask = key_mask.to(torch.int8).contiguous(), context_mask.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     lse = torch.empty((2, batch, heads, queries), dtype=torch.float32, device=q.device)
     # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot (loads are exact): there, and only there,
@@ -288,7 +288,7 @@ def launch(
         q_vis,
         k_vis,
         v_vis,
-        visual_mask,
+        context_mask,
         *int_arguments(q.shape, k.shape, k_vis.shape),
         out,
         lse,

@@ -1,7 +1,7 @@
 """onnxruntime-genai drives our decoder.onnx: its input and output names are genai's defaults (`input_ids`,
 `position_ids`, `attention_mask`, `past_key_values.%d.key`, `present.%d.key`, ...). `genai_config` writes what genai
 reads; `GenaiRuntime` computes a context once with our graphs (an image's or a video's K/V: vision, audio and
-visual_kv on ONNX Runtime) and binds it as the decoder's extra inputs, then genai generates.
+context_kv on ONNX Runtime) and binds it as the decoder's extra inputs, then genai generates.
 
 genai's tokenizer drops the BOS token our prompts start with, so prompts go in as ids from the model's own
 tokenizer. genai counts positions over the text tokens: our positions when text attends to the context debiased
@@ -115,8 +115,8 @@ class GenaiRuntime:
         params.set_search_options(max_length=input_ids.shape[1] + max_new_tokens, do_sample=False)
         generator = og.Generator(self.model, params)
         caches, mask = context
-        generator.set_model_input("visual_attention_mask", mask.astype(np.int64).view(np.int64))  # genai: int64 'l'
-        for name, cache in zip(self.graphs.visual_names, caches, strict=True):
+        generator.set_model_input("context_attention_mask", mask.astype(np.int64).view(np.int64))  # genai: int64 'l'
+        for name, cache in zip(self.graphs.context_names, caches, strict=True):
             generator.set_model_input(name, np.ascontiguousarray(cache))
         generator.append_tokens(input_ids.astype(np.int32))
         tokens, logits = [], []

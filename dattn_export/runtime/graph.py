@@ -12,11 +12,9 @@ import numpy as np
 
 from ..artifacts import DTYPES, OnnxManifest
 from ..errors import InputError
+from ..modeling.streams import AUDIO, CONTEXT_CHUNK, FRAMES
 
 NUMPY_DTYPES = {d.onnx: d.numpy for d in DTYPES.values()}  # graph values' ONNX types
-VISUAL_CHUNK = 2048  # context tokens per visual_kv run (diagonal models)
-FRAME_CHUNK = 16  # a video's frames per vision run
-AUDIO_CHUNK = 16  # 30 s audio chunks per audio run
 ATTENTION_BUDGET = 1 << 18  # new tokens x keys per decoder run (about 16 MB of fp32 logits a head group)
 
 
@@ -29,7 +27,7 @@ class GraphRuntime:
         decoder_inputs = self.manifest.graphs["decoder"].inputs
         # the caches, flat, in the graphs' order: every layer's key, value (and WINGS key, value)
         self.past_inputs = [i for i in decoder_inputs if i.name.startswith("past_key_values.")]
-        self.visual_names = [i.name for i in decoder_inputs if i.name.startswith("visual_key_values.")]
+        self.context_names = [i.name for i in decoder_inputs if i.name.startswith("context_key_values.")]
         self.dtype = NUMPY_DTYPES[self.past_inputs[0].dtype]
         self.debias = self.manifest.model.debias
 
@@ -46,38 +44,40 @@ class GraphRuntime:
         return self.empty_kv(batch), np.zeros((batch, 0), np.int64)
 
     def embed_images(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(visual embeddings (B, V, hidden), visual mask (B, V): 0 for the tokens of an image that means "none")."""
+        """(context embeddings (B, V, hidden), context mask (B, V): 0 for the tokens of an image that means "none")."""
         embeds, mask = self._run("vision", {"pixel_values": pixel_values.astype(self.dtype)})
         return embeds, mask
 
     def encode_images(self, pixel_values: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-        """The images' visual K/V for every layer (flat, in the graphs' order) and their visual mask."""
+        """The images' K/V for every layer (flat, in the graphs' order) and their context mask."""
         embeds, mask = self.embed_images(pixel_values)
-        return self.encode_visual(embeds, mask), mask
+        return self.encode_context(embeds, mask), mask
 
-    def encode_visual(
-        self, visual_embeds: np.ndarray, visual_mask: np.ndarray | None = None, chunk: int = VISUAL_CHUNK
+    def encode_context(
+        self, context_embeds: np.ndarray, context_mask: np.ndarray | None = None, chunk: int = CONTEXT_CHUNK
     ) -> list[np.ndarray]:
-        """Every layer's visual K/V (and WINGS keys/values), flat in the graphs' order [k0, v0, k1, v1, ...]. With
-        diagonal V2V visual tokens never mix, so long visual sequences run in chunks: memory stays that of one
-        chunk and time stays linear."""
-        if visual_mask is None:
-            visual_mask = np.ones(visual_embeds.shape[:2], np.int64)
-        if not self.manifest.model.diagonal or visual_embeds.shape[1] <= chunk:
-            return self._run("visual_kv", {"visual_embeds": visual_embeds, "visual_attention_mask": visual_mask})
-        return self.fill_caches(iter([visual_embeds]), visual_mask, chunk)
+        """Every layer's context K/V (and WINGS keys/values), flat in the graphs' order [k0, v0, k1, v1, ...]. With
+        diagonal V2V context tokens never mix, so long contexts run in chunks: memory stays that of one chunk and
+        time stays linear."""
+        if context_mask is None:
+            context_mask = np.ones(context_embeds.shape[:2], np.int64)
+        if not self.manifest.model.diagonal or context_embeds.shape[1] <= chunk:
+            return self._run("context_kv", {"context_embeds": context_embeds, "context_attention_mask": context_mask})
+        return self.fill_caches(iter([context_embeds]), context_mask, chunk)
 
-    def fill_caches(self, parts: Iterator[np.ndarray], mask: np.ndarray, chunk: int = VISUAL_CHUNK) -> list[np.ndarray]:
+    def fill_caches(
+        self, parts: Iterator[np.ndarray], mask: np.ndarray, chunk: int = CONTEXT_CHUNK
+    ) -> list[np.ndarray]:
         """Context caches (B, heads, V, D) built part by part: each part's tokens (B, n, hidden), in order, go
-        through visual_kv `chunk` tokens at a time straight into preallocated caches, so memory beyond the caches
+        through context_kv `chunk` tokens at a time straight into preallocated caches, so memory beyond the caches
         is that of one part; `mask` (B, V): the whole context's."""
         caches, offset = self.empty_kv(mask.shape[0], mask.shape[1]), 0
         for part in parts:
             for start in range(0, part.shape[1], chunk):
                 embeds = part[:, start : start + chunk]
                 end = offset + embeds.shape[1]
-                feeds = {"visual_embeds": embeds, "visual_attention_mask": mask[:, offset:end]}
-                for cache, piece in zip(caches, self._run("visual_kv", feeds), strict=True):
+                feeds = {"context_embeds": embeds, "context_attention_mask": mask[:, offset:end]}
+                for cache, piece in zip(caches, self._run("context_kv", feeds), strict=True):
                     cache[:, :, offset:end] = piece
                 offset = end
         if offset != mask.shape[1]:
@@ -89,8 +89,8 @@ class GraphRuntime:
     ) -> tuple[list[np.ndarray], np.ndarray]:
         """A video model's context: its frames (F, 3, H, W) and audio (log-mel 30 s chunks (C, bins, frames) and
         its length in mel frames), either may be None, -> every layer's K/V over [frames ; audio] and the (1, V + A)
-        mask giving each key its stream (1 frames, 2 audio). Built part by part (FRAME_CHUNK frames, AUDIO_CHUNK
-        audio chunks a run): memory beyond the caches does not grow with the length."""
+        mask giving each key its stream's segment. Built part by part (`parts_per_run` frames, then 30 s audio
+        chunks, a run): memory beyond the caches does not grow with the length."""
         model = self.manifest.model
         num_frames = 0 if frames is None else len(frames)
         if model.max_video_frames is not None and num_frames > model.max_video_frames:
@@ -99,10 +99,11 @@ class GraphRuntime:
                 f"{num_frames} frames: past {model.max_video_frames} the released pool resizes each frame's grid, "
                 "which vision.onnx does not (run it with the PyTorch reference: generate without --backend)",
             )
-        num_audio = 0 if audio is None else audio[1] // model.mel_frames_per_audio_token
-        mask = np.concatenate(
-            [np.ones(num_frames * model.visual_tokens_per_frame, np.int64), np.full(num_audio, 2, np.int64)]
-        )[None]
+        tokens = [
+            (FRAMES, FRAMES.tokens(model, num_frames)),
+            (AUDIO, 0 if audio is None else AUDIO.tokens(model, audio[1])),
+        ]
+        mask = np.concatenate([np.full(count, stream.segment, np.int64) for stream, count in tokens])[None]
         parts = chain(
             () if frames is None else self.frame_parts(frames), () if audio is None else self.audio_parts(*audio)
         )
@@ -114,7 +115,7 @@ class GraphRuntime:
         feeds = {"thumbnail": tiles[:1], "tiles": tiles[1:].reshape(rows, columns, *tiles.shape[1:])}
         (embeds,) = self._run("vision", {name: t.astype(self.dtype) for name, t in feeds.items()})
         mask = np.ones(embeds.shape[:2], np.int64)
-        return self.encode_visual(embeds, mask), mask
+        return self.encode_context(embeds, mask), mask
 
     @staticmethod
     def batch_contexts(contexts: list[tuple[list[np.ndarray], np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
@@ -129,12 +130,12 @@ class GraphRuntime:
         return caches, np.concatenate([padded(mask, 1) for _, mask in contexts])
 
     def frame_parts(self, frames: np.ndarray) -> Iterator[np.ndarray]:
-        """One video's stream tokens, FRAME_CHUNK frames at a time: (1, n * tokens per frame, hidden) each."""
+        """One video's stream tokens, FRAMES.parts_per_run frames a run: (1, n * tokens per frame, hidden) each."""
         size = self.manifest.model.image_size
         if frames.ndim != 4 or frames.shape[1:] != (3, size, size):
             raise InputError("frames", f"of shape {list(frames.shape)}: vision.onnx takes [frames, 3, {size}, {size}]")
-        for start in range(0, len(frames), FRAME_CHUNK):
-            pixels = frames[start : start + FRAME_CHUNK].astype(self.dtype)
+        for start in range(0, len(frames), FRAMES.parts_per_run):
+            pixels = frames[start : start + FRAMES.parts_per_run].astype(self.dtype)
             index = np.arange(start, start + len(pixels), dtype=np.int64)
             (embeds,) = self._run(
                 "vision", {"pixel_values": pixels, "frame_index": index, "num_frames": np.array(len(frames))}
@@ -142,19 +143,19 @@ class GraphRuntime:
             yield embeds
 
     def audio_parts(self, features: np.ndarray, mel_frames: int) -> Iterator[np.ndarray]:
-        """One sample's audio stream tokens, AUDIO_CHUNK 30 s chunks at a time, cut to the sample's length."""
-        for start in range(0, len(features), AUDIO_CHUNK):
+        """One sample's audio stream tokens, AUDIO.parts_per_run 30 s chunks a run, cut to the sample's length."""
+        for start in range(0, len(features), AUDIO.parts_per_run):
             feeds = {
-                "input_features": features[start : start + AUDIO_CHUNK].astype(self.dtype),
+                "input_features": features[start : start + AUDIO.parts_per_run].astype(self.dtype),
                 "first_chunk": np.array(start, np.int64),
                 "mel_frames": np.array(mel_frames, np.int64),
             }
             embeds, within = self._run("audio", feeds)
             yield embeds[:, within[0] == 1]
 
-    def positions(self, attention_mask: np.ndarray, num_new: int, num_visual: int) -> np.ndarray:
-        """As the reference model: text positions count text tokens (after the visual ones when not debiased)."""
-        offset = 0 if self.debias else num_visual
+    def positions(self, attention_mask: np.ndarray, num_new: int, num_context: int) -> np.ndarray:
+        """As the reference model: text positions count text tokens (after the context's when not debiased)."""
+        offset = 0 if self.debias else num_context
         return offset + np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None)[:, -num_new:]
 
     def decode(
@@ -162,40 +163,40 @@ class GraphRuntime:
         input_ids: np.ndarray,
         attention_mask: np.ndarray,
         past: list[np.ndarray],
-        visual: list[np.ndarray],
-        visual_mask: np.ndarray | None = None,
+        context: list[np.ndarray],
+        context_mask: np.ndarray | None = None,
     ) -> tuple[np.ndarray, list[np.ndarray]]:
         """The decoder on new tokens (prefill when `past` is empty, a decode step when input_ids has one column).
         A prompt whose queries times keys pass ATTENTION_BUDGET runs in pieces of tokens, each with the cache the
         last one left: the graphs' attention holds its logits, so this bounds that memory however long the
         context (a long video) is."""
-        num_new, num_keys = input_ids.shape[1], attention_mask.shape[1] + visual[0].shape[2]
+        num_new, num_keys = input_ids.shape[1], attention_mask.shape[1] + context[0].shape[2]
         step = max(1, ATTENTION_BUDGET // num_keys)
         if num_new <= step:
-            return self.decoder_call(input_ids, attention_mask, past, visual, visual_mask)
+            return self.decoder_call(input_ids, attention_mask, past, context, context_mask)
         pieces, num_past = [], attention_mask.shape[1] - num_new
         for start in range(0, num_new, step):
             end = min(start + step, num_new)
             logits, past = self.decoder_call(
-                input_ids[:, start:end], attention_mask[:, : num_past + end], past, visual, visual_mask
+                input_ids[:, start:end], attention_mask[:, : num_past + end], past, context, context_mask
             )
             pieces.append(logits)
         return np.concatenate(pieces, axis=1), past
 
-    def decoder_call(self, input_ids, attention_mask, past, visual, visual_mask) -> tuple[np.ndarray, list]:
+    def decoder_call(self, input_ids, attention_mask, past, context, context_mask) -> tuple[np.ndarray, list]:
         """One run of decoder.onnx."""
         batch, num_new = input_ids.shape
-        num_visual = visual[0].shape[2]
-        if visual_mask is None:
-            visual_mask = np.ones((batch, num_visual), np.int64)
+        num_context = context[0].shape[2]
+        if context_mask is None:
+            context_mask = np.ones((batch, num_context), np.int64)
         feeds = {
             "input_ids": input_ids.astype(np.int64),
             "attention_mask": attention_mask.astype(np.int64),
-            "position_ids": self.positions(attention_mask, num_new, num_visual),
-            "visual_attention_mask": visual_mask,
+            "position_ids": self.positions(attention_mask, num_new, num_context),
+            "context_attention_mask": context_mask,
         }
         feeds |= zip((spec.name for spec in self.past_inputs), past, strict=True)
-        feeds |= zip(self.visual_names, visual, strict=True)
+        feeds |= zip(self.context_names, context, strict=True)
         logits, *present = self._run("decoder", feeds)
         return logits, present
 
@@ -203,13 +204,13 @@ class GraphRuntime:
         self,
         input_ids: np.ndarray,
         attention_mask: np.ndarray,
-        visual: list[np.ndarray],
+        context: list[np.ndarray],
         max_new_tokens: int,
         eos_token_id: int | None = None,
-        visual_mask: np.ndarray | None = None,
+        context_mask: np.ndarray | None = None,
     ) -> np.ndarray:
         """Greedy decoding, as the reference model's `generate`."""
-        logits, past = self.decode(input_ids, attention_mask, self.empty_kv(input_ids.shape[0]), visual, visual_mask)
+        logits, past = self.decode(input_ids, attention_mask, self.empty_kv(input_ids.shape[0]), context, context_mask)
         tokens = []
         for step in range(max_new_tokens):
             next_token = logits[:, -1].argmax(-1)[:, None]
@@ -217,5 +218,5 @@ class GraphRuntime:
             if step == max_new_tokens - 1 or (eos_token_id is not None and (next_token == eos_token_id).all()):
                 break
             attention_mask = np.concatenate([attention_mask, np.ones_like(next_token)], axis=1)
-            logits, past = self.decode(next_token, attention_mask, past, visual, visual_mask)
+            logits, past = self.decode(next_token, attention_mask, past, context, context_mask)
         return np.concatenate(tokens, axis=1)

@@ -31,7 +31,7 @@ def external_tensors(graph) -> dict[str, tuple[str, int, int]]:
 
 def weight_bytes(path: Path) -> int:
     """The bytes of weights a session of the graph holds: its own file's and every range of external data it reads
-    (visual_kv.onnx reads most of its weights from decoder.onnx.data)."""
+    (context_kv.onnx reads most of its weights from decoder.onnx.data)."""
     import onnx
     from google.protobuf.message import DecodeError
 

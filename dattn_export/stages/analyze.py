@@ -53,11 +53,11 @@ def layer_masses(call: dict, attention, image_after: int) -> torch.Tensor:
         call["key_mask"],
         call["q_vis"],
         call["k_vis"],
-        call["visual_mask"],
+        call["context_mask"],
         scale=attention.scale,
         softcap=attention.softcap,
         window=attention.window,
-        causal_visual=attention.causal_visual,
+        causal_context=attention.causal_context,
         num_contexts=attention.num_contexts,
         text_split=before,
     )
@@ -90,9 +90,9 @@ def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool 
     audio_kv = streams.get("audio_key_values")
     calls = []  # every attention call's inputs, layer by layer
 
-    def recording_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords):
-        calls.append(dict(q=q, k=k, key_mask=key_mask, q_vis=q_vis, k_vis=k_vis, visual_mask=visual_mask))
-        return dattn_op(q, k, v, key_mask, q_vis, k_vis, v_vis, visual_mask, **keywords)
+    def recording_op(q, k, v, key_mask, q_vis, k_vis, v_vis, context_mask, **keywords):
+        calls.append(dict(q=q, k=k, key_mask=key_mask, q_vis=q_vis, k_vis=k_vis, context_mask=context_mask))
+        return dattn_op(q, k, v, key_mask, q_vis, k_vis, v_vis, context_mask, **keywords)
 
     with using_op(model, recording_op):
         model(torch.tensor([ids]), **streams)

@@ -194,7 +194,7 @@ def run_demo(directory: Path, family: str = DEFAULT_FAMILY, video: bool = False,
     with stage("convert to safetensors + manifest, verify against the source", seconds):
         convert(checkpoint, converted, force=True)
         checks = verify(converted, against=checkpoint)
-    graphs = "vision / audio / visual_kv / decoder" if video else "vision / visual_kv / decoder"
+    graphs = "vision / audio / context_kv / decoder" if video else "vision / context_kv / decoder"
     with stage(f"export {graphs} ONNX graphs (fused attention)", seconds):
         export_onnx(converted, exported, force=True)
     with stage("validate the graphs on ONNX Runtime against PyTorch", seconds):

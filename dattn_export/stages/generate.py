@@ -13,6 +13,7 @@ from ..checkpoints.names import parameter_counts
 from ..checkpoints.source import build_model, folder_config, open_source
 from ..errors import InputError
 from ..modeling.images import anyres_tiles, prepare_pictures
+from ..modeling.streams import AUDIO
 from ..processing import (
     AUDIO_RATE,
     audio_features,
@@ -97,11 +98,13 @@ def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, fl
         what = "the image's thumbnail and tiles" if config.is_anyres else f"{len(media.images)} image(s)"
         with stage(f"encode {what}: visual K/V for every layer", seconds):
             processor = load_image_processor(folder, config)
-            streams["visual_key_values"], streams["visual_mask"] = model.model.encode_pictures(media.images, processor)
+            streams["context_key_values"], streams["context_mask"] = model.model.encode_pictures(
+                media.images, processor
+            )
     pixels, audio = video_inputs(folder, config, media)
     if pixels is not None:
         with stage(f"encode {len(pixels)} frame(s): visual K/V for every layer", seconds):
-            streams["visual_key_values"], streams["visual_mask"] = model.model.encode_video([pixels])
+            streams["context_key_values"], streams["context_mask"] = model.model.encode_video([pixels])
     if audio is not None:
         with stage(f"encode {len(media.samples) / AUDIO_RATE:.1f} s of audio: audio K/V for every layer", seconds):
             streams["audio_key_values"], streams["audio_mask"] = model.model.encode_audio([audio[0]], [audio[1]])
@@ -179,10 +182,10 @@ def run_prompt_graphs(folder: Path, prompt: str, media: Media, max_new_tokens: i
         prompt_ids=ids[0].tolist(),
         generated_ids=generated,
         text=tokenizer.decode(generated, skip_special_tokens=True),
-        visual_tokens=int((mask == 1).sum()),
+        visual_tokens=int((mask == config.streams[0].segment).sum()),
         parameters={},
         seconds=seconds,
-        audio_tokens=int((mask == 2).sum()) if config.is_video else None,
+        audio_tokens=int((mask == AUDIO.segment).sum()) if config.is_video else None,
     )
 
 
@@ -210,7 +213,7 @@ def run_prompt(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> 
         prompt_ids=inputs["input_ids"][0].tolist(),
         generated_ids=generated,
         text=tokenizer.decode(generated, skip_special_tokens=True),
-        visual_tokens=int(streams["visual_mask"].sum()) if "visual_mask" in streams else 0,
+        visual_tokens=int(streams["context_mask"].sum()) if "context_mask" in streams else 0,
         parameters=parameter_counts({n: tuple(p.shape) for n, p in model.named_parameters()}),
         seconds=seconds,
         audio_tokens=(0 if audio is None else int(streams["audio_mask"].sum())) if model.config.is_video else None,

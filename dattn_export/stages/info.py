@@ -67,12 +67,12 @@ def describe(path: Path, base: Path | None = None, vision_heads: int | None = No
         "input": c.mm_input_type,
         **(
             {
-                "visual_tokens_per_frame": c.tokens_per_frame,
+                "tokens_per_frame": c.tokens_per_frame,
                 "audio_tokens_per_chunk": c.audio_config["max_source_positions"] // c.mm_audio_pool_size,
                 "pool_rule": c.mm_pool_rule,
             }
             if c.is_video
-            else {"visual_tokens_per_image": c.tokens_per_image}
+            else {"tokens_per_image": c.tokens_per_image}
         ),
         **({"anyres_tilings": f"{c.mm_image_grid_points} (columns, rows)"} if c.is_anyres else {}),
         "sliding_window": "none" if c.text_window is None else f"{c.text_window} ({c.window_rule} rule)",

@@ -1,19 +1,19 @@
 """`onnx`: the three graphs a deployment needs, with one fused attention node per decoder layer.
 
-  vision.onnx     pixel_values (B, images, 3, H, W) -> visual_embeds (B, V, hidden), visual_attention_mask (B, V)
-  visual_kv.onnx  visual_embeds, visual_attention_mask -> visual_key_values.{i}.key/.value (B, Hkv, V, D):
+  vision.onnx     pixel_values (B, images, 3, H, W) -> context_embeds (B, V, hidden), context_attention_mask (B, V)
+  context_kv.onnx  context_embeds, context_attention_mask -> context_key_values.{i}.key/.value (B, Hkv, V, D):
                   the visual stream, once per image, position-free, cacheable
-  decoder.onnx    input_ids, position_ids, attention_mask (B, past + T), visual_attention_mask,
-                  past_key_values.{i}.key/.value, visual_key_values.{i}.key/.value
+  decoder.onnx    input_ids, position_ids, attention_mask (B, past + T), context_attention_mask,
+                  past_key_values.{i}.key/.value, context_key_values.{i}.key/.value
                   -> logits, present.{i}.key/.value; one graph for prefill and decode
-Large graphs keep their weights in `NAME.onnx.data`; visual_kv.onnx reads the layer weights it shares with the
+Large graphs keep their weights in `NAME.onnx.data`; context_kv.onnx reads the layer weights it shares with the
 decoder (norms, K/V projections, MLPs) from decoder.onnx.data, so each is on the disk once.
 A layer with WINGS learners also caches `.wings_key/.wings_value` (B, hidden / D, S, D) in each of these.
 
 A video model (mm_input_type "video") has two context streams, frames and audio, each run through its own graph
-in parts (so memory does not grow with the length), then through visual_kv, and laid end to end as the decoder's
-context, `visual_attention_mask` giving each key its stream (1 frames, 2 audio, 0 none):
-  vision.onnx     pixel_values (N, 3, H, W) frames, frame_index (N,), num_frames () -> visual_embeds (1, N * t, hidden)
+in parts (so memory does not grow with the length), then through context_kv, and laid end to end as the decoder's
+context, `context_attention_mask` giving each key its stream (1 frames, 2 audio, 0 none):
+  vision.onnx     pixel_values (N, 3, H, W) frames, frame_index (N,), num_frames () -> context_embeds (1, N * t, hidden)
   audio.onnx      input_features (C, mel bins, chunk frames) 30 s chunks, first_chunk (), mel_frames () ->
                   audio_embeds (1, C * a, hidden), audio_attention_mask (1, C * a): tokens within the sample
 
@@ -48,6 +48,7 @@ from torch.export import Dim
 from .. import __version__, memory
 from ..artifacts import (
     DTYPES,
+    ONNX_FORMAT,
     SCHEMES,
     AttentionExport,
     ExportedModel,
@@ -71,6 +72,7 @@ from ..checkpoints.source import open_source
 from ..checkpoints.weights import empty_model, is_stand_in, parameter_bytes, stand_in
 from ..errors import InputError
 from ..modeling.modeling_dattn import MODEL_CLASSES, FramePool
+from ..modeling.streams import context_graphs
 from ..plugins import contract
 from ..plugins.onnx_node import attach_function, fused_nodes
 from ..runtime.genai import GENAI_CONFIG, write_genai_config
@@ -151,13 +153,13 @@ class StreamGraph(nn.Module):
         return getattr(self.model.model, self.method)(*inputs)
 
 
-class VisualKVGraph(nn.Module):
+class ContextKVGraph(nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, visual_embeds, visual_attention_mask):
-        return [t for layer in self.model.model.encode_visual(visual_embeds, visual_attention_mask) for t in layer]
+    def forward(self, context_embeds, context_attention_mask):
+        return [t for layer in self.model.model.encode_context(context_embeds, context_attention_mask) for t in layer]
 
 
 class DecoderGraph(nn.Module):
@@ -165,15 +167,15 @@ class DecoderGraph(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, position_ids, attention_mask, visual_attention_mask, past, visual):
+    def forward(self, input_ids, position_ids, attention_mask, context_attention_mask, past, visual):
         config = self.model.config
         out = self.model(
             input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=layer_caches(past, config),
-            visual_key_values=layer_caches(visual, config),
-            visual_mask=visual_attention_mask,
+            context_key_values=layer_caches(visual, config),
+            context_mask=context_attention_mask,
         )
         return out.logits, [t for layer in out.past_key_values for t in layer]
 
@@ -190,7 +192,7 @@ def graph_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
     heads |= {"wings_key": config.wings_heads, "wings_value": config.wings_heads}
     size, per_image = config.vision_config["image_size"], config.tokens_per_image
     batch, images, seq, past, total, visual = (
-        Dim(n) for n in ("batch", "images", "sequence", "past_sequence", "total_sequence", "visual_sequence")
+        Dim(n) for n in ("batch", "images", "sequence", "past_sequence", "total_sequence", "context_sequence")
     )
     b, t, p, n_img = 2, 3, 4, 2
     v = n_img * per_image
@@ -210,25 +212,25 @@ def graph_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
             "vision": GraphSpec(
                 VisionGraph(model),
                 {"pixel_values": (pixels, {0: batch, 1: images})},
-                ["visual_embeds", "visual_attention_mask"],
+                ["context_embeds", "context_attention_mask"],
                 (None,),
             )
         }
     visual_inputs = {
-        "visual_embeds": (torch.randn(b, v, config.hidden_size, dtype=dtype), {0: batch, 1: visual}),
-        "visual_attention_mask": (torch.ones(b, v, dtype=torch.int64), {0: batch, 1: visual}),
+        "context_embeds": (torch.randn(b, v, config.hidden_size, dtype=dtype), {0: batch, 1: visual}),
+        "context_attention_mask": (torch.ones(b, v, dtype=torch.int64), {0: batch, 1: visual}),
     }
     decoder_inputs = {
         "input_ids": (torch.randint(3, config.vocab_size, (b, t)), {0: batch, 1: seq}),
         "position_ids": (torch.arange(p, p + t).expand(b, -1), {0: batch, 1: seq}),
         "attention_mask": (torch.ones(b, p + t, dtype=torch.int64), {0: batch, 1: total}),
-        "visual_attention_mask": (torch.ones(b, v, dtype=torch.int64), {0: batch, 1: visual}),
+        "context_attention_mask": (torch.ones(b, v, dtype=torch.int64), {0: batch, 1: visual}),
         **caches("past_key_values", p, past),
-        **caches("visual_key_values", v, visual),
+        **caches("context_key_values", v, visual),
     }
     return streams | {
-        "visual_kv": GraphSpec(
-            VisualKVGraph(model), visual_inputs, kv_names("visual_key_values", config), (None, None)
+        "context_kv": GraphSpec(
+            ContextKVGraph(model), visual_inputs, kv_names("context_key_values", config), (None, None)
         ),
         "decoder": GraphSpec(
             DecoderGraph(model),
@@ -246,7 +248,7 @@ def anyres_spec(model, dtype: torch.dtype) -> GraphSpec:
         "thumbnail": (torch.randn(1, 3, size, size, dtype=dtype), None),
         "tiles": (torch.randn(2, 3, 3, size, size, dtype=dtype), {0: Dim("tile_rows"), 1: Dim("tile_columns")}),
     }
-    return stream_spec(model, "anyres_stream", inputs, ["visual_embeds"])
+    return stream_spec(model, "anyres_stream", inputs, ["context_embeds"])
 
 
 def video_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
@@ -266,7 +268,7 @@ def video_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
         "mel_frames": (torch.tensor(3 * chunk_frames), None),
     }
     return {
-        "vision": stream_spec(model, "frame_stream", frame_inputs, ["visual_embeds"]),
+        "vision": stream_spec(model, "frame_stream", frame_inputs, ["context_embeds"]),
         "audio": stream_spec(model, "audio_stream", audio_inputs, ["audio_embeds", "audio_attention_mask"]),
     }
 
@@ -493,7 +495,7 @@ def export_graph(
 
 def share_weights(folder: Path, sharer: str, owner: str) -> int:
     """Point `sharer`.onnx's external tensors whose bytes `owner`.onnx.data already holds at those bytes, and rewrite
-    `sharer`.onnx.data with the rest, so that each weight is on the disk once (visual_kv's K/V projections and MLPs are
+    `sharer`.onnx.data with the rest, so that each weight is on the disk once (context_kv's K/V projections and MLPs are
     the decoder's). Tensors match by type, shape and sha256: one that differs (o_proj's folded group sum) is kept.
     ONNX Runtime's CPU provider maps external data, so both sessions read the shared bytes through the same pages
     (each still keeps its own prepacked copy: the Python API has no shared prepacked-weights container, and without
@@ -586,14 +588,14 @@ def describe_values(values) -> list[GraphValue]:
 def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int, out: Path) -> OnnxManifest:
     config = model.config
     graphs = {}
-    for name in ("vision", "audio", "visual_kv", "decoder") if config.is_video else ("vision", "visual_kv", "decoder"):
+    for name in context_graphs(config.mm_input_type):
         graph = onnx.load(out / f"{name}.onnx", load_external_data=False).graph
         fused = sum(1 for n in graph.node if n.domain == contract.DOMAIN)
         graphs[name] = Graph(f"{name}.onnx", fused, describe_values(graph.input), describe_values(graph.output))
     generation = out / "generation_config.json"
     op = {"domain": contract.DOMAIN, "type": contract.TYPE, "version": contract.VERSION, **contract.PLUGIN_ATTRIBUTES}
     return OnnxManifest(
-        format="dattn-export-onnx/1",
+        format=ONNX_FORMAT,
         tool=Tool("dattn-export", __version__),
         source=ExportSource(str(Path(source.reader.path).absolute()), source.reader.layout),
         model=ExportedModel(
@@ -608,7 +610,7 @@ def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int
             head_dim=config.head_dim,
             vocab_size=config.vocab_size,
             image_size=config.vision_config["image_size"],
-            visual_tokens_per_image=config.tokens_per_image,
+            tokens_per_image=config.tokens_per_image,
             text_positions="text tokens only" if config.use_debias else "after the visual tokens",
             wings=Wings(config.wings_rank, config.wings_layer_indices, config.wings_heads)
             if config.wings_rank
@@ -616,7 +618,7 @@ def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int
             audio_tower=None if config.audio_config is None else audio_tower_role(config),
             input_type=config.mm_input_type,
             num_contexts=config.num_contexts,
-            visual_tokens_per_frame=config.tokens_per_frame if config.is_video else None,
+            tokens_per_frame=config.tokens_per_frame if config.is_video else None,
             max_video_frames=FramePool.max_frames(config) if config.is_video else None,
             mel_frames_per_audio_token=config.mel_frames_per_audio_token if config.is_video else None,
         ),
@@ -641,7 +643,7 @@ def export_onnx(
     on_graph=None,
     quantize: Scheme | None = None,
 ) -> OnnxManifest:
-    """`quantize`: visual_kv.onnx's and decoder.onnx's MatMuls weight-only quantized by ONNX Runtime's quantizer."""
+    """`quantize`: context_kv.onnx's and decoder.onnx's MatMuls weight-only quantized by ONNX Runtime's quantizer."""
     if opset not in SUPPORTED_OPSETS:
         raise InputError(
             "--opset", f"{opset} is not supported (choose {SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1})"
@@ -683,7 +685,7 @@ def export_onnx(
         matmuls[name] = quantize_graph(model, quantize, config.hidden_size, config.vocab_size)
 
     specs = graph_specs(model, torch_dtype)
-    # the layers' weights are written in visual_kv.onnx's data and decoder.onnx's before visual_kv's are shared
+    # the layers' weights are written in context_kv.onnx's data and decoder.onnx's before context_kv's are shared
     needed = 2 * (weight_bytes if not quantize else quantized_bytes(model, quantize))
     with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=needed) as tmp:
         for name, spec in specs.items():
@@ -699,11 +701,11 @@ def export_onnx(
             )
             if on_graph:
                 on_graph(name)
-        shared = share_weights(tmp, "visual_kv", "decoder") if weight_bytes > EXTERNAL_DATA_BYTES else 0
+        shared = share_weights(tmp, "context_kv", "decoder") if weight_bytes > EXTERNAL_DATA_BYTES else 0
         source.carry_files(tmp)
         (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")
         manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
-        manifest.graphs["visual_kv"].weight_bytes_in_decoder_data = shared
+        manifest.graphs["context_kv"].weight_bytes_in_decoder_data = shared
         if quantize:
             manifest.quantization = Quantization(**dataclasses.asdict(quantize), matmuls=matmuls, kept=KEPT)
         unsupported = write_genai_config(tmp, manifest, model.config)

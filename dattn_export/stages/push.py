@@ -69,12 +69,12 @@ samples = np.zeros(16000 * 4, np.float32)  # its audio: 16 kHz mono floats
 chunks = [samples[i : i + mel.n_samples] for i in range(0, len(samples), mel.n_samples)]
 mels = mel(chunks, sampling_rate=16000, return_tensors="pt")["input_features"]
 with torch.no_grad():
-    visual, visual_mask = model.model.encode_frames(frames, processor)  # prepared as the released code does
+    visual, context_mask = model.model.encode_frames(frames, processor)  # prepared as the released code does
     audio, audio_mask = model.model.encode_audio([mels], [sum(len(c) // mel.hop_length for c in chunks)])
     inputs = tokenizer({prompt!r}, return_tensors="pt")
     tokens = model.generate(
         inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=32,
-        visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask,
+        context_key_values=visual, context_mask=context_mask, audio_key_values=audio, audio_mask=audio_mask,
     )
 print(tokenizer.decode(tokens[0], skip_special_tokens=True))
 ```'''
@@ -95,11 +95,11 @@ processor = AutoImageProcessor.from_pretrained(repo)
 
 image = Image.open("image.png").convert("RGB")
 with torch.no_grad():
-    visual, visual_mask = model.model.encode_pictures([image], processor)  # prepared as the released code does
+    visual, context_mask = model.model.encode_pictures([image], processor)  # prepared as the released code does
     inputs = tokenizer({prompt!r}, return_tensors="pt")
     tokens = model.generate(
         inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=32,
-        visual_key_values=visual, visual_mask=visual_mask,
+        context_key_values=visual, context_mask=context_mask,
     )
 print(tokenizer.decode(tokens[0], skip_special_tokens=True))
 ```'''

@@ -1,5 +1,5 @@
 """`onnx --quantize int4|int8`: weight-only quantization by ONNX Runtime's own block quantizer (MatMulNBits: block-wise
-integer weights with a scale per block) of the LLM's MatMuls in visual_kv.onnx and decoder.onnx, and with
+integer weights with a scale per block) of the LLM's MatMuls in context_kv.onnx and decoder.onnx, and with
 --quantize-embedding of the embedding table's Gather (GatherBlockQuantized, 4 bits whatever the scheme: blocks along
 the hidden axis, so a looked-up row is dequantized alone). The fused attention nodes and their function are kept as
 they are, and so is the vision tower (see KEPT). A decode step reads every weight once, so on a CPU its time
@@ -24,7 +24,7 @@ import onnx_ir as ir
 
 from ..artifacts import Scheme
 
-QUANTIZED_GRAPHS = ("visual_kv", "decoder")  # the LLM's layers: 8 B of a 9 B model's parameters
+QUANTIZED_GRAPHS = ("context_kv", "decoder")  # the LLM's layers: 8 B of a 9 B model's parameters
 KEPT = (
     "the vision and audio towers keep the export's dtype: they run once per picture or part of a video, not once "
     "per generated token, and are under a tenth of the weights"

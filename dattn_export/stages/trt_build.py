@@ -21,7 +21,7 @@ from ..artifacts import (
     check_output,
 )
 from ..errors import InputError
-from ..runtime.graph import AUDIO_CHUNK, FRAME_CHUNK
+from ..modeling.streams import AUDIO, FRAMES
 from ..runtime.tensorrt import require_tensorrt_gpu
 
 
@@ -33,7 +33,7 @@ class Limits:
 
     max_batch: int = 1
     max_text_tokens: int = 256
-    max_visual_tokens: int = 2304
+    max_context_tokens: int = 2304
     max_images: int = 4
     max_tile_side: int = 6  # anyres: the most tiles in a row or a column (mm_image_grid_points)
     min: dict[str, int] = field(default_factory=dict)
@@ -60,10 +60,10 @@ class Limits:
             "sequence": text,
             "past_sequence": past,
             "total_sequence": (1, text[1] + past[1], self.max_text_tokens),
-            "visual_sequence": (0, self.max_visual_tokens // 2, self.max_visual_tokens),
+            "context_sequence": (0, self.max_context_tokens // 2, self.max_context_tokens),
             # a video model's stream graphs: the runtime runs at most this many frames / 30 s chunks at once
-            "frames": (1, FRAME_CHUNK, FRAME_CHUNK),
-            "chunks": (1, 1, AUDIO_CHUNK),
+            "frames": (1, FRAMES.parts_per_run, FRAMES.parts_per_run),
+            "chunks": (1, 1, AUDIO.parts_per_run),
             # an anyres model's vision graph: the tiling of one image
             "tile_rows": (1, 2, self.max_tile_side),
             "tile_columns": (1, 2, self.max_tile_side),

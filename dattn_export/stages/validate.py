@@ -22,6 +22,7 @@ from ..artifacts import VALIDATION_REPORT, from_json
 from ..checkpoints.source import load_model
 from ..errors import InputError
 from ..modeling.images import anyres_tiles, prepare_pictures
+from ..modeling.streams import AUDIO, FRAMES
 from ..processing import load_image_processor, load_tokenizer, open_image
 from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
@@ -158,7 +159,9 @@ def validate(
         )
         report.gate = result
     report.reference_tokens = expected_tokens.tolist()
-    report.backend_tokens = runtime.generate(ids.numpy(), mask.numpy(), got_kv, steps, visual_mask=got_mask)[0].tolist()
+    report.backend_tokens = runtime.generate(ids.numpy(), mask.numpy(), got_kv, steps, context_mask=got_mask)[
+        0
+    ].tolist()
     (folder / VALIDATION_REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     return report
 
@@ -175,7 +178,7 @@ def accuracy_gate(runtime, reference, tokenizer, scheme: str, prompt: str, steps
     """The quantized decoder against the reference over the prompt and GATE_PROMPTS, with the same context:
     next-token distributions at every position of the reference's greedy continuation (teacher-forced)."""
     layers = [tuple(torch.from_numpy(t) for t in layer) for layer in layer_caches(got_kv, reference.config)]
-    visual = dict(visual_key_values=layers, visual_mask=torch.from_numpy(got_mask))  # both sides: the same context
+    visual = dict(context_key_values=layers, context_mask=torch.from_numpy(got_mask))  # both sides: the same context
     expected, got = [], []
     for text in [prompt, *GATE_PROMPTS]:
         ids = tokenizer(text, return_tensors="pt")["input_ids"]
@@ -226,26 +229,26 @@ def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, r
 
 @torch.no_grad()
 def image_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
-    """The image through vision and visual_kv, compared: (the reference's streams, the graphs' K/V and mask)."""
+    """The image through vision and context_kv, compared: (the reference's streams, the graphs' K/V and mask)."""
     processor, config = load_image_processor(folder, reference.config), reference.config
     pictures = [open_image(path) for path in media.images] or [demo_image()]  # by default, the demo's picture
     pixels = prepare_pictures(pictures, config.mm_image_aspect_ratio, processor)[None]
-    visual_embeds, visual_mask = reference.model.embed_images(pixels), reference.model.image_mask(pixels)
-    visual_kv = reference.model.encode_visual(visual_embeds, visual_mask)
-    report.visual_tokens = visual_embeds.shape[1]
+    context_embeds, context_mask = reference.model.embed_images(pixels), reference.model.image_mask(pixels)
+    context_kv = reference.model.encode_context(context_embeds, context_mask)
+    report.visual_tokens = context_embeds.shape[1]
     got_embeds, got_mask = runtime.embed_images(pixels.numpy())
-    report.comparisons.append(Comparison.of("vision", "visual_embeds", got_embeds, visual_embeds))
-    report.comparisons.append(Comparison.of("vision", "visual_attention_mask", got_mask, visual_mask.long()))
-    got_kv = runtime.encode_visual(got_embeds, got_mask)
-    expected_kv = [t for layer in visual_kv for t in layer]
-    for name, got, expected_part in zip(runtime.visual_names, got_kv, expected_kv, strict=True):
-        report.comparisons.append(Comparison.of("visual_kv", name, got, expected_part))
-    return dict(visual_key_values=visual_kv, visual_mask=visual_mask), got_kv, got_mask
+    report.comparisons.append(Comparison.of("vision", "context_embeds", got_embeds, context_embeds))
+    report.comparisons.append(Comparison.of("vision", "context_attention_mask", got_mask, context_mask.long()))
+    got_kv = runtime.encode_context(got_embeds, got_mask)
+    expected_kv = [t for layer in context_kv for t in layer]
+    for name, got, expected_part in zip(runtime.context_names, got_kv, expected_kv, strict=True):
+        report.comparisons.append(Comparison.of("context_kv", name, got, expected_part))
+    return dict(context_key_values=context_kv, context_mask=context_mask), got_kv, got_mask
 
 
 @torch.no_grad()
 def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
-    """A video model's frames and audio through vision, audio and visual_kv, each stream's K/V compared with the
+    """A video model's frames and audio through vision, audio and context_kv, each stream's K/V compared with the
     reference's (worst of every layer's): (the reference's streams, the graphs' context K/V and mask)."""
     if media.video or media.frames or media.audio:
         decoded = decode_media(media)
@@ -254,28 +257,29 @@ def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, 
         decoded = DecodedMedia([], [Image.fromarray(f) for f in frames], demo_audio(len(frames)) / 32768)
     streams = encode_media(reference, folder, decoded, {})
     got_kv, got_mask = graph_context(runtime, folder, reference.config, decoded)
-    report.visual_tokens = int((got_mask == 1).sum())
-    report.audio_tokens = int((got_mask == 2).sum())
+    report.visual_tokens = int((got_mask == reference.config.streams[0].segment).sum())
+    report.audio_tokens = int((got_mask == AUDIO.segment).sum())
     start = 0
-    for graph, name in (("vision", "visual"), ("audio", "audio")):
-        if f"{name}_key_values" in streams:
-            kv = streams[f"{name}_key_values"]
-            start = compare_stream(report, f"{graph} + visual_kv", f"{name} K/V", got_kv, start, kv)
+    for stream, key in ((FRAMES, "context_key_values"), (AUDIO, "audio_key_values")):  # the context's order
+        if key in streams:
+            start = compare_stream(
+                report, f"{stream.graph} + context_kv", f"{stream.name} K/V", got_kv, start, streams[key]
+            )
     return streams, got_kv, got_mask
 
 
 @torch.no_grad()
 def anyres_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
-    """An anyres image's thumbnail and tiles (the demo's picture by default) through vision and visual_kv, its K/V
+    """An anyres image's thumbnail and tiles (the demo's picture by default) through vision and context_kv, its K/V
     compared with the reference's (worst of every layer's)."""
     image = open_image(media.images[0]) if media.images else demo_image()
     processor, points = load_image_processor(folder, reference.config), reference.config.mm_image_grid_points
     tiles, (columns, rows) = anyres_tiles(image, processor, points)
-    visual_kv, visual_mask = reference.model.encode_anyres([tiles], [image.size])
+    context_kv, context_mask = reference.model.encode_anyres([tiles], [image.size])
     got_kv, got_mask = runtime.encode_anyres(tiles.numpy(), columns, rows)
     report.visual_tokens = got_mask.shape[1]
-    compare_stream(report, "vision + visual_kv", f"visual K/V ({columns} x {rows} tiles)", got_kv, 0, visual_kv)
-    return dict(visual_key_values=visual_kv, visual_mask=visual_mask), got_kv, got_mask
+    compare_stream(report, "vision + context_kv", f"visual K/V ({columns} x {rows} tiles)", got_kv, 0, context_kv)
+    return dict(context_key_values=context_kv, context_mask=context_mask), got_kv, got_mask
 
 
 def compare_stream(report: ValidationReport, graph: str, output: str, got_kv: list, start: int, expected: list) -> int:

@@ -70,10 +70,10 @@ def probe_logits(model, seed: int = 0) -> torch.Tensor:
     if not config.is_video:
         return model(ids, torch.randn(1, 1, 3, size, size, generator=generator)).logits
     chunk = 2 * config.audio_config["max_source_positions"]  # mel frames a Whisper encoder takes
-    visual, visual_mask = model.model.encode_video([torch.randn(2, 3, size, size, generator=generator)])
+    visual, context_mask = model.model.encode_video([torch.randn(2, 3, size, size, generator=generator)])
     mel = torch.randn(1, config.audio_config["num_mel_bins"], chunk, generator=generator)
     audio, audio_mask = model.model.encode_audio([mel], [chunk])
-    streams = dict(visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask)
+    streams = dict(context_key_values=visual, context_mask=context_mask, audio_key_values=audio, audio_mask=audio_mask)
     return model(ids, **streams).logits
 
 

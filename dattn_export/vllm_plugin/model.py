@@ -2,7 +2,7 @@
 serve it unchanged:
   * the encoder output is the request's context stream, computed once per request by `embed_multimodal` with the
     reference's own `ContextStreams`: an image's visual tokens, or a video's frames then its audio; each token
-    carries its context segment (frames 1, audio 2; 0: masked) in one extra column;
+    carries its stream's segment id (`streams.py`; 0: masked) in one extra column;
   * each layer runs the context stream pointwise (diagonal V2V: a token's output is its own value through o_proj,
     then the MLP) on the request's first step only, and writes the layer's unrotated context K/V into
     cross-attention caches (`context_attn`) that later steps read;
@@ -53,6 +53,7 @@ from vllm.v1.attention.backend import AttentionType
 from ..modeling import modeling_dattn
 from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower_side
 from ..modeling.modeling_dattn import family_part
+from ..modeling.streams import AUDIO, FRAMES, IMAGE, ContextStream
 from ..processing import audio_features, load_audio_processor, load_image_processor
 from . import ARCHITECTURES, VIDEO_BACKEND, unsupported
 from .video import longest_sound_track, max_video_frames, video_tokens
@@ -254,25 +255,25 @@ def without_missing_context(layer_name: str, out: torch.Tensor) -> torch.Tensor:
 
 
 class Segments:
-    """A cross-attention over N context segments with a softmax each, from one softmax over all of them: the
-    segments' values apart and their indicators, read through N + 1 cross-attentions over the same keys. Segment i
+    """A cross-attention over N context streams with a softmax each, from one softmax over all of them: the
+    streams' values apart and their indicators, read through N + 1 cross-attentions over the same keys. Stream i
     gives sum_i p v / sum_i p, with p the one softmax: its own softmax exactly (the common normalizer cancels); a
-    segment a request lacks gives 0."""
+    stream a request lacks gives 0."""
 
-    def __init__(self, count: int, head_dim: int):
-        self.count, self.head_dim = count, head_dim
+    def __init__(self, streams: tuple[ContextStream, ...], head_dim: int):
+        self.streams, self.count, self.head_dim = streams, len(streams), head_dim
 
     @property
     def reads(self) -> tuple[str, ...]:
         """The cross-attentions of a layer, by name (vLLM allows no digit but the layer's in an attention's name):
-        one where a single segment is the whole encoder sequence."""
-        return ("visual",) if self.count == 1 else ("frames", "audio")[: self.count] + ("shares",)
+        one where a single stream is the whole encoder sequence."""
+        return ("context",) if self.count == 1 else (*(stream.name for stream in self.streams), "shares")
 
     def values(self, v: torch.Tensor, segment: torch.Tensor) -> list[torch.Tensor]:
-        """(tokens, kv heads x head_dim) values and each token's segment (1..N, 0: none) -> each read's values."""
+        """(tokens, kv heads x head_dim) values and each token's segment (0: none) -> each read's values."""
         if self.count == 1:
             return [v]
-        member = torch.stack([segment == i for i in range(1, self.count + 1)], dim=-1).to(v.dtype)  # (tokens, N)
+        member = torch.stack([segment == stream.segment for stream in self.streams], dim=-1).to(v.dtype)  # (tokens, N)
         v = v.unflatten(-1, (-1, self.head_dim))
         indicator = torch.cat([member, member.new_zeros(len(v), self.head_dim - self.count)], -1)
         per_segment = [v * member[:, None, i : i + 1] for i in range(self.count)]
@@ -335,7 +336,7 @@ class DAttnAttention(nn.Module):
             prefix=f"{prefix}.text_attn",
             **shared,
         )
-        self.segments = Segments(config.num_contexts, self.head_dim)
+        self.segments = Segments(config.streams, self.head_dim)
         self.context_attn = nn.ModuleDict(
             {
                 name: CrossAttention(
@@ -476,26 +477,27 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         return None  # the image is not in the text: it is the encoder's input
 
     def embed_multimodal(self, **inputs) -> list[torch.Tensor]:
-        """Each request's context stream, (tokens, hidden + 1): the tokens the cross-attention caches are built
-        from, and in the last column each token's segment (frames or image 1, audio 2; 0: masked)."""
+        """Each request's context, (tokens, hidden + 1): the tokens the cross-attention caches are built from, and
+        in the last column each token's segment (`streams.py`; 0: masked)."""
         if "sizes" in inputs:
             return [self.video_stream(*item) for item in per_item(inputs, ("frame_pixels", "audio_mels", "sizes"))]
         if "tiling" not in inputs:  # the batch's images through the tower at once
             pixels = torch.stack([image for (image,) in per_item(inputs, ("pixel_values",))])
-            return [with_segment(stream, 1) for stream in self.model.embed_images(pixels[:, None])]
+            return [with_segment(stream, IMAGE.segment) for stream in self.model.embed_images(pixels[:, None])]
         streams = []
         for pixels, (columns, rows) in per_item(inputs, ("pixel_values", "tiling")):
             tiles = pixels[1:].unflatten(0, (rows, columns))
-            streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], 1))
+            streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], IMAGE.segment))
         return streams
 
     def video_stream(self, frames: torch.Tensor, mels: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
         """One video's frames stream then its audio stream (none without a sound track)."""
-        streams = [with_segment(*self.model.embed_video([frames]))]
+        frame_tokens, mask = self.model.embed_video([frames])
+        streams = [with_segment(frame_tokens, FRAMES.segment * mask)]
         mel_frames = int(sizes[2])
         if mel_frames:
             audio, mask = self.model.embed_audio([mels], [mel_frames])
-            streams.append(with_segment(audio, 2 * mask))
+            streams.append(with_segment(audio, AUDIO.segment * mask))
         return torch.cat(streams)
 
     def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *, is_multimodal=None):

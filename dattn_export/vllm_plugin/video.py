@@ -4,6 +4,7 @@ before vLLM starts); apart from `__init__`, which vLLM imports in every process 
 from __future__ import annotations
 
 from ..modeling.modeling_dattn import FramePool
+from ..modeling.streams import AUDIO, FRAMES
 from ..processing import AUDIO_RATE, VIDEO_FPS
 
 DEFAULT_MAX_FRAMES = 300  # frames a video may have, where the model's pool sets no limit (5 minutes at 1 frame/s)
@@ -18,7 +19,7 @@ def max_video_frames(config, limit: int | None) -> int:
 
 def video_tokens(config, frames: int, mel_frames: int) -> int:
     """A video's encoder tokens: its frames', then its sound track's (`mel_frames` long)."""
-    return frames * config.tokens_per_frame + mel_frames // config.mel_frames_per_audio_token
+    return FRAMES.tokens(config, frames) + AUDIO.tokens(config, mel_frames)
 
 
 def longest_sound_track(frames: int) -> int:

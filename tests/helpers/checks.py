@@ -29,9 +29,9 @@ def run_case(model, runtime, batch, new, past, num_images, seed):
     with torch.no_grad():
         expected = model(ids, pixels, mask).logits[:, past:]
         past_kv = model(ids[:, :past], pixels, mask[:, :past]).past_key_values if past else None
-    visual, visual_mask = runtime.encode_images(pixels.numpy())
+    visual, context_mask = runtime.encode_images(pixels.numpy())
     past_np = [t.numpy() for kv in past_kv for t in kv] if past else runtime.empty_kv(batch)
-    logits, present = runtime.decode(ids[:, past:].numpy(), mask.numpy(), past_np, visual, visual_mask)
+    logits, present = runtime.decode(ids[:, past:].numpy(), mask.numpy(), past_np, visual, context_mask)
     keep = mask[:, past:].bool().numpy()
     error = np.abs(logits[keep] - expected.numpy()[keep]).max()
     assert error <= ATOL, f"batch {batch}, {new} new, {past} past, {num_images} images: max abs error {error:.2e}"

@@ -17,7 +17,7 @@ if __name__ == "__main__":
     parser.add_argument("--module", default="tensorrt")
     args = parser.parse_args()
     trt = import_tensorrt(args.module)
-    limits = Limits(max_batch=2, max_text_tokens=64, max_visual_tokens=64)
+    limits = Limits(max_batch=2, max_text_tokens=64, max_context_tokens=64)
     manifest = OnnxManifest.read(args.folder)
     sizes = {
         name: len(build_serialized(trt, args.folder / graph.file, graph.inputs, limits))

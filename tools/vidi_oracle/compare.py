@@ -90,8 +90,8 @@ if pictures:  # the released path made the pixels from picture files; ours makes
         pixels = prepare_pictures([open_image(path)], model.config.mm_image_aspect_ratio, processor)
         pixel_error = float((pixels - released).abs().max())
         with torch.no_grad():  # generate's path: the model prepares the picture itself
-            visual, visual_mask = model.model.encode_pictures([open_image(path)], processor)
-            got = model(ids, visual_key_values=visual, visual_mask=visual_mask).logits
+            visual, context_mask = model.model.encode_pictures([open_image(path)], processor)
+            got = model(ids, context_key_values=visual, context_mask=context_mask).logits
         ours = runtime.encode_images(pixels[None].numpy())  # validate's and genai's path: our graphs
         vllm = vllm_errors.get(name)
         print(
@@ -104,8 +104,8 @@ if anyres:
     points, tile = model.config.mm_image_grid_points, model.config.vision_config["image_size"]
     for name, (ids, tiles, sizes, expected) in oracle["cases"].items():
         with torch.no_grad():
-            visual, visual_mask = model.model.encode_anyres(tiles, sizes)
-            got = model(ids, visual_key_values=visual, visual_mask=visual_mask)
+            visual, context_mask = model.model.encode_anyres(tiles, sizes)
+            got = model(ids, context_key_values=visual, context_mask=context_mask)
         contexts = [  # a sample whose tiles are all zero has no image: an empty context
             runtime.encode_anyres(t.numpy(), *anyres_grid(size, points, tile))
             if t.abs().sum()
@@ -118,10 +118,10 @@ if anyres:
 if video:
     for name, (ids, frames, mels, mel_frames, expected) in oracle["cases"].items():
         with torch.no_grad():
-            visual, visual_mask = model.model.encode_video(frames)
+            visual, context_mask = model.model.encode_video(frames)
             audio, audio_mask = model.model.encode_audio(mels, mel_frames)
             got = model(
-                ids, visual_key_values=visual, visual_mask=visual_mask, audio_key_values=audio, audio_mask=audio_mask
+                ids, context_key_values=visual, context_mask=context_mask, audio_key_values=audio, audio_mask=audio_mask
             )
         contexts = [  # a sample whose frames or audio are all zero has none
             runtime.encode_video(f.numpy() if f.abs().sum() else None, (m.numpy(), n) if m.abs().sum() else None)
