@@ -562,6 +562,14 @@ CASES = {
         2,
         "not a readable onnx_manifest.json",
     ),
+    "validate: an export of an older format": (
+        lambda ws: (
+            ["validate", ws.folder("onnx")],
+            ws.json(ws.folder("onnx") / "onnx_manifest.json", format="dattn-export-onnx/1"),
+        ),
+        2,
+        "is a dattn-export-onnx/1 export, this dattn-export reads dattn-export-onnx/2: run `onnx` again",
+    ),
     "validate: a graph file cut": (
         lambda ws: (["validate", ws.folder("onnx"), "--steps", "1"], damage.cut(ws.folder("onnx") / "decoder.onnx")),
         2,
