@@ -216,6 +216,13 @@ class DAttnFields:
         return VISION_CONFIG_CLASSES[self.vision_config["model_type"]](**self.vision_config)
 
     @property
+    def tower_layers_run(self) -> int:
+        """The vision tower's layers its features need: hidden state k (mm_vision_select_layer, -1 the last) is the
+        output of the first k layers; those after it never reach the features."""
+        select, layers = self.mm_vision_select_layer, self.vision_config["num_hidden_layers"]
+        return select if select >= 0 else layers + 1 + select
+
+    @property
     def audio_tower_config(self) -> WhisperConfig | None:
         return None if self.audio_config is None else WhisperConfig(**self.audio_config)
 

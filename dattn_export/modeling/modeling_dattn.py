@@ -133,8 +133,7 @@ class VisionTower(nn.Module):
         tower_config = config.vision_tower_config
         self.is_clip = tower_config.model_type == "clip_vision_model"
         self.vision_model = (CLIPVisionModel if self.is_clip else SiglipVisionModel)(tower_config)
-        select, layers = config.mm_vision_select_layer, tower_config.num_hidden_layers
-        self.layers_run = select if select >= 0 else layers + 1 + select  # hidden state k: after the first k layers
+        self.layers_run = config.tower_layers_run
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         tower = self.vision_model
@@ -471,7 +470,7 @@ class ContextStreams:
         """The modules from pixels (and a video model's audio) to the context streams; `audio_tower`: the Whisper
         tower too (an image model's checkpoint may carry one that its image path never runs)."""
         hidden = config.hidden_size
-        self.mm_vis = VisionTower(config)
+        self.mm_vis = self.vision_tower(config)
         if audio_tower:
             self.mm_aud = AudioTower(config)
         self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
@@ -492,6 +491,11 @@ class ContextStreams:
             self.mm_rand_norm = MMRMSNorm(hidden)
             self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.position_grid)
             self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.position_grid)
+
+    def vision_tower(self, config) -> nn.Module:
+        """The module under `mm_vis`: (N, 3, H, W) pixels -> (N, patches, tower width) features (a host may give its
+        own encoder that computes the same)."""
+        return VisionTower(config)
 
     def scaled(self, stream: Tensor) -> Tensor:
         """A context stream as the decoder takes it: with mm_scale_streams, times sqrt(hidden) as a family with

@@ -25,6 +25,8 @@ def unsupported(config) -> str | None:
         return "only D-Attn with debiased T2V and diagonal V2V is served (the visual stream as an encoder)"
     if config.wings_rank:
         return "WINGS learners are not served"
+    if getattr(config, "quantization_config", None):
+        return "quantized checkpoints are not served (the context stream's o_proj is summed per KV head on loading)"
     return None
 
 

@@ -13,8 +13,11 @@ A cross-attention softmaxes over all of a request's encoder tokens, so a video m
 `Segments`: one softmax over frames and audio, read through N + 1 cross-attentions over the same keys (each
 segment's values alone, and each segment's indicator), and each segment's output divided by its share of the
 softmax: exactly the softmax over that segment alone.
-q/k/v, o_proj and the MLP are vLLM's tensor-parallel layers; the towers, adapters and norms are the reference
-model's own modules, replicated on every rank.
+The context stream computes only what is read: its keys and values (no queries), its output through o_proj with the
+query heads of each KV head summed, and nothing of the last layer but its K/V.
+q, k/v, o_proj and the MLP are vLLM's tensor-parallel layers; the vision tower is vLLM's own SigLIP or CLIP encoder,
+built up to the layer whose features are used; the audio tower, adapters and norms are the reference model's own
+modules, replicated on every rank.
 """
 
 from __future__ import annotations
@@ -29,16 +32,23 @@ from PIL import Image
 from torch import nn
 from transformers import BatchFeature
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention, CrossAttention
 from vllm.model_executor.layers.attention.attention import get_attention_context
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.clip import CLIPVisionModel
 from vllm.model_executor.models.interfaces import SupportsMultiModal
+from vllm.model_executor.models.siglip import SiglipVisionModel
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataParser
@@ -60,14 +70,16 @@ from .video import longest_sound_track, max_video_frames, video_tokens
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # a request's image may hold at most this many pixels (it is resized to the tower's)
 
-# checkpoint name -> (vLLM parameter, shard): q/k/v and gate/up are stacked into one tensor-parallel matmul each
+# checkpoint name -> [(vLLM parameter, shard)]: k/v and gate/up are stacked into one tensor-parallel matmul each;
+# o_proj also loads the context stream's grouped o_proj
 STACKED = {
-    ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-    ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-    ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-    ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
-    ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+    ".self_attn.k_proj.": [(".self_attn.kv_proj.", "k")],
+    ".self_attn.v_proj.": [(".self_attn.kv_proj.", "v")],
+    ".self_attn.o_proj.": [(".self_attn.o_proj.", None), (".self_attn.value_o_proj.", None)],
+    ".mlp.gate_proj.": [(".mlp.gate_up_proj.", 0)],
+    ".mlp.up_proj.": [(".mlp.gate_up_proj.", 1)],
 }
+TOWER = "model.mm_vis.vision_model."  # loaded by vLLM's own encoder (`vision_tower`)
 IMAGE_MODEL_UNUSED = ("model.mm_aud.",)  # the audio tower a released image checkpoint carries and never runs
 
 
@@ -241,17 +253,18 @@ def with_segment(stream: torch.Tensor, segment: torch.Tensor | int) -> torch.Ten
     return torch.cat([stream, column], dim=-1)
 
 
-def without_missing_context(layer_name: str, out: torch.Tensor) -> torch.Tensor:
-    """The cross-attention's output (tokens, heads x head_dim) with 0 in the rows of text-only requests: vLLM's
-    cross-attention over no keys leaves them undefined, and the reference's attention to the context adds 0
-    there."""
+def rows_without_context(layer_name: str, tokens: int) -> torch.Tensor | None:
+    """The rows (tokens,) of a step's batch whose request has no context: vLLM's cross-attention over no keys leaves
+    their output undefined, and the reference's attention to the context adds 0 there; None when every request has
+    one (or in a warm-up or profiling run). The same for every layer: computed once a step."""
     metadata = get_attention_context(layer_name)[0]
-    if metadata is None:  # a warm-up or profiling run
-        return out
+    if metadata is None:
+        return None
     query_lens = metadata.query_start_loc.diff()
-    rows = (metadata.seq_lens[: len(query_lens)] > 0).repeat_interleave(query_lens)
-    rows = torch.cat([rows, rows.new_zeros(len(out) - len(rows))])  # padding rows after the batch's tokens
-    return torch.where(rows.to(out.device)[:, None], out, 0)
+    missing = (metadata.seq_lens[: len(query_lens)] == 0).repeat_interleave(query_lens)
+    if not missing.any():
+        return None
+    return torch.cat([missing, missing.new_zeros(tokens - len(missing))])  # padding rows after the batch's tokens
 
 
 class Segments:
@@ -293,7 +306,9 @@ class Segments:
 
 class DAttnAttention(nn.Module):
     """q/k/v/o of one layer; `forward` returns the text stream's attention output and the context stream's (its own
-    values through o_proj: diagonal V2V)."""
+    values through o_proj: diagonal V2V). Queries and keys/values are two products, so that context tokens compute
+    only their keys and values; their output goes through `value_o_proj`, o_proj with the columns of the query heads
+    that share a KV head summed (1/group of o_proj's work; the reference's `value_output`)."""
 
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str):
         super().__init__()
@@ -303,14 +318,23 @@ class DAttnAttention(nn.Module):
         self.num_kv_heads = max(1, config.num_key_value_heads // ranks)  # fewer KV heads than ranks: replicated
         bias = config.projection_bias
         quant = vllm_config.quant_config
-        self.qkv_proj = QKVParallelLinear(
+        self.q_proj = ColumnParallelLinear(
+            config.hidden_size,
+            config.num_attention_heads * self.head_dim,
+            bias=bias,
+            quant_config=quant,
+            prefix=f"{prefix}.q_proj",
+        )
+        # vLLM's q/k/v layer with no query heads: its tensor-parallel split of k and v (KV heads replicated where
+        # there are fewer than ranks)
+        self.kv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
-            config.num_attention_heads,
+            0,
             config.num_key_value_heads,
             bias=bias,
             quant_config=quant,
-            prefix=f"{prefix}.qkv_proj",
+            prefix=f"{prefix}.kv_proj",
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
@@ -319,6 +343,10 @@ class DAttnAttention(nn.Module):
             quant_config=quant,
             prefix=f"{prefix}.o_proj",
         )
+        self.value_o_proj = RowParallelLinear(
+            self.num_kv_heads * ranks * self.head_dim, config.hidden_size, bias=bias, prefix=f"{prefix}.value_o_proj"
+        )
+        self.value_o_proj.weight.weight_loader = self.load_value_o_proj
         self.rotary_emb = get_rope(
             self.head_dim, config.max_position_embeddings, is_neox_style=True, rope_parameters=config.rope_parameters
         )
@@ -349,9 +377,19 @@ class DAttnAttention(nn.Module):
             }
         )
 
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return self.qkv_proj(x)[0].split([q_size, kv_size, kv_size], dim=-1)
+    def load_value_o_proj(self, param: nn.Parameter, o_proj: torch.Tensor) -> None:
+        """o_proj's weight (hidden, heads x head_dim) -> this rank's query heads' columns, summed per KV head."""
+        columns = self.num_heads * self.head_dim
+        mine = o_proj.narrow(1, get_tensor_model_parallel_rank() * columns, columns).to(param.dtype)
+        param.data.copy_(mine.unflatten(1, (self.num_kv_heads, -1, self.head_dim)).sum(2).flatten(1))
+
+    @property
+    def context_attn_name(self) -> str:
+        """A cross-attention's name in vLLM's forward context (the cross-attentions share one metadata)."""
+        return self.context_attn[self.segments.reads[0]].layer_name
+
+    def kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_proj(x)[0].chunk(2, dim=-1)
 
     def forward(
         self,
@@ -360,25 +398,22 @@ class DAttnAttention(nn.Module):
         x_context: torch.Tensor | None,
         segment: torch.Tensor | None,
         need_context_out: bool,
+        rows_without_context: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q, k, v = self.split(x)
-        # unrotated queries for T2V (debiased), copied once: the rotary op rotates the split's views in place
-        q_context = q.clone(memory_format=torch.contiguous_format)
-        q_text, k_text = self.rotary_emb(positions, q, k)
+        q, (k, v) = self.q_proj(x)[0], self.kv(x)
         context_k, context_values, context_out = None, [None] * len(self.segments.reads), None
         if x_context is not None:  # the request's first step: its context K/V go into the cross-attention caches
-            _, context_k, context_v = self.split(x_context)
-            context_k, context_v = context_k.contiguous(), context_v.contiguous()
+            context_k, context_v = (t.contiguous() for t in self.kv(x_context))
             if need_context_out:  # the last layer's context output is never read
-                group = self.num_heads // self.num_kv_heads
-                per_query_head = context_v.unflatten(-1, (self.num_kv_heads, self.head_dim)).repeat_interleave(group, 1)
-                context_out = self.o_proj(per_query_head.flatten(1))[0]
+                context_out = self.value_o_proj(context_v)[0]
             context_values = self.segments.values(context_v, segment)
-        reads = [
-            without_missing_context(attn.layer_name, attn(q_context, context_k, values))
-            for attn, values in zip(self.context_attn.values(), context_values)
-        ]
-        return self.o_proj(self.text_attn(q_text, k_text, v) + self.segments.merge(reads))[0], context_out
+        # T2V takes the queries unrotated (debiased), before the rotary op rotates q and k in place
+        reads = [attn(q, context_k, values) for attn, values in zip(self.context_attn.values(), context_values)]
+        context = self.segments.merge(reads)
+        if rows_without_context is not None:
+            context = context.masked_fill(rows_without_context[:, None], 0)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.text_attn(q, k, v) + context)[0], context_out
 
 
 class DAttnMLP(nn.Module):
@@ -415,11 +450,22 @@ class DAttnDecoderLayer(nn.Module, modeling_dattn.LayerNorms):
         h_context: torch.Tensor | None,
         segment: torch.Tensor | None,
         need_context: bool,
+        rows_without_context: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x_context = None if h_context is None else self.input_layernorm(h_context)
-        attn_out, context_out = self.self_attn(positions, self.input_layernorm(h), x_context, segment, need_context)
+        x, x_context = self.input_layernorm(h), None if h_context is None else self.input_layernorm(h_context)
+        attn_out, context_out = self.self_attn(positions, x, x_context, segment, need_context, rows_without_context)
         h_context = None if context_out is None else self.residual_mlp(h_context, context_out)
         return self.residual_mlp(h, attn_out), h_context
+
+
+class CLIPTower(CLIPVisionModel):
+    """vLLM's CLIP encoder with the reference tower's features: without the class token (LLaVA's "patch")."""
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return super().forward(pixel_values, feature_select_strategy="default")
+
+
+SERVING_TOWERS = {"siglip_vision_model": SiglipVisionModel, "clip_vision_model": CLIPTower}
 
 
 class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
@@ -434,6 +480,13 @@ class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
         )
         self.norm = family_part(family, "RMSNorm")(hidden, eps=config.rms_norm_eps)
         self.init_streams(config, audio_tower=config.is_video)
+
+    def vision_tower(self, config) -> nn.Module:
+        """vLLM's own encoder (SigLIP or CLIP) in place of the reference's `VisionTower`, computing the same: built
+        only up to the layer whose features are used, without the post-norm or the pooling head."""
+        tower_config, layers = config.vision_tower_config, config.tower_layers_run
+        tower = SERVING_TOWERS[tower_config.model_type]
+        return tower(tower_config, num_hidden_layers_override=layers, require_post_norm=False, prefix="model.mm_vis")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -451,8 +504,9 @@ class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
         segment: torch.Tensor | None,
     ) -> torch.Tensor:
         h = self.embed_input_ids(input_ids)
+        missing = rows_without_context(self.layers[0].self_attn.context_attn_name, len(h))
         for i, layer in enumerate(self.layers):
-            h, context = layer(positions, h, context, segment, need_context=i + 1 < len(self.layers))
+            h, context = layer(positions, h, context, segment, i + 1 < len(self.layers), missing)
         return self.norm(h)
 
 
@@ -515,21 +569,25 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
+        params, tower = dict(self.named_parameters()), self.model.mm_vis.vision_model
         loaded = set()
         for name, tensor in weights:
             unused = not self.config.is_video and name.startswith(IMAGE_MODEL_UNUSED)
             if unused or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            target, shard = name, None
-            for piece, (stacked, shard_id) in STACKED.items():
+            if name.startswith(TOWER):  # vLLM's encoder stacks its q/k/v and skips the layers it does not build
+                loaded |= {TOWER + n for n in tower.load_weights([(name.removeprefix(TOWER), tensor)])}
+                continue
+            targets = [(name, None)]
+            for piece, stacked in STACKED.items():
                 if name.startswith("model.layers.") and piece in name:
-                    target, shard = name.replace(piece, stacked), shard_id
+                    targets = [(name.replace(piece, target), shard) for target, shard in stacked]
                     break
-            param = params[target]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor) if shard is None else loader(param, tensor, shard)
-            loaded.add(target)
+            for target, shard in targets:
+                param = params[target]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+                loaded.add(target)
         return loaded
 
 
