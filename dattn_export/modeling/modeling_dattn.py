@@ -152,6 +152,10 @@ class AudioTower(nn.Module):
         super().__init__()
         self.encoder = WhisperEncoder(config.audio_tower_config)
 
+    def forward(self, mels: Tensor) -> Tensor:
+        """(chunks, mel bins, chunk frames) log-mel features -> (chunks, positions, width)."""
+        return self.encoder(mels).last_hidden_state
+
 
 class FramePool(nn.Module):
     """mm_rand_img_pool: frames' tower features (N, C, g, g) -> (N, C', s, s), by the config's mm_pool_rule."""
@@ -472,7 +476,7 @@ class ContextStreams:
         hidden = config.hidden_size
         self.mm_vis = self.vision_tower(config)
         if audio_tower:
-            self.mm_aud = AudioTower(config)
+            self.mm_aud = self.audio_tower(config)
         self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
         if config.is_video:  # frames: pooled, with row, column and time embeddings; audio: pooled, with time
             self.mm_rand_img_pool = FramePool(config)
@@ -494,8 +498,12 @@ class ContextStreams:
 
     def vision_tower(self, config) -> nn.Module:
         """The module under `mm_vis`: (N, 3, H, W) pixels -> (N, patches, tower width) features (a host may give its
-        own encoder that computes the same)."""
+        own encoders that compute the same, here and in `audio_tower`)."""
         return VisionTower(config)
+
+    def audio_tower(self, config) -> nn.Module:
+        """The module under `mm_aud`: (chunks, mel bins, chunk frames) -> (chunks, positions, width) features."""
+        return AudioTower(config)
 
     def scaled(self, stream: Tensor) -> Tensor:
         """A context stream as the decoder takes it: with mm_scale_streams, times sqrt(hidden) as a family with
@@ -609,7 +617,7 @@ class ContextStreams:
         hidden) and (1, C * tokens per chunk) int64, 1 for the tokens within the sample. The Whisper encoder per
         chunk -> the chunks end to end -> mm_rand_aud_pool (a strided conv) -> projector -> norm -> + time
         embeddings (over the sample's tokens). A part starts where a pooling window starts (`audio_chunks_per_run`)."""
-        features = self.mm_aud.encoder(mels.to(self.dtype)).last_hidden_state
+        features = self.mm_aud(mels.to(self.dtype))
         x = self.mm_rand_aud_pool(features.flatten(0, 1)[None].transpose(1, 2)).transpose(1, 2)[0]
         x = self.mm_rand_aud_norm(self.mm_rand_aud_projector(x))
         first = first_chunk * features.shape[1] // self.config.mm_audio_pool_size

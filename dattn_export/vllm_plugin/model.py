@@ -15,9 +15,9 @@ segment's values alone, and each segment's indicator), and each segment's output
 softmax: exactly the softmax over that segment alone.
 The context stream computes only what is read: its keys and values (no queries), its output through o_proj with the
 query heads of each KV head summed, and nothing of the last layer but its K/V.
-q, k/v, o_proj and the MLP are vLLM's tensor-parallel layers; the vision tower is vLLM's own SigLIP or CLIP encoder,
-built up to the layer whose features are used; the audio tower, adapters and norms are the reference model's own
-modules, replicated on every rank.
+q, k/v, o_proj and the MLP are vLLM's tensor-parallel layers; the towers are vLLM's own encoders (SigLIP or CLIP,
+built up to the layer whose features are used; Whisper), the adapters and norms the reference model's own modules,
+replicated on every rank.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.clip import CLIPVisionModel
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.model_executor.models.siglip import SiglipVisionModel
+from vllm.model_executor.models.utils import AutoWeightsLoader
+from vllm.model_executor.models.whisper import WhisperEncoder, WhisperForConditionalGeneration
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataParser
@@ -79,7 +81,8 @@ STACKED = {
     ".mlp.gate_proj.": [(".mlp.gate_up_proj.", 0)],
     ".mlp.up_proj.": [(".mlp.gate_up_proj.", 1)],
 }
-TOWER = "model.mm_vis.vision_model."  # loaded by vLLM's own encoder (`vision_tower`)
+# loaded by vLLM's own encoders (`vision_tower`, `audio_tower`)
+VISION_TOWER, AUDIO_TOWER = "model.mm_vis.vision_model.", "model.mm_aud.encoder."
 IMAGE_MODEL_UNUSED = ("model.mm_aud.",)  # the audio tower a released image checkpoint carries and never runs
 
 
@@ -468,6 +471,30 @@ class CLIPTower(CLIPVisionModel):
 SERVING_TOWERS = {"siglip_vision_model": SiglipVisionModel, "clip_vision_model": CLIPTower}
 
 
+class WhisperTower(nn.Module):
+    """vLLM's Whisper encoder under the reference tower's names (`mm_aud.encoder`)."""
+
+    def __init__(self, vllm_config: VllmConfig, whisper_config, prefix: str):
+        super().__init__()
+        tower_config = vllm_config.with_hf_config(whisper_config)
+        self.encoder = WhisperEncoder(vllm_config=tower_config, prefix=f"{prefix}.encoder", enable_pp=False)
+
+    def forward(self, mels: torch.Tensor) -> torch.Tensor:
+        return self.encoder(mels)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The encoder's tensors under transformers' names (relative to `encoder.`), as vLLM's Whisper loads them."""
+
+        def with_key_bias(weights):  # Whisper's k_proj has no bias; vLLM's q/k/v product has one: zeros
+            for name, tensor in weights:
+                yield name, tensor
+                if name.endswith(".self_attn.k_proj.weight"):
+                    yield name.removesuffix("weight") + "bias", tensor.new_zeros(len(tensor))
+
+        mapper = WhisperForConditionalGeneration.hf_to_vllm_mapper
+        return AutoWeightsLoader(self.encoder).load_weights(with_key_bias(weights), mapper=mapper)
+
+
 class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
     def __init__(self, vllm_config: VllmConfig, prefix: str):
         super().__init__()
@@ -479,6 +506,7 @@ class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
             DAttnDecoderLayer(config, i, vllm_config, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
         )
         self.norm = family_part(family, "RMSNorm")(hidden, eps=config.rms_norm_eps)
+        self.vllm_config = vllm_config  # the audio tower's is derived from it
         self.init_streams(config, audio_tower=config.is_video)
 
     def vision_tower(self, config) -> nn.Module:
@@ -487,6 +515,10 @@ class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
         tower_config, layers = config.vision_tower_config, config.tower_layers_run
         tower = SERVING_TOWERS[tower_config.model_type]
         return tower(tower_config, num_hidden_layers_override=layers, require_post_norm=False, prefix="model.mm_vis")
+
+    def audio_tower(self, config) -> nn.Module:
+        """vLLM's own Whisper encoder in place of the reference's `AudioTower`."""
+        return WhisperTower(self.vllm_config, config.audio_tower_config, prefix="model.mm_aud")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -569,14 +601,17 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params, tower = dict(self.named_parameters()), self.model.mm_vis.vision_model
+        params, towers = dict(self.named_parameters()), {VISION_TOWER: self.model.mm_vis.vision_model}
+        if self.config.is_video:
+            towers[AUDIO_TOWER] = self.model.mm_aud
         loaded = set()
         for name, tensor in weights:
             unused = not self.config.is_video and name.startswith(IMAGE_MODEL_UNUSED)
             if unused or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            if name.startswith(TOWER):  # vLLM's encoder stacks its q/k/v and skips the layers it does not build
-                loaded |= {TOWER + n for n in tower.load_weights([(name.removeprefix(TOWER), tensor)])}
+            tower = next((prefix for prefix in towers if name.startswith(prefix)), None)
+            if tower:  # vLLM's encoders stack their q/k/v, and skip the layers they do not build
+                loaded |= {tower + n for n in towers[tower].load_weights([(name.removeprefix(tower), tensor)])}
                 continue
             targets = [(name, None)]
             for piece, stacked in STACKED.items():
