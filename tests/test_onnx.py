@@ -87,6 +87,7 @@ def test_large_graphs_keep_weights_in_external_data(tmp_path, monkeypatch):
     run_case(model, OrtModel(tmp_path / "onnx"), 3, 52, 0, 2, seed=3)
 
 
+@pytest.mark.slow
 def test_visual_kv_reads_the_decoders_weights_from_its_data_file(tmp_path, monkeypatch):
     """Every layer weight context_kv.onnx has in common with decoder.onnx (the norms, K/V projections and MLPs) is on
     the disk once, in decoder.onnx.data, at the bytes the decoder reads; o_proj's folded group sum is context_kv's own.

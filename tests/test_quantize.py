@@ -150,7 +150,8 @@ def graph_contents(model: onnx.ModelProto) -> tuple[dict, list, dict]:
 @pytest.mark.parametrize(
     "family, scheme",
     [
-        ("mistral", Scheme("int4", 32, True, False, False, 4)),  # o_proj above onnxscript's folding size
+        # o_proj above onnxscript's folding size
+        pytest.param("mistral", Scheme("int4", 32, True, False, False, 4), marks=pytest.mark.slow),
         # tied head; asymmetric, the table quantized too
         pytest.param("gemma2", Scheme("int8", 16, False, False, True, 0), marks=pytest.mark.slow),
         pytest.param("video", Scheme("int4", 16, False, True, False, 4), marks=pytest.mark.slow),  # the head too
