@@ -307,8 +307,9 @@ class LayerNorms:
 
     mlp: nn.Module  # the host's MLP (this file's family MLP, or the plugin's tensor-parallel one)
 
-    def init_norms(self, config) -> None:
-        norm = family_part(config.family, "RMSNorm")
+    def init_norms(self, config, norm: type[nn.Module] | None = None) -> None:
+        """The layer's norms; `norm`: the host's RMSNorm class for the family (default: transformers' module)."""
+        norm = norm or family_part(config.family, "RMSNorm")
         self.input_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
         self.sandwich_norms = config.family.sandwich_norms

@@ -16,8 +16,8 @@ softmax: exactly the softmax over that segment alone.
 The context stream computes only what is read: its keys and values (no queries), its output through o_proj with the
 query heads of each KV head summed, and nothing of the last layer but its K/V.
 q, k/v, o_proj and the MLP are vLLM's tensor-parallel layers; the towers are vLLM's own encoders (SigLIP or CLIP,
-built up to the layer whose features are used; Whisper), the adapters and norms the reference model's own modules,
-replicated on every rank.
+built up to the layer whose features are used; Whisper), the decoder's norms vLLM's; the adapters and their norms
+are the reference model's own modules, replicated on every rank.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention, CrossAttention
 from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -64,7 +65,6 @@ from vllm.v1.attention.backend import AttentionType
 
 from ..modeling import modeling_dattn
 from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower_side
-from ..modeling.modeling_dattn import family_part
 from ..modeling.streams import AUDIO, FRAMES, IMAGE, ContextStream
 from ..processing import audio_features, load_audio_processor, load_image_processor
 from . import ARCHITECTURES, VIDEO_BACKEND, unsupported
@@ -83,6 +83,9 @@ STACKED = {
 }
 # loaded by vLLM's own encoders (`vision_tower`, `audio_tower`)
 VISION_TOWER, AUDIO_TOWER = "model.mm_vis.vision_model.", "model.mm_aud.encoder."
+# vLLM's RMSNorm for each scale a family's norm applies to its normalized input, weight x (norm_offset + w) (vLLM's
+# fused kernels where the platform has them)
+SERVING_NORMS = {0.0: RMSNorm, 1.0: GemmaRMSNorm}
 IMAGE_MODEL_UNUSED = ("model.mm_aud.",)  # the audio tower a released image checkpoint carries and never runs
 
 
@@ -444,7 +447,7 @@ class DAttnDecoderLayer(nn.Module, modeling_dattn.LayerNorms):
         super().__init__()
         self.self_attn = DAttnAttention(config, layer_idx, vllm_config, f"{prefix}.self_attn")
         self.mlp = DAttnMLP(config, vllm_config, f"{prefix}.mlp")
-        self.init_norms(config)
+        self.init_norms(config, SERVING_NORMS[config.family.norm_offset])
 
     def forward(
         self,
@@ -505,7 +508,7 @@ class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
         self.layers = nn.ModuleList(
             DAttnDecoderLayer(config, i, vllm_config, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
         )
-        self.norm = family_part(family, "RMSNorm")(hidden, eps=config.rms_norm_eps)
+        self.norm = SERVING_NORMS[family.norm_offset](hidden, eps=config.rms_norm_eps)
         self.vllm_config = vllm_config  # the audio tower's is derived from it
         self.init_streams(config, audio_tower=config.is_video)
 
