@@ -424,11 +424,17 @@ def test_video_loader_keeps_the_sound_track_and_others_are_refused(tmp_path):
 @pytest.mark.slow
 def test_serve_refuses_what_vllm_cannot_run(tmp_path):
     """One line, exit code 2, before vLLM starts: the alpha merge (one softmax over text and image) needs each
-    attention's log-sum-exp, which vLLM's attention does not return."""
+    attention's log-sum-exp, which vLLM's attention does not return; a quantized checkpoint's o_proj cannot be
+    summed per KV head for the context stream."""
     folder = converted(tmp_path, "mistral", dattn_mode="dattn")
     result = run_cli("serve", folder)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "alpha" in result.stderr and "Traceback" not in result.stderr
+    config = json.loads((folder / "config.json").read_text())
+    config.update(dattn_mode="dattn-sum", quantization_config={"quant_method": "fp8"})
+    (folder / "config.json").write_text(json.dumps(config))
+    result = run_cli("serve", folder)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "quantized" in result.stderr
     result = run_cli("serve", tmp_path / "released")
     assert result.returncode == 2 and "dattn-export convert" in result.stderr  # the released layout: convert first
 
