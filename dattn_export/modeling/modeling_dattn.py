@@ -201,6 +201,12 @@ class FramePool(nn.Module):
 # --- the decoder ---------------------------------------------------------------------------------
 
 
+def o_proj_per_kv_head(weight: Tensor, num_kv_heads: int, head_dim: int) -> Tensor:
+    """o_proj's weight (hidden, query heads x head_dim) with the columns of the query heads that share a KV head
+    summed -> (hidden, KV heads x head_dim): o_proj of each KV head's value, as the diagonal V2V outputs it."""
+    return weight.unflatten(1, (num_kv_heads, -1, head_dim)).sum(2).flatten(1)
+
+
 class DAttnAttention(nn.Module):
     """The layer's own q/k/v/o projections; D-Attn adds no attention weights."""
 
@@ -236,8 +242,7 @@ class DAttnAttention(nn.Module):
         """`output` of every query head's own KV head's value (B, kv heads, S, head_dim): the diagonal V2V. The
         query heads sharing a KV head output the same value, so their columns of o_proj are summed first: 1/group
         of o_proj's work, and no repeated values."""
-        group = self.num_heads // self.num_kv_heads
-        weight = self.o_proj.weight.unflatten(1, (self.num_kv_heads, group, self.head_dim)).sum(2).flatten(1)
+        weight = o_proj_per_kv_head(self.o_proj.weight, self.num_kv_heads, self.head_dim)
         return F.linear(v.transpose(1, 2).flatten(2), weight, self.o_proj.bias)
 
     def attend(

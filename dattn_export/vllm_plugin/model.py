@@ -65,6 +65,7 @@ from vllm.v1.attention.backend import AttentionType
 
 from ..modeling import modeling_dattn
 from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower_side
+from ..modeling.modeling_dattn import o_proj_per_kv_head
 from ..modeling.streams import AUDIO, FRAMES, IMAGE, ContextStream
 from ..processing import audio_features, load_audio_processor, load_image_processor
 from . import ARCHITECTURES, VIDEO_BACKEND, unsupported
@@ -387,7 +388,7 @@ class DAttnAttention(nn.Module):
         """o_proj's weight (hidden, heads x head_dim) -> this rank's query heads' columns, summed per KV head."""
         columns = self.num_heads * self.head_dim
         mine = o_proj.narrow(1, get_tensor_model_parallel_rank() * columns, columns).to(param.dtype)
-        param.data.copy_(mine.unflatten(1, (self.num_kv_heads, -1, self.head_dim)).sum(2).flatten(1))
+        param.data.copy_(o_proj_per_kv_head(mine, self.num_kv_heads, self.head_dim))
 
     @property
     def context_attn_name(self) -> str:
