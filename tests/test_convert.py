@@ -9,6 +9,7 @@ from helpers.checks import assert_converted_equals
 from safetensors.torch import load_file
 
 from dattn_export.checkpoints.source import load_model
+from dattn_export.folders import CONVERT_MANIFEST
 from dattn_export.stages.convert import convert
 from dattn_export.stages.info import describe
 from dattn_export.stages.verify import verify
@@ -105,8 +106,9 @@ def test_verify_detects_tampering(tmp_path):
 
 @pytest.mark.parametrize("hash_lag", [0, 1 << 30])
 def test_writer_streams_mapped_and_buffered_tensors(tmp_path, monkeypatch, hash_lag):
-    """The shard writer against safetensors' own reader and hashlib over the written file, with hashing allowed
-    no lag at all (every mapped tensor waits for its hash) or a lag larger than the file."""
+    """The shard writer (tensors mapped and copied, produced into buffers, and produced in chunks) against
+    safetensors' own reader and hashlib over the written file, with hashing allowed no lag at all (every mapped
+    tensor waits for its hash) or a lag larger than the file."""
     import hashlib
 
     from dattn_export.checkpoints import safetensors_writer
@@ -127,6 +129,9 @@ def test_writer_streams_mapped_and_buffered_tensors(tmp_path, monkeypatch, hash_
     def planned(i, name, t):
         if i % 2:  # mapped: copied in the kernel from raw.bin
             return PlannedTensor(name, t.dtype, tuple(t.shape), lambda _, t=t: t, (raw, offsets[name]))
+        if i % 4 == 2:  # chunked: produced 4 elements at a time, no buffer
+            chunks = lambda t=t: iter(t.view(-1).split(4))  # noqa: E731
+            return PlannedTensor(name, t.dtype, tuple(t.shape), None, chunks=chunks)
         return PlannedTensor(
             name, t.dtype, tuple(t.shape), lambda out, t=t: out[: t.nbytes].view(t.dtype).view(t.shape).copy_(t)
         )
@@ -137,3 +142,27 @@ def test_writer_streams_mapped_and_buffered_tensors(tmp_path, monkeypatch, hash_
     assert written.sha256 == hashlib.sha256(out.read_bytes()).hexdigest()
     loaded = load_file(out)
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[n], t) for n, t in tensors.items())
+
+
+def test_large_casts_are_written_in_chunks_with_the_same_bytes(tmp_path, monkeypatch):
+    """A cast larger than CAST_CHUNK_BYTES goes out a chunk at a time (no buffer of its size): the same files, byte
+    for byte, as through the writer's buffers, and each tensor the source's cast."""
+    from dattn_export.checkpoints import plan
+
+    model, tensors = model_and_tensors()
+    source = write_hf(tmp_path / "src", model, tensors, "safetensors", 2)
+    monkeypatch.setattr(plan, "CAST_CHUNK_BYTES", 1 << 40)
+    convert(source, tmp_path / "buffered", dtype="bf16", max_shard_size="300KB")
+    monkeypatch.setattr(plan, "CAST_CHUNK_BYTES", 4096)
+    chunked = sum(t.numel() * 2 > 4096 for t in tensors.values())
+    assert chunked >= 10
+    convert(source, tmp_path / "chunked", dtype="bf16", max_shard_size="300KB")
+    shards = sorted(p.name for p in (tmp_path / "buffered").glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards == sorted(p.name for p in (tmp_path / "chunked").glob("model-*.safetensors"))
+    for name in shards:
+        assert (tmp_path / "buffered" / name).read_bytes() == (tmp_path / "chunked" / name).read_bytes()
+    loaded = {k: v for name in shards for k, v in load_file(tmp_path / "chunked" / name).items()}
+    assert len(loaded) == len(tensors)
+    manifest = json.loads((tmp_path / "chunked" / CONVERT_MANIFEST).read_text())
+    for name, entry in manifest["tensors"].items():
+        assert torch.equal(loaded[name], tensors[entry["source_name"]].to(torch.bfloat16)), name

@@ -13,7 +13,7 @@ import json
 import math
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from .lazy import SAFETENSORS_NAMES
 
 INDEX_NAME = "model.safetensors.index.json"
 HASH_LAG = 128 << 20  # bytes of mapped tensors that hashing may fall behind the writing
+CHUNKS_IN_FLIGHT = 2  # chunks of a chunked tensor written but not yet hashed
 
 
 @dataclass
@@ -37,6 +38,8 @@ class PlannedTensor:
     # (file, byte offset) already holding exactly the output bytes: copied in the kernel, and `produce` gives them
     # without the buffer (mapped) for checking and hashing
     copy_from: tuple[Path, int] | None = None
+    # its output bytes in order, a chunk at a time (a large cast): written without a buffer of its size
+    chunks: Callable[[], Iterator[torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -96,11 +99,13 @@ def write_safetensors(
     writing. sha256 is sequential and the slowest stage, so it must never wait: it may fall behind by up to
     HASH_LAG bytes of mapped tensors (tensors copied as they are need no buffer: they are mapped from their
     file). Produced tensors go into two buffers used in turn; a buffer is reused once its tensor is hashed.
-    Leaving the `with` waits for the last hashes."""
+    Chunked tensors are produced here, chunk by chunk, while the next tensor is produced. Leaving the `with` waits
+    for the last hashes."""
     header = _header(tensors, metadata or {})
     digest, size = hashlib.sha256(header), len(header)
     copier = copier or RangeCopier()
-    largest = max((t.nbytes for t in tensors if t.copy_from is None), default=0)
+    buffered = [t.copy_from is None and t.chunks is None for t in tensors]
+    largest = max((t.nbytes for t, b in zip(tensors, buffered) if b), default=0)
     ring = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
     with ExitStack() as stack:
         f = stack.enter_context(open(file, "wb", buffering=0))
@@ -110,12 +115,14 @@ def write_safetensors(
         hashing: deque[tuple[Future, int]] = deque()  # (hash of a written mapped tensor, its bytes), oldest first
         behind = 0  # their bytes
         # produced tensors take the two buffers in turn (the k-th produced one buffer k % 2)
-        buffer_of = [k % 2 for k in accumulate((t.copy_from is None for t in tensors), initial=0)]
+        buffer_of = [k % 2 for k in accumulate(buffered, initial=0)]
         ring_hashed: list[Future | None] = [None, None]  # the hash of the tensor each buffer last held
         no_buffer = torch.empty(0, dtype=torch.uint8)
 
         def produce(k: int) -> Future:
             planned, previous = tensors[k], ring_hashed[buffer_of[k]]
+            if planned.chunks is not None:
+                return producer.submit(lambda: no_buffer)
             if planned.copy_from is not None:
                 return producer.submit(planned.produce, no_buffer)
 
@@ -129,6 +136,13 @@ def write_safetensors(
         upcoming = produce(0) if tensors else None
         for i, planned in enumerate(tensors):
             tensor = upcoming.result()
+            if planned.chunks is not None:
+                if i + 1 < len(tensors):
+                    upcoming = produce(i + 1)
+                size += write_chunks(f, planned, digest, hasher)
+                if on_written:
+                    on_written(planned)
+                continue
             if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
                 raise ValueError(
                     f"{planned.name}: produced {tensor.dtype} {list(tensor.shape)}, planned "
@@ -158,6 +172,26 @@ def write_safetensors(
             if on_written:
                 on_written(planned)
     return WrittenFile(size, digest.hexdigest())
+
+
+def write_chunks(f, planned: PlannedTensor, digest, hasher: ThreadPoolExecutor) -> int:
+    """Write and hash a chunked tensor's chunks in order, at most CHUNKS_IN_FLIGHT of them held for the hash."""
+    hashing: deque[Future] = deque()
+    written = 0
+    for chunk in planned.chunks():
+        if chunk.dtype != planned.dtype:
+            raise ValueError(f"{planned.name}: produced a {chunk.dtype} chunk, planned {planned.dtype}")
+        data = memoryview(chunk.contiguous().view(-1).view(torch.uint8).numpy())
+        hashing.append(hasher.submit(digest.update, data))
+        f.write(data)
+        written += len(data)
+        while len(hashing) > CHUNKS_IN_FLIGHT:
+            hashing.popleft().result()
+    if written != planned.nbytes:
+        raise ValueError(f"{planned.name}: produced {written} bytes, planned {planned.nbytes}")
+    for hashed in hashing:
+        hashed.result()
+    return written
 
 
 # why a kernel may refuse copy_file_range: another filesystem, a filesystem or kernel without it, a special file
