@@ -25,8 +25,7 @@ import torch
 from .lazy import SAFETENSORS_NAMES
 
 INDEX_NAME = "model.safetensors.index.json"
-HASH_LAG = 128 << 20  # bytes of mapped tensors that hashing may fall behind the writing
-CHUNKS_IN_FLIGHT = 2  # chunks of a chunked tensor written but not yet hashed
+HASH_LAG = 128 << 20  # bytes no buffer holds (mapped tensors, chunks) that hashing may fall behind the writing
 
 
 @dataclass
@@ -97,10 +96,10 @@ def write_safetensors(
     """Stream `tensors` into one safetensors file. Three stages overlap (all release the GIL): the next
     tensor is produced (read, checked, cast) while the current one is written, and hashing runs behind the
     writing. sha256 is sequential and the slowest stage, so it must never wait: it may fall behind by up to
-    HASH_LAG bytes of mapped tensors (tensors copied as they are need no buffer: they are mapped from their
-    file). Produced tensors go into two buffers used in turn; a buffer is reused once its tensor is hashed.
-    Chunked tensors are produced here, chunk by chunk, while the next tensor is produced. Leaving the `with` waits
-    for the last hashes."""
+    HASH_LAG bytes that no buffer holds (`HashQueue`: tensors copied as they are, mapped from their file; chunks).
+    Produced tensors go into two buffers used in turn; a buffer is reused once its tensor is hashed. Chunked tensors
+    are produced here, chunk by chunk, while the next tensor is produced. Leaving the `with` waits for the last
+    hashes."""
     header = _header(tensors, metadata or {})
     digest, size = hashlib.sha256(header), len(header)
     copier = copier or RangeCopier()
@@ -112,8 +111,7 @@ def write_safetensors(
         producer, hasher = stack.enter_context(ThreadPoolExecutor(1)), stack.enter_context(ThreadPoolExecutor(1))
         sources: dict[Path, int] = {}
         f.write(header)
-        hashing: deque[tuple[Future, int]] = deque()  # (hash of a written mapped tensor, its bytes), oldest first
-        behind = 0  # their bytes
+        hashes = HashQueue(digest, hasher)
         # produced tensors take the two buffers in turn (the k-th produced one buffer k % 2)
         buffer_of = [k % 2 for k in accumulate(buffered, initial=0)]
         ring_hashed: list[Future | None] = [None, None]  # the hash of the tensor each buffer last held
@@ -139,7 +137,7 @@ def write_safetensors(
             if planned.chunks is not None:
                 if i + 1 < len(tensors):
                     upcoming = produce(i + 1)
-                size += write_chunks(f, planned, digest, hasher)
+                size += write_chunks(f, planned, hashes)
                 if on_written:
                     on_written(planned)
                 continue
@@ -150,47 +148,61 @@ def write_safetensors(
                 )
             data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
             del tensor  # the hash holds the bytes (and their mapping) while it needs them
-            hashed = hasher.submit(digest.update, data)
+            hashed = hashes.submit(data, held=planned.copy_from is not None)
             if i + 1 < len(tensors):  # a produced tensor i + 1 takes the other buffer than tensor i's
                 upcoming = produce(i + 1)
             if planned.copy_from is None:
                 ring_hashed[buffer_of[i]] = hashed
                 f.write(data)
             else:  # the same bytes, copied inside the kernel: several times faster than write() here
-                hashing.append((hashed, len(data)))
-                behind += len(data)
                 source, offset = planned.copy_from
                 if source not in sources:
                     sources[source] = stack.enter_context(open(source, "rb", buffering=0)).fileno()
                 copier.copy(sources[source], f.fileno(), offset, len(data))
             size += len(data)
             data = None
-            while behind > HASH_LAG:
-                oldest, nbytes = hashing.popleft()
-                oldest.result()
-                behind -= nbytes
+            hashes.catch_up()
             if on_written:
                 on_written(planned)
     return WrittenFile(size, digest.hexdigest())
 
 
-def write_chunks(f, planned: PlannedTensor, digest, hasher: ThreadPoolExecutor) -> int:
-    """Write and hash a chunked tensor's chunks in order, at most CHUNKS_IN_FLIGHT of them held for the hash."""
-    hashing: deque[Future] = deque()
+class HashQueue:
+    """The file's sha256, updated in the file's order on the hashing thread. Bytes no ring buffer holds (a mapped
+    tensor, a chunk) stay held until hashed: `catch_up` waits for the oldest while more than HASH_LAG are behind."""
+
+    def __init__(self, digest, hasher: ThreadPoolExecutor):
+        self.digest, self.hasher = digest, hasher
+        self.held: deque[tuple[Future, int]] = deque()  # (hash, bytes) of held bytes, oldest first
+        self.behind = 0  # their bytes
+
+    def submit(self, data: memoryview, held: bool) -> Future:
+        hashed = self.hasher.submit(self.digest.update, data)
+        if held:
+            self.held.append((hashed, len(data)))
+            self.behind += len(data)
+        return hashed
+
+    def catch_up(self) -> None:
+        while self.behind > HASH_LAG:
+            oldest, nbytes = self.held.popleft()
+            oldest.result()
+            self.behind -= nbytes
+
+
+def write_chunks(f, planned: PlannedTensor, hashes: HashQueue) -> int:
+    """Write and hash a chunked tensor's chunks in order, each held until hashed."""
     written = 0
     for chunk in planned.chunks():
         if chunk.dtype != planned.dtype:
             raise ValueError(f"{planned.name}: produced a {chunk.dtype} chunk, planned {planned.dtype}")
         data = memoryview(chunk.contiguous().view(-1).view(torch.uint8).numpy())
-        hashing.append(hasher.submit(digest.update, data))
+        hashes.submit(data, held=True)
         f.write(data)
         written += len(data)
-        while len(hashing) > CHUNKS_IN_FLIGHT:
-            hashing.popleft().result()
+        hashes.catch_up()
     if written != planned.nbytes:
         raise ValueError(f"{planned.name}: produced {written} bytes, planned {planned.nbytes}")
-    for hashed in hashing:
-        hashed.result()
     return written
 
 
