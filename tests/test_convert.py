@@ -106,7 +106,7 @@ def test_verify_detects_tampering(tmp_path):
 
 @pytest.mark.parametrize("hash_lag", [0, 1 << 30])
 def test_writer_streams_mapped_and_buffered_tensors(tmp_path, monkeypatch, hash_lag):
-    """The shard writer (tensors mapped and copied, produced into buffers, and produced in chunks) against
+    """The shard writer (tensors mapped and copied, produced into buffers whole and a range at a time) against
     safetensors' own reader and hashlib over the written file, with hashing allowed no lag at all (every mapped
     tensor waits for its hash) or a lag larger than the file."""
     import hashlib
@@ -115,6 +115,7 @@ def test_writer_streams_mapped_and_buffered_tensors(tmp_path, monkeypatch, hash_
     from dattn_export.checkpoints.safetensors_writer import PlannedTensor, write_safetensors
 
     monkeypatch.setattr(safetensors_writer, "HASH_LAG", hash_lag)
+    monkeypatch.setattr(safetensors_writer, "PIECE_BYTES", 16)
     generator = torch.Generator().manual_seed(0)
     tensors = {
         f"t{i}": torch.randn(7 + i, 5, generator=generator).to(torch.bfloat16 if i % 3 else torch.float32)
@@ -129,9 +130,12 @@ def test_writer_streams_mapped_and_buffered_tensors(tmp_path, monkeypatch, hash_
     def planned(i, name, t):
         if i % 2:  # mapped: copied in the kernel from raw.bin
             return PlannedTensor(name, t.dtype, tuple(t.shape), lambda _, t=t: t, (raw, offsets[name]))
-        if i % 4 == 2:  # chunked: produced 4 elements at a time, no buffer
-            chunks = lambda t=t: iter(t.view(-1).split(4))  # noqa: E731
-            return PlannedTensor(name, t.dtype, tuple(t.shape), None, chunks=chunks)
+        if i % 4 == 2:  # produced a range at a time (PIECE_BYTES is 16 here)
+
+            def produce_range(out, start, stop, t=t):
+                return out[: (stop - start) * t.itemsize].view(t.dtype).copy_(t.view(-1)[start:stop])
+
+            return PlannedTensor(name, t.dtype, tuple(t.shape), None, produce_range=produce_range)
         return PlannedTensor(
             name, t.dtype, tuple(t.shape), lambda out, t=t: out[: t.nbytes].view(t.dtype).view(t.shape).copy_(t)
         )
@@ -144,25 +148,24 @@ def test_writer_streams_mapped_and_buffered_tensors(tmp_path, monkeypatch, hash_
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[n], t) for n, t in tensors.items())
 
 
-def test_large_casts_are_written_in_chunks_with_the_same_bytes(tmp_path, monkeypatch):
-    """A cast larger than CAST_CHUNK_BYTES goes out a chunk at a time (no buffer of its size): the same files, byte
-    for byte, as through the writer's buffers, and each tensor the source's cast."""
-    from dattn_export.checkpoints import plan
+def test_large_casts_go_through_the_buffers_in_pieces_with_the_same_bytes(tmp_path, monkeypatch):
+    """A cast larger than PIECE_BYTES goes through the writer's buffers a piece at a time (no buffer of its size):
+    the same files, byte for byte, as whole, and each tensor the source's cast."""
+    from dattn_export.checkpoints import safetensors_writer
 
     model, tensors = model_and_tensors()
     source = write_hf(tmp_path / "src", model, tensors, "safetensors", 2)
-    monkeypatch.setattr(plan, "CAST_CHUNK_BYTES", 1 << 40)
-    convert(source, tmp_path / "buffered", dtype="bf16", max_shard_size="300KB")
-    monkeypatch.setattr(plan, "CAST_CHUNK_BYTES", 4096)
-    chunked = sum(t.numel() * 2 > 4096 for t in tensors.values())
-    assert chunked >= 10
-    convert(source, tmp_path / "chunked", dtype="bf16", max_shard_size="300KB")
-    shards = sorted(p.name for p in (tmp_path / "buffered").glob("model-*.safetensors"))
-    assert len(shards) > 1 and shards == sorted(p.name for p in (tmp_path / "chunked").glob("model-*.safetensors"))
+    monkeypatch.setattr(safetensors_writer, "PIECE_BYTES", 1 << 40)
+    convert(source, tmp_path / "whole", dtype="bf16", max_shard_size="300KB")
+    monkeypatch.setattr(safetensors_writer, "PIECE_BYTES", 4096)
+    assert sum(t.numel() * 2 > 4096 for t in tensors.values()) >= 10
+    convert(source, tmp_path / "pieces", dtype="bf16", max_shard_size="300KB")
+    shards = sorted(p.name for p in (tmp_path / "whole").glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards == sorted(p.name for p in (tmp_path / "pieces").glob("model-*.safetensors"))
     for name in shards:
-        assert (tmp_path / "buffered" / name).read_bytes() == (tmp_path / "chunked" / name).read_bytes()
-    loaded = {k: v for name in shards for k, v in load_file(tmp_path / "chunked" / name).items()}
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "pieces" / name).read_bytes()
+    loaded = {k: v for name in shards for k, v in load_file(tmp_path / "pieces" / name).items()}
     assert len(loaded) == len(tensors)
-    manifest = json.loads((tmp_path / "chunked" / CONVERT_MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "pieces" / CONVERT_MANIFEST).read_text())
     for name, entry in manifest["tensors"].items():
         assert torch.equal(loaded[name], tensors[entry["source_name"]].to(torch.bfloat16)), name

@@ -16,9 +16,6 @@ from .registry import Lazy
 from .safetensors_writer import PlannedTensor
 
 FP16_MAX = torch.finfo(torch.float16).max
-# a cast larger than this is written a chunk of this size at a time, not through buffers of its size (a shard writer
-# holds two; a 9B model's 256000 x 3584 embedding in bf16 is 1.8 GB)
-CAST_CHUNK_BYTES = 64 << 20
 
 
 def check_values(stored_name: str, file: Path, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -116,38 +113,49 @@ def checked_in_place(stored_name: str, lazy: LazyTensor) -> torch.Tensor:
     return tensor
 
 
-def checked_cast_mapped(stored_name: str, lazy: LazyTensor | GatheredTensor, dtype: torch.dtype, out: torch.Tensor):
-    """A tensor that needs a cast: checked and cast piece by piece from where it lies (mapped) into `out`."""
-    cast = out[: lazy.numel * dtype.itemsize].view(dtype)
-    start = 0
+def checked_cast_mapped(
+    stored_name: str,
+    lazy: LazyTensor | GatheredTensor,
+    dtype: torch.dtype,
+    out: torch.Tensor,
+    start: int = 0,
+    stop: int | None = None,
+) -> torch.Tensor:
+    """A tensor that needs a cast, or elements [start, stop) of it flattened (1-D): checked and cast piece by piece
+    from where they lie (mapped) into `out`."""
+    stop = lazy.numel if stop is None else stop
+    cast, at = out[: (stop - start) * dtype.itemsize].view(dtype), 0
     for piece in lazy.mapped_pieces():
-        check_values(stored_name, lazy.file, piece, dtype)
-        cast[start : start + piece.numel()].copy_(piece)
-        start += piece.numel()
-    return cast.view(lazy.shape)
+        low, high = max(start, at), min(stop, at + piece.numel())
+        if low < high:
+            check_values(stored_name, lazy.file, piece[low - at : high - at], dtype)
+            cast[low - start : high - start].copy_(piece[low - at : high - at])
+        at += piece.numel()
+        if at >= stop:
+            break
+    return cast.view(lazy.shape) if (start, stop) == (0, lazy.numel) else cast
 
 
 def plan_tensors(tensors: dict[str, Lazy], stored_names: dict[str, str], target: torch.dtype) -> list[PlannedTensor]:
     """How each tensor reaches the output in `target` (floating-point tensors; others keep their dtype): bytes that
-    need no cast are copied in the kernel and checked where they lie; casts read mapped pieces (those larger than
-    CAST_CHUNK_BYTES a chunk at a time), or (strided or in-memory tensors) are loaded through a scratch buffer."""
+    need no cast are copied in the kernel and checked where they lie; casts read mapped pieces (a range at a time
+    when large, `PIECE_BYTES`), or (strided or in-memory tensors) are loaded through a scratch buffer."""
     scratch = cast_scratch([t for t in tensors.values() if not mappable(t)], target)  # one per producer thread
     planned = []
     for name, lazy in tensors.items():
         stored_name = stored_names[name]
         casting = needs_cast(lazy, target)
         out_dtype = target if casting else lazy.dtype
-        chunks = None
+        produce_range = None
         if not casting and lazy_is_contiguous(lazy) and lazy.nbytes:  # the bytes as they are
             produce, copy_from = lambda _, n=stored_name, t=lazy: checked_in_place(n, t), (lazy.file, lazy.offset)
         elif casting and mappable(lazy):
             produce, copy_from = lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast_mapped(n, t, d, out), None
-            if lazy.numel * out_dtype.itemsize > CAST_CHUNK_BYTES:
-                chunks = partial(checked_chunks, stored_name, lazy, out_dtype, CAST_CHUNK_BYTES // out_dtype.itemsize)
+            produce_range = partial(checked_cast_mapped, stored_name, lazy, out_dtype)
         else:
             produce, copy_from = (
                 lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast(n, t, d, out, scratch()),
                 None,
             )
-        planned.append(PlannedTensor(name, out_dtype, tuple(lazy.shape), produce, copy_from, chunks))
+        planned.append(PlannedTensor(name, out_dtype, tuple(lazy.shape), produce, copy_from, produce_range))
     return planned
