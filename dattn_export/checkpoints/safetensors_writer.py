@@ -59,8 +59,12 @@ class Part:
     shape: tuple[int, ...]
     last: bool  # the tensor's last part
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.planned.dtype.itemsize
 
-def parts(planned: PlannedTensor) -> list[Part]:
+
+def parts_of(planned: PlannedTensor) -> list[Part]:
     """The tensor whole, or (with `produce_range`, when larger than PIECE_BYTES) its elements a piece at a time."""
     if planned.produce_range is None or planned.nbytes <= PIECE_BYTES:
         return [Part(planned, planned.produce, planned.shape, True)]
@@ -122,14 +126,14 @@ def write_safetensors(
     writing. sha256 is sequential and the slowest stage, so it must never wait: it may fall behind by up to
     HASH_LAG bytes of mapped tensors (tensors copied as they are need no buffer: they are mapped from their
     file). Produced tensors go into two buffers used in turn; a buffer is reused once its tensor is hashed; a large
-    tensor with `produce_range` goes through them a piece at a time (`parts`). Leaving the `with` waits for the
+    tensor with `produce_range` goes through them a piece at a time (`parts_of`). Leaving the `with` waits for the
     last hashes."""
     header = _header(tensors, metadata or {})
     digest, size = hashlib.sha256(header), len(header)
     copier = copier or RangeCopier()
-    pieces = [part for planned in tensors for part in parts(planned)]
-    buffered = [part.planned.copy_from is None for part in pieces]
-    largest = max((math.prod(p.shape) * p.planned.dtype.itemsize for p, b in zip(pieces, buffered) if b), default=0)
+    parts = [part for planned in tensors for part in parts_of(planned)]
+    buffered = [part.planned.copy_from is None for part in parts]
+    largest = max((part.nbytes for part, b in zip(parts, buffered) if b), default=0)
     ring = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
     with ExitStack() as stack:
         f = stack.enter_context(open(file, "wb", buffering=0))
@@ -144,7 +148,7 @@ def write_safetensors(
         no_buffer = torch.empty(0, dtype=torch.uint8)
 
         def produce(k: int) -> Future:
-            part, previous = pieces[k], ring_hashed[buffer_of[k]]
+            part, previous = parts[k], ring_hashed[buffer_of[k]]
             if not buffered[k]:
                 return producer.submit(part.produce, no_buffer)
 
@@ -155,8 +159,8 @@ def write_safetensors(
 
             return producer.submit(into_free_buffer)
 
-        upcoming = produce(0) if pieces else None
-        for i, part in enumerate(pieces):
+        upcoming = produce(0) if parts else None
+        for i, part in enumerate(parts):
             tensor, planned = upcoming.result(), part.planned
             if tensor.dtype != planned.dtype or tuple(tensor.shape) != part.shape:
                 raise ValueError(
@@ -166,7 +170,7 @@ def write_safetensors(
             data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
             del tensor  # the hash holds the bytes (and their mapping) while it needs them
             hashed = hasher.submit(digest.update, data)
-            if i + 1 < len(pieces):  # a produced part i + 1 takes the other buffer than part i's
+            if i + 1 < len(parts):  # a produced part i + 1 takes the other buffer than part i's
                 upcoming = produce(i + 1)
             if buffered[i]:
                 ring_hashed[buffer_of[i]] = hashed
