@@ -268,9 +268,10 @@ def rows_without_context(layer_name: str, tokens: int) -> torch.Tensor | None:
     if metadata is None:
         return None
     query_lens = metadata.query_start_loc.diff()
-    missing = (metadata.seq_lens[: len(query_lens)] == 0).repeat_interleave(query_lens)
-    if not missing.any():
+    without = metadata.seq_lens[: len(query_lens)] == 0
+    if not without.any():  # checked per request, before the per-token expansion (a second host sync on a GPU)
         return None
+    missing = without.repeat_interleave(query_lens)
     return torch.cat([missing, missing.new_zeros(tokens - len(missing))])  # padding rows after the batch's tokens
 
 
