@@ -149,9 +149,9 @@ def plan_tensors(tensors: dict[str, Lazy], stored_names: dict[str, str], target:
         produce_range = None
         if not casting and lazy_is_contiguous(lazy) and lazy.nbytes:  # the bytes as they are
             produce, copy_from = lambda _, n=stored_name, t=lazy: checked_in_place(n, t), (lazy.file, lazy.offset)
-        elif casting and mappable(lazy):
-            produce, copy_from = lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast_mapped(n, t, d, out), None
-            produce_range = partial(checked_cast_mapped, stored_name, lazy, out_dtype)
+        elif casting and mappable(lazy):  # the whole tensor, or a range of it (`start`, `stop`)
+            produce = produce_range = partial(checked_cast_mapped, stored_name, lazy, out_dtype)
+            copy_from = None
         else:
             produce, copy_from = (
                 lambda out, n=stored_name, t=lazy, d=out_dtype: checked_cast(n, t, d, out, scratch()),
