@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from .errors import DattnError, EnvironmentFailure, InputError, from_os_error
-from .folders import CONVERT_MANIFEST, ONNX_MANIFEST, TRT_MANIFEST
+from .folders import CONVERT_MANIFEST, ONNX_MANIFEST, TRT_MANIFEST, check_output
 from .modeling.streams import context_graphs
 from .sidefiles import read_json, reading
+from .ui import human_bytes
 
 VALIDATION_REPORT = "validation_report.json"
 CARRIED_FILES = (
@@ -72,7 +73,7 @@ DTYPES = {
         DType("fp16", torch.float16, "float16", np.float16),
         DType("bf16", torch.bfloat16, "bfloat16", None),
     )
-}
+}  # under dtypes.TORCH_NAMES' short names (tests/test_cli.py checks that both name the same types)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -354,41 +355,6 @@ def copy_remote_code(destination: Path) -> None:
     """The model code a Hub repo ships, so that it loads with trust_remote_code=True and without this package."""
     for name in REMOTE_CODE:
         shutil.copyfile(MODELING_DIR / name, Path(destination) / name)
-
-
-def human_bytes(count: float) -> str:
-    """1234567890 -> '1.23 GB' (decimal units, as disks and the Hub count)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(count) < 1000 or unit == "TB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
-        count /= 1000
-    raise AssertionError
-
-
-def check_apart(out: Path, source: str | Path) -> None:
-    """OUT may not be a checkpoint being read, lie inside one, or contain one: replacing it (--force) would delete the
-    input, and writing into it would change what is read."""
-    out, source_path = Path(out).resolve(), Path(source).resolve()
-    if out == source_path:
-        raise InputError(out, "is the input being read: write the output to another folder")
-    if source_path in out.parents:
-        raise InputError(out, f"lies inside {source_path}, which is being read: write the output elsewhere")
-    if out in source_path.parents:
-        raise InputError(out, f"contains {source_path}, which is being read: write the output elsewhere")
-
-
-def check_output(final: str | Path, overwrite: bool, reading: Iterable[str | Path] = ()) -> Path:
-    """Before any work: OUT stays apart from the inputs and does not exist unless it may be replaced. Returns it
-    absolute."""
-    final = Path(final).absolute()
-    for source in reading:
-        check_apart(final, source)
-    existing = next(p for p in final.parents if p.exists())
-    if not existing.is_dir():
-        raise InputError(existing, f"is a file: the output {final} cannot be a folder under it")
-    if final.exists() and not overwrite:
-        raise InputError(final, "already exists (pass --force to replace it)")
-    return final
 
 
 def check_free_space(folder: Path, needed: int) -> None:

@@ -7,7 +7,9 @@ TensorRT engines. Each `dattn-export` output folder is marked by its manifest.
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +27,16 @@ class FolderKind:
     taken_by: str  # the commands that read one
     made_by: str | None = None  # the command that writes one, from the previous kinds in PIPELINE
     name: str = "OUT"  # how examples name one
+    files: tuple[str, ...] = ()  # the single files that are one (all else is a folder)
 
 
-CHECKPOINT = FolderKind("training output (a checkpoint)", None, "`info`, `convert`, `onnx`, `generate` and `analyze`")
+ADAPTER_FILE = "mm_projector.bin"  # a LLaVA-style adapter-only save, the one checkpoint that is a file
+CHECKPOINT = FolderKind(
+    "training output (a checkpoint)",
+    None,
+    "`info`, `convert`, `onnx`, `generate` and `analyze`",
+    files=(ADAPTER_FILE,),
+)
 CONVERTED = FolderKind(
     "a converted folder",
     CONVERT_MANIFEST,
@@ -70,16 +79,39 @@ def resolve(given: str | Path, command: str, *takes: FolderKind, hub: bool = Tru
     try:
         os.stat(path)
     except FileNotFoundError:
-        from .hub import download, parse_repo_id
+        if not (hub and could_be_repo_id(text)):
+            raise InputError(text, missing(path)) from None
+        from .hub import download
 
-        if not (hub and parse_repo_id(text) and not path.is_absolute() and not text.startswith(".")):
-            raise InputError(text, "does not exist") from None
         path = download(text)
     except OSError as e:  # a symbolic link loop, a path through a file
         raise from_os_error(e, path) from None
     if path.is_dir():
         check_kind(path, command, takes)
+    elif not any(path.name in kind.files for kind in takes):
+        raise InputError(path, f"is a file: `{command}` takes a folder; pass the one that holds it, {path.parent}")
     return path
+
+
+def could_be_repo_id(text: str) -> bool:
+    """`NS/NAME[@REVISION]` whose namespace is no local folder: `checkpoints/run1` beside a `checkpoints/` folder is a
+    mistyped local path, never a download."""
+    from .hub import parse_repo_id
+
+    path = Path(text)
+    return (
+        bool(parse_repo_id(text)) and not path.is_absolute() and not text.startswith(".") and not path.parent.exists()
+    )
+
+
+def missing(path: Path) -> str:
+    """What is wrong with a path that does not exist: the deepest part of it that does, and what that holds."""
+    existing = next((p for p in path.absolute().parents if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        return "does not exist"
+    absent = path.absolute().relative_to(existing).parts[0]
+    close = difflib.get_close_matches(absent, [p.name for p in existing.iterdir()], n=1)
+    return f"does not exist (no {absent!r} in {existing}{f'; did you mean {close[0]!r}?' if close else ''})"
 
 
 def check_kind(path: Path, command: str, takes: tuple[FolderKind, ...]) -> None:
@@ -87,6 +119,9 @@ def check_kind(path: Path, command: str, takes: tuple[FolderKind, ...]) -> None:
     kind = kind_of(path)
     if kind in takes:
         return
+    if inside := [p for p in sorted(path.iterdir()) if p.is_dir() and kind_of(p) in takes and kind_of(p).marker]:
+        names = " or ".join(str(p) for p in inside)
+        raise InputError(path, f"is not {takes[0].what} but holds one: `dattn-export {command} {names}`")
     wanted = takes[0]
     if PIPELINE.index(kind) < PIPELINE.index(wanted):  # an earlier stage's folder: the commands that lead on
         problem = f"is {kind.what}, not {wanted.what}: first run {steps(path, kind, wanted)}"
@@ -102,3 +137,47 @@ def steps(path: Path, kind: FolderKind, wanted: FolderKind) -> str:
     source = path if kind in made_from else made_from[0].name
     step = f"`dattn-export {wanted.made_by} {source} -o {wanted.name}`"
     return step if kind in made_from else f"{steps(path, kind, made_from[0])}, then {step}"
+
+
+def check_apart(out: Path, source: str | Path) -> None:
+    """OUT may not be a checkpoint being read, lie inside one, or contain one: replacing it (--force) would delete the
+    input, and writing into it would change what is read."""
+    out, source_path = Path(out).resolve(), Path(source).resolve()
+    if out == source_path:
+        raise InputError(out, "is the input being read: write the output to another folder")
+    if source_path in out.parents:
+        raise InputError(out, f"lies inside {source_path}, which is being read: write the output elsewhere")
+    if out in source_path.parents:
+        raise InputError(out, f"contains {source_path}, which is being read: write the output elsewhere")
+
+
+def check_output(final: str | Path, overwrite: bool, reading: Iterable[str | Path] = ()) -> Path:
+    """Before any work: OUT stays apart from the inputs and does not exist unless it may be replaced. Returns it
+    absolute."""
+    final = Path(final).absolute()
+    for source in reading:
+        check_apart(final, source)
+    existing = next(p for p in final.parents if p.exists())
+    if not existing.is_dir():
+        raise InputError(existing, f"is a file: the output {final} cannot be a folder under it")
+    if final.exists() and not overwrite:
+        raise InputError(final, "already exists (pass --force to replace it)")
+    return final
+
+
+DEMO_FOLDERS = ("checkpoint", "towers", "converted", "onnx")  # what `demo` writes in its folder, and all it replaces
+
+
+def check_demo_folder(directory: Path, force: bool) -> None:
+    """`demo`'s folder: a folder that holds anything is the user's, refused unless `force`, which replaces only
+    DEMO_FOLDERS in it."""
+    if directory.exists() and not directory.is_dir():
+        raise InputError(directory, "is a file: the demo writes a folder")
+    held = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    if held and not force:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise InputError(
+            directory,
+            f"is not empty (it holds {shown}): choose a new folder, or pass --force to replace the demo's own "
+            f"{', '.join(DEMO_FOLDERS)} in it (nothing else is touched)",
+        )

@@ -1,26 +1,129 @@
-"""Terminal output: progress on stderr, short summary tables on stdout."""
+"""Terminal output: progress on stderr, short summary tables on stdout.
+
+In a terminal, spinners and progress bars; in a log (stdout or stderr not a terminal: CI, `| tee`, a file), nothing
+is wrapped or cut and progress is plain lines: a line as each step, graph or engine is done, and for long byte work
+a line every LOG_EVERY_SECONDS with the bytes, rate and time left. (Nothing before a step fails: a failure stays
+the one line the CLI prints.)"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+LOG_WIDTH = 10_000  # a log's lines are as long as their content: no wrapping, no cut values
+LOG_EVERY_SECONDS = 10.0
+
+
+class LogConsole(Console):
+    """Rich's console on sys.stdout or sys.stderr as they are at each print (a test's capture included): a terminal's
+    width there, LOG_WIDTH and no wrapping in a log."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)
+        return size if self.is_terminal else ConsoleDimensions(LOG_WIDTH, size.height)
+
+    @size.setter
+    def size(self, value: tuple[int, int]) -> None:
+        Console.size.fset(self, value)
+
+    @property
+    def soft_wrap(self) -> bool:
+        return not self.is_terminal
+
+    @soft_wrap.setter
+    def soft_wrap(self, value: bool) -> None:  # Console's __init__ sets it; the stream decides
+        pass
+
+
+out = LogConsole(highlight=False)
+err = LogConsole(stderr=True, highlight=False)
 
 
 @contextmanager
-def stage(description: str, timings: dict[str, float]) -> Iterator[None]:
-    """Show a spinner while a stage runs and record its wall time under `description`."""
+def stage(description: str, timings: dict[str, float] | None = None) -> Iterator[None]:
+    """Show a spinner while a stage runs (in a log, its line when it is done) and record its wall time under
+    `description` in `timings`."""
+    timings = {} if timings is None else timings
     start = time.perf_counter()
     with err.status(description):
         yield
     timings[description] = time.perf_counter() - start
     err.print(f"[green]done[/] {description} ({timings[description]:.2f} s)")
+
+
+def human_bytes(count: float) -> str:
+    """1234567890 -> '1.23 GB' (decimal units, as disks and the Hub count)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(count) < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
+        count /= 1000
+    raise AssertionError
+
+
+class LogProgress:
+    """Progress as plain lines: where it stands every LOG_EVERY_SECONDS, and once at the end."""
+
+    def __init__(self, description: str, total: int, unit: str):
+        self.description, self.total, self.unit = description, total, unit
+        self.done, self.start = 0, time.perf_counter()
+        self.last = self.start
+
+    def amount(self, count: float) -> str:
+        return human_bytes(count) if self.unit == "B" else f"{count:,.0f} {self.unit}"
+
+    def line(self, detail: str = "") -> str:
+        elapsed = time.perf_counter() - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        left = f", {(self.total - self.done) / rate:.0f} s left" if rate and self.done < self.total else ""
+        where = f": {detail}" if detail else ""
+        counts = f"{self.amount(self.done)} of {self.amount(self.total)}{share}"
+        pace = f"{elapsed / self.done:.1f} s each" if self.unit != "B" and 0 < rate < 1 else f"{self.amount(rate)}/s"
+        return f"{self.description}: {counts}, {pace}{left}{where}"
+
+    def advance(self, amount: int, detail: str = "") -> None:
+        """Bytes: a line every LOG_EVERY_SECONDS; items (graphs, layers: few and slow): a line for each."""
+        self.done += amount
+        if (amount and self.unit != "B") or time.perf_counter() - self.last >= LOG_EVERY_SECONDS:
+            self.last = time.perf_counter()
+            err.print(self.line(detail), markup=False)
+
+
+@contextmanager
+def progress(description: str, total: int, unit: str = "B") -> Iterator[Callable[..., None]]:
+    """Long work's progress on stderr: yields `advance(amount, detail="")`. `unit` "B" counts bytes (size, rate and
+    time left as transfers show them); another unit (tensors, layers, graphs) counts items."""
+    if err.is_terminal:
+        amounts = [DownloadColumn(), TransferSpeedColumn()] if unit == "B" else [MofNCompleteColumn()]
+        columns = [TextColumn("{task.description:<48.48}"), BarColumn(), *amounts, TimeRemainingColumn()]
+        with Progress(*columns, console=err, transient=True) as bar:
+            task = bar.add_task(description, total=total)
+            yield lambda amount, detail="": bar.update(task, advance=amount, description=detail or description)
+        return
+    log = LogProgress(description, total, unit)
+    yield log.advance
+    if unit == "B":  # items had their line each
+        err.print(log.line(), markup=False)
+
+
+@contextmanager
+def quiet(description: str, total: int, unit: str = "B") -> Iterator[Callable[..., None]]:
+    """`progress`'s stand-in for library calls: shows nothing."""
+    yield lambda amount, detail="": None
 
 
 def summary_table(title: str, rows: list[tuple[str, str]]) -> Table:

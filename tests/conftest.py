@@ -17,6 +17,17 @@ def family(request):
 
 
 @pytest.fixture(scope="session")
+def pipeline(tmp_path_factory, worker_id):
+    """Getting started's pipeline (docs/getting-started.md), run once per test run as a user runs it: its folder
+    (dattn-demo/, converted/, onnx/), each command's stdout and stderr kept in commands/. The xdist workers share it;
+    tests copy what they change."""
+    from helpers.guides import run_getting_started
+
+    base = tmp_path_factory.getbasetemp()
+    return run_getting_started(base if worker_id == "master" else base.parent)
+
+
+@pytest.fixture(scope="session")
 def real_checkpoints(tmp_path_factory, worker_id):
     """What DeepSpeed and the Trainer write, trained once per run: the xdist workers share one folder."""
     from helpers.real_checkpoints import real_checkpoints as trained

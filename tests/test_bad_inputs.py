@@ -384,7 +384,7 @@ CASES = {
             ws.folder("checkpoint") / "demo.png",
         ),
         2,
-        "no checkpoint layout recognised",
+        "is a file: `convert` takes a folder",
     ),
     "OUT is the checkpoint (--force)": (
         lambda ws: (
@@ -829,7 +829,7 @@ CASES = {
     "trt: no TensorRT here": (
         lambda ws: (["trt", ws.folder("onnx"), "-o", ws.out], "tensorrt"),
         3,
-        "is not importable",
+        "is not installed: building and running TensorRT engines needs it",
     ),
     "trt: zero batch": (
         lambda ws: (["trt", ws.folder("onnx"), "-o", ws.out, "--max-batch", "0"], "--max-batch"),

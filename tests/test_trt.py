@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from helpers.cli import run_cli
 
 from dattn_export.plugins import contract
 from dattn_export.plugins.contract import Attributes
@@ -89,7 +90,7 @@ def test_engines_match_pytorch_with_plugin_and_with_function(tmp_path, family):
     export_onnx(checkpoint, tmp_path / "onnx")
     limits = Limits(max_batch=2, max_text_tokens=128, max_context_tokens=64)
     for name, use_plugin in (("plugin", True), ("function", False)):
-        manifest = build_engines(tmp_path / "onnx", tmp_path / name, "fp32", limits, None, False, use_plugin=use_plugin)
+        manifest = build_engines(tmp_path / "onnx", tmp_path / name, None, limits, None, False, use_plugin=use_plugin)
         assert manifest["plugin"] is use_plugin
         report = validate(tmp_path / name, checkpoint, backend="trt", steps=10)
         assert report.passed, report.to_json()
@@ -128,3 +129,24 @@ def test_min_opt_max_set_named_axes_over_the_shorthands(tmp_path):
             text=True,
         )
         assert result.returncode == 2 and expected in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_fp16_and_bf16_ask_for_an_export_of_that_type(pipeline, tmp_path):
+    """TensorRT 11 builds strongly typed engines only: --fp16/--bf16 cannot cast an fp32 export's engines. A mismatch
+    is one line naming the export command that makes the right graphs, before TensorRT is needed; an export of the
+    asked type is taken (here it goes on to need TensorRT, which this machine lacks)."""
+    from dattn_export.errors import EnvironmentFailure, InputError
+    from dattn_export.stages.trt_build import Limits, build_engines
+
+    onnx = pipeline / "onnx"  # an fp32 export
+    for precision in ("fp16", "bf16"):
+        with pytest.raises(InputError, match=f"holds float32 graphs.*--dtype {precision}`, then `dattn-export trt"):
+            build_engines(onnx, tmp_path / "engines", precision, Limits(), None, False)
+        result = run_cli("trt", onnx, "-o", tmp_path / "engines", f"--{precision}")  # before TensorRT
+        (line,) = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and f"--{precision}: " in line and "--dtype" in line, result.stderr
+    if not HAVE_TENSORRT:
+        with pytest.raises(EnvironmentFailure, match="tensorrt: is not installed"):
+            build_engines(onnx, tmp_path / "engines", "fp32", Limits(), None, False)
+    assert not (tmp_path / "engines").exists()

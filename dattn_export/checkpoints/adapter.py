@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..folders import ADAPTER_FILE
 from .hf import read_state_dict_file
 from .registry import CheckpointReader, register
-
-ADAPTER_FILE = "mm_projector.bin"
 
 
 @register

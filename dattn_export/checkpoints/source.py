@@ -12,7 +12,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from .. import memory
-from ..artifacts import carried_files, dtype_name
+from ..artifacts import DTYPES, carried_files, dtype_name
 from ..errors import InputError
 from ..modeling.configuration_dattn import CONFIG_CLASSES, FLOAT_DTYPES
 from ..modeling.modeling_dattn import MODEL_CLASSES, DAttnForCausalLM
@@ -113,6 +113,22 @@ class Source:
             for name in (self.config.mm_vision_tower, self.config.mm_audio_tower)
         ]
         return [*self.reader.paths, self.reader.config_dir, *(t for t in towers if t is not None)]
+
+    def output_dtype(self, requested: str) -> torch.dtype:
+        """A --dtype (artifacts.DTYPES' short names) as a torch dtype; auto: the dtype config.json declares (the
+        training dtype), if none the dtype most weights have."""
+        if requested != "auto":
+            return DTYPES[requested].torch
+        declared = self.config.dtype  # config.json's torch_dtype (4.x) or dtype (5.x)
+        if isinstance(declared, str):
+            declared = getattr(torch, declared, None)
+        if isinstance(declared, torch.dtype) and declared.is_floating_point:
+            return declared
+        sizes: dict[torch.dtype, int] = {}
+        for t in self.tensors.values():
+            if t.dtype.is_floating_point:
+                sizes[t.dtype] = sizes.get(t.dtype, 0) + t.nbytes
+        return max(sizes, key=sizes.get)
 
     def raise_first_problem(self) -> None:
         if self.problems:

@@ -67,7 +67,8 @@ FAMILIES = {
             released_architecture="DattnMistralForCausalLM",
             released_pool_rule="conv-interpolate",
             released_scales_streams=False,
-            tiny=dict(TINY_SIZES, num_key_value_heads=2, head_dim=16, sliding_window=None),
+            # heads of 32: vLLM's CPU attention has kernels from 32 up, so the demo serves on CPU too
+            tiny=dict(TINY_SIZES, num_key_value_heads=2, head_dim=32, sliding_window=None),
         ),
         Family(
             name="gemma2",

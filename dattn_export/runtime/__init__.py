@@ -4,13 +4,13 @@ says how to run one graph: ONNX Runtime (`ort.py`) or TensorRT engines (`tensorr
 from pathlib import Path
 
 
-def open_graphs(folder: Path, backend: str, threads: int | None = None):
-    """The `GraphRuntime` of the backend that runs our graphs (folders.BACKENDS): ONNX Runtime's CPU provider (ort)
-    or TensorRT engines (trt), each imported only when asked for."""
+def open_graphs(folder: Path, backend: str, threads: int | None = None, device: str = "cpu"):
+    """The `GraphRuntime` of the backend that runs our graphs (folders.BACKENDS): ONNX Runtime (ort) on `device`
+    (its CPU or CUDA provider), or TensorRT engines (trt), each imported only when asked for."""
     if backend == "trt":
         from .tensorrt import TrtModel
 
         return TrtModel(folder)
     from .ort import OrtModel
 
-    return OrtModel(folder, threads)
+    return OrtModel(folder, threads, device)

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts import OnnxManifest
-from ..errors import EnvironmentFailure, InputError
+from ..errors import InputError
+from ..extras import require
 from ..sidefiles import read_json, reading
 from .ort import OrtModel
 
@@ -89,10 +90,9 @@ class GenaiRuntime:
     def __init__(self, folder: Path, threads: int | None = None):
         """`threads`: the decoder session's intra-op threads (default: the cores this process may use). genai's own
         default ran a decode step on one thread here, 1.4x to 1.5x slower than our runtime on two."""
-        try:
-            import onnxruntime_genai as og
-        except ImportError:
-            raise EnvironmentFailure("onnxruntime-genai", "is not installed: pip install onnxruntime-genai") from None
+        require("onnxruntime_genai")
+        import onnxruntime_genai as og
+
         self.folder, self.og = Path(folder), og
         self.graphs = OrtModel(folder, threads)  # the context graphs (and the manifest)
         reason = unsupported(self.graphs.manifest)

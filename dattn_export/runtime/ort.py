@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import memory
 from ..artifacts import OnnxManifest
-from ..errors import InputError
+from ..errors import EnvironmentFailure, InputError
 from .graph import GraphRuntime
 
 # ONNX Runtime's CPU provider holds a graph's weights, and fp32 copies of fp16 ones (it has few fp16 kernels):
@@ -42,15 +42,27 @@ def weight_bytes(path: Path) -> int:
     return path.stat().st_size + sum(length for _, _, length in external_tensors(graph).values())
 
 
+DEVICES = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
 class OrtModel(GraphRuntime):
-    """ONNX Runtime's CPU provider."""
+    """ONNX Runtime: its CPU provider, or on `device` "cuda" its CUDA provider (onnxruntime-gpu), which runs every
+    node it has a kernel for on the GPU and leaves the rest (our fused op's function body included where it has none)
+    to the CPU provider."""
 
     manifest_class = OnnxManifest
 
-    def __init__(self, folder: Path, threads: int | None = None):
+    def __init__(self, folder: Path, threads: int | None = None, device: str = "cpu"):
         import onnxruntime as ort
 
         super().__init__(folder)
+        if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise EnvironmentFailure(
+                "--device cuda",
+                f"ONNX Runtime {ort.__version__} here has no CUDA provider (it has "
+                f"{', '.join(ort.get_available_providers())}): on a machine with an NVIDIA GPU, pip install "
+                "onnxruntime-gpu (the [gpu] extra), which replaces onnxruntime",
+            )
         if self.dtype is None:
             raise InputError(
                 self.folder,
@@ -63,7 +75,7 @@ class OrtModel(GraphRuntime):
         options.log_severity_level = 3
         graphs = [self.folder / g.file for g in self.manifest.graphs.values()]
         data = sum(weight_bytes(path) for path in graphs if path.is_file())  # a missing one is named below
-        memory.require(
+        memory.require(  # on the GPU too: the CPU provider keeps the nodes the CUDA one has no kernel for
             int(SESSION_BYTES_PER_DATA_BYTE.get(self.manifest.dtype, 2.0) * data),
             f"ONNX Runtime's sessions for {self.folder} ({memory.gib(data)} of graphs, {self.manifest.dtype})",
             "use a machine with more memory"
@@ -74,7 +86,7 @@ class OrtModel(GraphRuntime):
         for name, graph in self.manifest.graphs.items():
             path = self.folder / graph.file
             try:
-                self.sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+                self.sessions[name] = ort.InferenceSession(str(path), options, providers=DEVICES[device])
             except Exception as e:  # onnxruntime raises its own exception types for unreadable graphs
                 raise InputError(path, f"ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
 

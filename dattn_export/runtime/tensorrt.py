@@ -9,23 +9,28 @@ import numpy as np
 
 from ..artifacts import TrtManifest
 from ..errors import EnvironmentFailure
+from ..extras import EXTRAS, require
 from .graph import GraphRuntime
 
 
 def import_tensorrt(module: str = "tensorrt"):
+    """TensorRT's Python module (or TensorRT-RTX's, `tensorrt_rtx_bindings`), or one line saying how to install it."""
+    if module == "tensorrt":
+        require("tensorrt")
     try:
         return importlib.import_module(module)
-    except ImportError as e:
+    except ImportError as e:  # installed without its libraries (the bindings wheel alone)
         raise EnvironmentFailure(
-            module,
-            f"is not importable ({e}): on the GPU machine, pip install tensorrt-cu13 (or tensorrt-cu12; NVIDIA's "
-            "wheels)",
+            module, f"is installed but not importable ({e}): {EXTRAS['tensorrt'].install}"
         ) from None
 
 
-def require_tensorrt_gpu():
-    """TensorRT and a CUDA GPU, or a one-line error saying which is missing."""
+def require_tensorrt_gpu(plugin: bool = False):
+    """TensorRT and a CUDA GPU (and with `plugin`, Triton, which compiles the plugin's kernel), or a one-line error
+    saying which is missing."""
     trt = import_tensorrt("tensorrt")
+    if plugin:
+        require("triton", unless="--no-plugin")
     import torch
 
     if not torch.cuda.is_available():
@@ -40,10 +45,11 @@ class TrtModel(GraphRuntime):
         super().__init__(folder)
         import torch
 
-        from ..plugins.tensorrt_plugin import register
+        trt = require_tensorrt_gpu(plugin=self.manifest.plugin)
+        if self.manifest.plugin:  # engines that use the plugin need it registered to deserialize
+            from ..plugins.tensorrt_plugin import register
 
-        trt = require_tensorrt_gpu()
-        register()  # engines that use the plugin need it registered to deserialize
+            register()
         self.torch, self.trt = torch, trt
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
         self.engines, self.contexts = {}, {}

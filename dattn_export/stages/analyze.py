@@ -19,9 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..artifacts import atomic_dir, check_output
+from ..artifacts import atomic_dir
 from ..checkpoints.source import build_model, open_source
-from ..errors import EnvironmentFailure, InputError
+from ..errors import InputError
+from ..extras import require
+from ..folders import check_output
 from ..modeling.attention import dattn_op, segment_shares
 from ..plugins.contract import using_op
 from ..processing import load_tokenizer
@@ -74,7 +76,7 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float | None:
 def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool = False) -> AttentionReport:
     source = open_source(checkpoint)
     check_output(out, force, source.inputs())
-    media.check(source.config)
+    media.check(source.config, prompt)
     if not (media.images or media.video or media.frames):
         raise InputError("--image", "nothing to analyze: pass an image (a video model: --video or --frames)")
     decoded = decode_media(media)
@@ -119,13 +121,12 @@ def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool 
 
 
 def plot(report: AttentionReport, folder: Path) -> None:
-    try:
-        import matplotlib
+    require("matplotlib")
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise EnvironmentFailure("matplotlib", "is needed for the plots: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     mass = np.array(report.visual_mass)
     fig, ax = plt.subplots(figsize=tuple(n / 100 for n in PLOT_SIZE["visual_mass.png"]), dpi=100)
     image = ax.imshow(mass, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)

@@ -14,11 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import Progress
 
 from .. import __version__
 from ..artifacts import (
-    DTYPES,
     ConvertManifest,
     ConvertModel,
     ConvertSource,
@@ -44,6 +42,7 @@ from ..checkpoints.safetensors_writer import (
 from ..checkpoints.source import Source, open_source, tied_names
 from ..errors import InputError
 from ..modeling.modeling_dattn import MODEL_CLASSES
+from ..ui import quiet
 
 SIZE_UNITS = {
     "": 1,
@@ -66,22 +65,6 @@ def parse_size(text: str) -> int:
     if size < 1:
         raise InputError("--max-shard-size", f"{text!r}: a shard holds at least one byte")
     return size
-
-
-def output_dtype(requested: str, source: Source) -> torch.dtype:
-    """auto: the dtype config.json declares (the training dtype); if none, the dtype most weights have."""
-    if requested != "auto":
-        return DTYPES[requested].torch
-    declared = source.config.dtype  # config.json's torch_dtype (4.x) or dtype (5.x)
-    if isinstance(declared, str):
-        declared = getattr(torch, declared, None)
-    if isinstance(declared, torch.dtype) and declared.is_floating_point:
-        return declared
-    sizes: dict[torch.dtype, int] = {}
-    for t in source.tensors.values():
-        if t.dtype.is_floating_point:
-            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.nbytes
-    return max(sizes, key=sizes.get)
 
 
 def untie(source: Source) -> list[str]:
@@ -139,15 +122,16 @@ def convert(
     force: bool = False,
     base: Path | None = None,
     vision_heads: int | None = None,
-    progress=None,
+    progress=quiet,
 ) -> ConvertResult:
+    """`progress`: `ui.progress` to show the bytes written (the CLI's), or `ui.quiet`."""
     start = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
     source = open_source(checkpoint, base, vision_heads)
     check_output(out, force, source.inputs())
     source.raise_first_problem()
     source.carried()
-    target = output_dtype(dtype, source)
+    target = source.output_dtype(dtype)
     dropped = untie(source)
     kept = {name: lazy for name, lazy in source.tensors.items() if name not in dropped}
     planned = plan_tensors(kept, source.stored_names, target)
@@ -155,11 +139,8 @@ def convert(
     shards = plan_shards(planned, max_bytes)
     copier = RangeCopier()
     with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=weight_bytes) as tmp:
-        with progress or Progress(disable=True) as bar:
-            task = bar.add_task("writing tensors", total=weight_bytes)
-            files = write_shards(
-                shards, tmp, on_written=lambda t: bar.update(task, advance=t.nbytes, description=t.name), copier=copier
-            )
+        with progress("writing tensors", weight_bytes) as advance:
+            files = write_shards(shards, tmp, on_written=lambda t: advance(t.nbytes, t.name), copier=copier)
         (tmp / "config.json").write_text(json.dumps(output_config(source, target), indent=2, sort_keys=True) + "\n")
         source.carry_files(tmp)
         copy_remote_code(tmp)

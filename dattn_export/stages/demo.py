@@ -172,10 +172,14 @@ class DemoRun:
         return self.report.passed and all(c.ok for c in self.checks)
 
 
-def run_demo(directory: Path, family: str = DEFAULT_FAMILY, video: bool = False, max_new_tokens: int = 12) -> DemoRun:
+def run_demo(
+    directory: Path, family: str = DEFAULT_FAMILY, video: bool = False, max_new_tokens: int = 12, force: bool = False
+) -> DemoRun:
     """The main job end to end on a tiny checkpoint written to `directory/checkpoint`: reference generation,
-    convert + verify, ONNX export + validation on ONNX Runtime."""
+    convert + verify, ONNX export + validation on ONNX Runtime. A folder that holds anything is refused unless
+    `force`; then only the demo's own folders in it are replaced."""
     from ..artifacts import atomic_dir
+    from ..folders import check_demo_folder
     from ..ui import stage
     from .convert import convert
     from .generate import Media, run_prompt
@@ -183,6 +187,7 @@ def run_demo(directory: Path, family: str = DEFAULT_FAMILY, video: bool = False,
     from .validate import validate
     from .verify import verify
 
+    check_demo_folder(directory, force)
     checkpoint, converted, exported = directory / "checkpoint", directory / "converted", directory / "onnx"
     seconds: dict[str, float] = {}
     with stage(f"write a tiny {family} D-Attn {'video' if video else 'image'} checkpoint", seconds):

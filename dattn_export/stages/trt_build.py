@@ -10,19 +10,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..artifacts import (
-    CARRIED_FILES,
-    GraphValue,
-    OnnxManifest,
-    TrtManifest,
-    atomic_dir,
-    carry_files,
-    check_output,
-)
+from ..dtypes import short_name
 from ..errors import InputError
+from ..folders import ONNX_MANIFEST
 from ..modeling.streams import AUDIO, FRAMES
-from ..runtime.tensorrt import require_tensorrt_gpu
+from ..sidefiles import read_json
+from ..ui import quiet
+
+if TYPE_CHECKING:  # the limits are checked before torch is imported: the rest imports it when it builds
+    from ..artifacts import GraphValue, OnnxManifest
 
 
 @dataclass(frozen=True)
@@ -100,15 +98,19 @@ def build_serialized(
     onnx_path: Path,
     graph_inputs: list[GraphValue],
     limits: Limits,
-    precision: str = "fp32",
     plugin: bool = False,
     timing_cache: Path | None = None,
 ) -> bytes:
     """Parse one exported graph and build a serialized engine with one optimization profile. With `plugin`, the
-    fused nodes become the registered DecomposedAttention plugin instead of their ONNX function."""
+    fused nodes become the registered DecomposedAttention plugin instead of their ONNX function.
+
+    Strongly typed: every tensor keeps the graph's own type (an fp16 export builds an fp16 engine), as TensorRT 11
+    and TensorRT-RTX always build and TensorRT 10 does with the STRONGLY_TYPED flag (11 accepts and ignores it).
+    TensorRT 11 removed the weak-typing flags (BuilderFlag.FP16, BF16, INT8, ...): nothing here sets one."""
     logger = trt.Logger(trt.Logger.ERROR)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)
+    strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    network = builder.create_network(0 if strongly_typed is None else 1 << int(strongly_typed))
     parser = trt.OnnxParser(network, logger)
     if plugin:
         if not hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
@@ -120,8 +122,6 @@ def build_serialized(
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise InputError(onnx_path, f"the TensorRT ONNX parser refused it: {errors}")
     config = builder.create_builder_config()
-    if precision in ("fp16", "bf16"):
-        config.set_flag(trt.BuilderFlag.FP16 if precision == "fp16" else trt.BuilderFlag.BF16)
     cache = None
     if timing_cache is not None:
         cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
@@ -138,50 +138,88 @@ def build_serialized(
     return bytes(engine)
 
 
+def check_buildable(onnx_dir: Path, out: Path, precision: str | None) -> str:
+    """What TensorRT cannot build from an export, refused in one line before TensorRT or torch is imported (the
+    manifest read as plain JSON; `OnnxManifest` checks the rest when the build reads it): a decoder quantized to ONNX
+    Runtime's MatMulNBits, and a `precision` (fp16, bf16) other than the graphs' own, which strongly typed engines
+    keep. Returns the graphs' precision."""
+    manifest = read_json(Path(onnx_dir) / ONNX_MANIFEST, "ONNX manifest")
+    graphs = short_name(str(manifest.get("dtype", "")))
+    if precision not in (None, graphs):
+        source = (manifest.get("source") or {}).get("path", "CKPT")
+        raise InputError(
+            f"--{precision}",
+            f"{onnx_dir} holds {manifest.get('dtype')} graphs, and TensorRT builds engines in the graphs' own types "
+            f"(strongly typed; TensorRT 11 has no precision flags): export {precision} graphs with `dattn-export onnx "
+            f"{source} -o onnx-{precision} --dtype {precision}`, then `dattn-export trt onnx-{precision} -o {out}`",
+        )
+    if manifest.get("quantization"):
+        raise InputError(
+            onnx_dir,
+            "holds a decoder quantized to ONNX Runtime's MatMulNBits (a com.microsoft op TensorRT's parser does not "
+            "read): build engines from an export without --quantize (and with --dtype fp16 for smaller weights)",
+        )
+    return graphs
+
+
 def build_engines(
     onnx_dir: Path,
     out: Path,
-    precision: str,
+    precision: str | None,
     limits: Limits,
     timing_cache: Path | None,
     force: bool,
     use_plugin: bool = True,
+    progress=quiet,
 ) -> dict:
     """An engine per exported graph, plus trt_manifest.json. Fused attention nodes become the DecomposedAttention
-    plugin, or with `use_plugin=False` their ONNX function (standard TensorRT layers)."""
-    from ..plugins.tensorrt_plugin import register
+    plugin, or with `use_plugin=False` their ONNX function (standard TensorRT layers). The engines' precision is
+    the graphs' own (strongly typed); `precision` (fp32, fp16, bf16, or None for the graphs') must match it: an fp32
+    export is not turned into an fp16 engine behind the user's back. `progress`: `ui.progress` to show the engines as
+    they are built, or `ui.quiet`."""
+    from ..artifacts import (
+        CARRIED_FILES,
+        OnnxManifest,
+        TrtManifest,
+        atomic_dir,
+        carry_files,
+        check_output,
+    )
+    from ..runtime.tensorrt import require_tensorrt_gpu
 
     manifest = OnnxManifest.read(onnx_dir, "a folder written by dattn-export onnx: build engines from one")
     check_output(out, force, [onnx_dir])
-    if manifest.quantization:
-        raise InputError(
-            onnx_dir,
-            "holds a decoder quantized to ONNX Runtime's MatMulNBits (a com.microsoft op TensorRT's parser does not "
-            "read): build engines from an export without --quantize (and --fp16/--bf16 for smaller weights)",
-        )
-    trt = require_tensorrt_gpu()
-    register()
+    graphs_precision = check_buildable(onnx_dir, out, precision)
     fused = use_plugin and manifest.attention.implementation == "fused"
-    with atomic_dir(out, overwrite=force, reading=[onnx_dir]) as tmp:
+    trt = require_tensorrt_gpu(plugin=fused)
+    if fused:
+        from ..plugins.tensorrt_plugin import register
+
+        register()
+    with (
+        atomic_dir(out, overwrite=force, reading=[onnx_dir]) as tmp,
+        progress("building engines", len(manifest.graphs), "engines") as advance,
+    ):
         engines = {}
         for name, graph in manifest.graphs.items():
+            advance(0, f"building {name}.engine")
             engine = build_serialized(
                 trt,
                 Path(onnx_dir) / graph.file,
                 graph.inputs,
                 limits,
-                precision,
                 plugin=fused and graph.fused_attention_nodes > 0,
                 timing_cache=timing_cache,
             )
             (tmp / f"{name}.engine").write_bytes(engine)
             engines[name] = f"{name}.engine"
+            advance(1, f"{name}.engine built")
         carry_files(onnx_dir, tmp, (*CARRIED_FILES, "config.json"))
         fields = {f.name: getattr(manifest, f.name) for f in dataclasses.fields(OnnxManifest)}
         trt_manifest = TrtManifest(
             **fields,
             engines=engines,
-            precision=precision,
+            precision=graphs_precision,
             profile=limits.profile(dynamic_axes(manifest)),
             plugin=fused,
             tensorrt=trt.__version__,

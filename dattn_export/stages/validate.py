@@ -80,6 +80,7 @@ class ValidationReport:
     polygraphy_commands: list[str] = field(default_factory=list)  # with --save-polygraphy: what checks its data
     gate: quantize.GateResult | None = None  # a quantized decoder: the accuracy gate
     rtol: float = 0.0  # on the logits, relative to the reference's magnitude
+    device: str = "cpu"  # where ONNX Runtime ran the graphs (TensorRT: always the GPU)
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -99,8 +100,11 @@ class ValidationReport:
     def passed(self) -> bool:
         if self.gate is not None:  # quantized weights: the gate, not the fp tolerance or exact tokens
             return self.gate.passed
-        logits_ok = all(c.within for c in self.comparisons if c.output.startswith("logits"))
-        return logits_ok and self.reference_tokens == self.backend_tokens
+        return self.logits_within and self.reference_tokens == self.backend_tokens
+
+    @property
+    def logits_within(self) -> bool:
+        return all(c.within for c in self.comparisons if c.output.startswith("logits"))
 
     def to_json(self) -> dict:
         fields = asdict(self)
@@ -127,13 +131,14 @@ def validate(
     save_polygraphy: Path | None = None,
     atol: float | None = None,
     rtol: float = 0.0,
+    device: str = "cpu",
 ) -> ValidationReport:
     """`media`: an image (default: the demo's picture), or a video model's frames and audio (default: the demo
     video's); `prompt` defaults to the demo's. `save_polygraphy`: a folder for every compared graph run's inputs and
     reference outputs in polygraphy's format (`polygraphy_data`). The logits pass where every element is within
     `atol + rtol * |reference|` (default atol: `TOLERANCES` of the graphs' dtype) and the greedy tokens agree."""
     folder = Path(folder)
-    runtime = open_graphs(folder, backend, threads)
+    runtime = open_graphs(folder, backend, threads, device)
     manifest = runtime.manifest
     against = Path(against or manifest.source.path)
     if not against.exists():
@@ -148,7 +153,9 @@ def validate(
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     dtype = manifest.dtype
     atol = TOLERANCES.get(dtype, 2e-2) if atol is None else atol
-    report = ValidationReport(str(folder), str(against), backend, dtype, atol, ids.shape[1], 0, rtol=rtol)
+    report = ValidationReport(
+        str(folder), str(against), backend, dtype, atol, ids.shape[1], 0, rtol=rtol, device=device
+    )
     with recording(runtime) if save_polygraphy else contextlib.nullcontext() as calls:
         got_kv, got_mask, expected_tokens = compare_runs(runtime, reference, folder, media, report, inputs, steps)
     if save_polygraphy:

@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from ..artifacts import ConvertManifest, dtype_name, sha256_file
 from ..checkpoints.plan import checked_cast
 from ..checkpoints.source import build_model, open_source
+from ..ui import quiet
 
 
 @dataclass
@@ -20,43 +21,54 @@ class Check:
     detail: str
 
 
-def check_files(out: Path, manifest: ConvertManifest) -> Check:
+def check_files(out: Path, manifest: ConvertManifest, progress=quiet) -> Check:
     bad = []
-    for name, expected in manifest.files.items():
-        path = out / name
-        if not path.is_file():
-            bad.append(f"{name} missing")
-        elif path.stat().st_size != expected.size:
-            bad.append(f"{name} has {path.stat().st_size} bytes, manifest says {expected.size}")
-        elif sha256_file(path) != expected.sha256:
-            bad.append(f"{name} sha256 differs from the manifest")
+    with progress("hashing files", sum(f.size for f in manifest.files.values())) as advance:
+        for name, expected in manifest.files.items():
+            path = out / name
+            if not path.is_file():
+                bad.append(f"{name} missing")
+            elif path.stat().st_size != expected.size:
+                bad.append(f"{name} has {path.stat().st_size} bytes, manifest says {expected.size}")
+            elif sha256_file(path) != expected.sha256:
+                bad.append(f"{name} sha256 differs from the manifest")
+            advance(expected.size, name)
     unlisted = [p.name for p in out.glob("*.safetensors") if p.name not in manifest.files]
     bad += [f"{name} is not in the manifest" for name in unlisted]
     return Check("files: size and sha256", not bad, "; ".join(bad) or f"{len(manifest.files)} files match")
 
 
-def check_tensors(out: Path, manifest: ConvertManifest, against) -> Check:
+def check_tensors(out: Path, manifest: ConvertManifest, against, progress=quiet) -> Check:
     """Every tensor reloads (safetensors' own reader) with the manifest's dtype and shape; with a source,
     it equals the source tensor after the requested cast, bit for bit."""
     bad, seen = [], set()
-    for shard in sorted({t.file for t in manifest.tensors.values()}):
-        try:
-            handle = safe_open(out / shard, framework="pt")
-        except (SafetensorError, OSError) as e:
-            return Check("tensors reload", False, f"{shard}: {e}")
-        for name in handle.keys():
-            seen.add(name)
-            tensor, expected = handle.get_tensor(name), manifest.tensors.get(name)
-            if expected is None:
-                bad.append(f"{name} not in the manifest")
-            elif dtype_name(tensor.dtype) != expected.dtype or list(tensor.shape) != expected.shape:
-                bad.append(
-                    f"{name} is {tensor.dtype} {list(tensor.shape)}, manifest says {expected.dtype} {expected.shape}"
-                )
-            elif against is not None:
-                source = checked_cast(name, against.tensors[name], tensor.dtype)
-                if not torch.equal(source.view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)):
-                    bad.append(f"{name} differs from the source after the cast")
+    shards = sorted({t.file for t in manifest.tensors.values()})
+    what = "comparing tensors with the source" if against is not None else "reloading tensors"
+    sizes = {shard: (out / shard).stat().st_size for shard in shards if (out / shard).is_file()}
+    with progress(what, sum(sizes.values())) as advance:
+        for shard in shards:
+            try:
+                handle = safe_open(out / shard, framework="pt")
+            except (SafetensorError, OSError) as e:
+                return Check("tensors reload", False, f"{shard}: {e}")
+            read = 0
+            for name in handle.keys():
+                seen.add(name)
+                tensor, expected = handle.get_tensor(name), manifest.tensors.get(name)
+                advance(tensor.nbytes, name)
+                read += tensor.nbytes
+                if expected is None:
+                    bad.append(f"{name} not in the manifest")
+                elif dtype_name(tensor.dtype) != expected.dtype or list(tensor.shape) != expected.shape:
+                    bad.append(
+                        f"{name} is {tensor.dtype} {list(tensor.shape)}, manifest says {expected.dtype} "
+                        f"{expected.shape}"
+                    )
+                elif against is not None:
+                    source = checked_cast(name, against.tensors[name], tensor.dtype)
+                    if not torch.equal(source.view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)):
+                        bad.append(f"{name} differs from the source after the cast")
+            advance(sizes[shard] - read)  # the shard's header
     bad += [f"{name} missing from the shards" for name in sorted(set(manifest.tensors) - seen)]
     what = "bit-exact against the source after the cast" if against is not None else "dtype and shape as recorded"
     return Check("tensors reload", not bad, "; ".join(bad[:3]) or f"{len(seen)} tensors, {what}")
@@ -77,24 +89,30 @@ def probe_logits(model, seed: int = 0) -> torch.Tensor:
     return model(ids, **streams).logits
 
 
-def check_model(out: Path) -> Check:
+def check_model(out: Path, progress=quiet) -> Check:
     """The folder loads as the reference model and gives finite logits. (Against a source, the tensors' check has
     already found every tensor bit-exact after the cast: the source's model computes the same numbers, so it is
     not run again.)"""
-    with torch.no_grad():
+    with torch.no_grad(), progress("loading the model and running a prompt", 1, "model") as advance:
         logits = probe_logits(build_model(open_source(out)))
+        advance(1)
     if not torch.isfinite(logits).all():
         return Check("model loads and runs", False, "non-finite logits")
     return Check("model loads and runs", True, f"logits {list(logits.shape)} finite")
 
 
 def verify(
-    out: Path, against: Path | None = None, base: Path | None = None, vision_heads: int | None = None
+    out: Path, against: Path | None = None, base: Path | None = None, vision_heads: int | None = None, progress=quiet
 ) -> list[Check]:
+    """`progress`: `ui.progress` to show each check's progress (the CLI's), or `ui.quiet`."""
     out = Path(out)
     manifest = ConvertManifest.read(out, "a folder written by dattn-export convert")
     source = None
     if against is not None:
         source = open_source(against, base, vision_heads)
         source.raise_first_problem()
-    return [check_files(out, manifest), check_tensors(out, manifest, source), check_model(out)]
+    return [
+        check_files(out, manifest, progress),
+        check_tensors(out, manifest, source, progress),
+        check_model(out, progress),
+    ]

@@ -11,6 +11,7 @@ from ..modeling.families import FAMILIES
 
 ARCHITECTURES = tuple(family.model_class_name for family in FAMILIES.values())
 VIDEO_BACKEND = "dattn"  # the name our video loader (`media.py`) has among vLLM's video backends
+MEDIA_CONNECTOR = "dattn"  # and our media connector among vLLM's (VLLM_MEDIA_CONNECTOR)
 
 
 def unsupported(config) -> str | None:
@@ -50,7 +51,7 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from . import media  # noqa: F401  (registers the `dattn` video loader)
+    from . import media  # noqa: F401  (registers the `dattn` video loader and media connector)
 
     for config_class in SERVING_CONFIGS:
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)

@@ -1,17 +1,61 @@
-"""The video loader the plugin registers as vLLM's `dattn` video backend (`--media-io-kwargs '{"video":
-{"video_backend": "dattn"}}'`, which `dattn-export serve` passes): a request's video file decoded as our reference
-decodes one (`generate --video`): frames at 1 frame/s and, in the metadata, its sound track (None without one)."""
+"""What the plugin adds to vLLM's media handling, each under vLLM's own registries (selected by `dattn-export serve`):
+
+- the `dattn` video backend (`--media-io-kwargs '{"video": {"video_backend": "dattn"}}'`): a request's video file
+  decoded as our reference decodes one (`generate --video`): frames at 1 frame/s and, in the metadata, its sound
+  track (None without one);
+- the `dattn` media connector (`VLLM_MEDIA_CONNECTOR=dattn`): vLLM's, except that what a request's media makes fail
+  is answered as the request's fault (4xx, with the reason), not as the server's (500).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import io
 
+import aiohttp
 import numpy as np
+from PIL import Image
+from vllm.exceptions import VLLMError, VLLMUnprocessableEntityError
+from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
 from vllm.multimodal.video import VIDEO_LOADER_REGISTRY, VideoLoader
 
 from ..errors import InputError
 from ..processing import VIDEO_FPS, load_audio, load_video_frames
-from . import VIDEO_BACKEND
+from . import MEDIA_CONNECTOR, VIDEO_BACKEND
+
+# a request's media that cannot be fetched or decoded: the URL refused, unresolvable or timed out; a picture that
+# decodes past Pillow's decompression-bomb limit
+REQUEST_MEDIA_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError, Image.DecompressionBombError)
+
+
+def request_error(url: str, error: Exception) -> VLLMUnprocessableEntityError:
+    what = "picture" if isinstance(error, Image.DecompressionBombError) else "media"
+    reason = " ".join(str(error).split()) or type(error).__name__
+    shown = url if not url.startswith("data:") else url[:40] + "..."
+    return VLLMUnprocessableEntityError(f"the request's {what} cannot be used: {reason}", value=shown)
+
+
+@MEDIA_CONNECTOR_REGISTRY.register(MEDIA_CONNECTOR)
+class DAttnMediaConnector(MediaConnector):
+    """vLLM's connector (its URLs, domains, caches and limits), with fetch and decode failures of a request's media
+    turned into HTTP 422 naming the reason: vLLM answers those with 500, as if the server had failed, though a
+    retry of the same request fails the same way."""
+
+    def load_from_url(self, url: str, media_io, *, fetch_timeout: int | None = None):
+        try:
+            return super().load_from_url(url, media_io, fetch_timeout=fetch_timeout)
+        except VLLMError:
+            raise
+        except REQUEST_MEDIA_ERRORS as e:
+            raise request_error(url, e) from e
+
+    async def load_from_url_async(self, url: str, media_io, *, fetch_timeout: int | None = None):
+        try:
+            return await super().load_from_url_async(url, media_io, fetch_timeout=fetch_timeout)
+        except VLLMError:
+            raise
+        except REQUEST_MEDIA_ERRORS as e:
+            raise request_error(url, e) from e
 
 
 @VIDEO_LOADER_REGISTRY.register(VIDEO_BACKEND)

@@ -93,6 +93,12 @@ def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = 
         results.append({"workers": llm.collective_rpc(ray_worker)})
     with open(out, "w") as f:
         json.dump(results, f)
+    # the engine (and its Ray workers) shut down before Ray, and Ray before the interpreter: left to the exit, the
+    # Ray executor's __del__ kills its actors while Ray's own threads are being torn down, and the process now and
+    # then dies with SIGSEGV after its work is done (Ray's log: a leaked shared-memory object)
+    llm.llm_engine.engine_core.shutdown()
+    if ray_address:
+        ray.shutdown()
 
 
 def ray_worker(worker) -> dict:

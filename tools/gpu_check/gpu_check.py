@@ -1,0 +1,476 @@
+"""The GPU check: everything of dattn-export that only a GPU runs, measured in one command on a GPU machine as it
+comes (README.md beside this file says how), results as JSON and a Markdown table under --out.
+
+    python tools/gpu_check/gpu_check.py prepare          # here: the wheels that travel, into .gpu_check/
+    python tools/gpu_check/gpu_check.py run --out DIR    # there: the check itself (a GPU)
+    python tools/gpu_check/gpu_check.py dry-run --out DIR  # here: all but the GPU (the test suite runs it)
+
+What it measures (GPU: the released models' shapes; dry run: tiny shapes through Triton's interpreter, same schema):
+  kernel   the Triton kernel (the TensorRT plugin's and torch.ops.dattn's) against the fp32 reference attention
+           (modeling/attention.py) in fp16 and bf16, both merges, softcap, sliding window, the GQA ratios of Vidi-7B
+           (Mistral, 32/8 heads of 128) and Vidi1.5-9B (Gemma 2, 16/8 heads of 256), contexts up to 64k tokens,
+           prefill and decode: max abs error and the tolerance it meets;
+  models   both demo models and a model of Mistral-7B's width (2 layers), in bf16 through the reference with the
+           kernel as the attention op, against the same weights' fp32 run: logits error, greedy tokens;
+  speed    the kernel against PyTorch's SDPA (flash) on the equivalent conventional attention, and the wide model's
+           prefill at 2k, 16k and 64k context tokens;
+  not_run  what cannot run there, and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CARRIED = ROOT / ".gpu_check"  # the wheels that travel (git-ignored, named in the device call's carry)
+CARRY_LIMIT = 64 << 20  # what travels to the GPU machine: the working tree and the carried folder together
+SCHEMA = 1
+TOLERANCE = {"float16": 2e-3, "bfloat16": 2e-2}  # kernel vs fp32 reference, outputs O(1): as tests/test_kernels.py
+MODEL_TOLERANCE = 0.05  # bf16 model vs its fp32 run: max abs logits error over the largest logit
+# what the GPU machines hold (their image's package list, import names) besides the standard library: the check
+# imports nothing else, and carries only our wheel
+THERE = {
+    "torch", "triton", "transformers", "numpy", "safetensors", "huggingface_hub", "tokenizers", "PIL", "rich",
+    "click", "onnx", "onnxruntime", "onnxscript", "onnx_ir", "yaml", "packaging", "filelock", "fsspec", "jinja2",
+    "markupsafe", "sympy", "mpmath", "networkx", "typing_extensions", "regex", "requests", "tqdm", "pygments",
+    "markdown_it", "mdurl", "certifi", "charset_normalizer", "idna", "urllib3", "hf_xet", "httpx", "httpcore", "h11",
+    "anyio", "sniffio", "shellingham", "typer", "ml_dtypes", "google", "psutil", "annotated_doc",
+}  # fmt: skip
+NOT_RUN = [
+    ("TensorRT engines and the DecomposedAttention plugin", "TensorRT is not installed there and its wheels "
+     "(hundreds of MB) cannot travel; tests/test_trt.py's gpu tests run them where TensorRT is"),
+    ("ONNX Runtime's CUDA provider (--device cuda)", "onnxruntime-gpu's wheel is 255 MB, over the 64 MiB that "
+     "travels; tests/test_onnx.py's gpu test runs it where onnxruntime-gpu is"),
+    ("vLLM on a GPU", "vLLM is not installed there and cannot travel"),
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The shapes one run measures: the released models' on a GPU, tiny ones in the dry run."""
+
+    attention: dict  # name -> (query heads, KV heads, head dim, softcap, window, scale)
+    contexts: tuple[int, ...]
+    prefill_queries: int
+    decode_past: int
+    wide: dict  # the realistic-width model's config overrides
+    prefill_contexts: tuple[int, ...]
+    prompt: int
+    new_tokens: int
+    timing_repeats: int
+
+
+GPU = Sizes(
+    attention={
+        "Vidi-7B (Mistral)": (32, 8, 128, 0.0, 0, 128**-0.5),
+        "Vidi1.5-9B (Gemma 2)": (16, 8, 256, 50.0, 4096, 256**-0.5),
+    },
+    contexts=(2048, 16384, 65536),
+    prefill_queries=256,
+    decode_past=2048,
+    wide=dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_hidden_layers=2,
+        vocab_size=32768,
+    ),  # fmt: skip
+    prefill_contexts=(2048, 16384, 65536),
+    prompt=64,
+    new_tokens=16,
+    timing_repeats=20,
+)
+DRY = Sizes(
+    attention={"tiny Mistral": (4, 2, 32, 0.0, 0, 32**-0.5), "tiny Gemma 2": (4, 1, 32, 50.0, 8, 24**-0.5)},
+    contexts=(40,),
+    prefill_queries=3,
+    decode_past=5,
+    wide=dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=2,
+        vocab_size=512,
+    ),  # fmt: skip
+    prefill_contexts=(64,),
+    prompt=6,
+    new_tokens=3,
+    timing_repeats=1,
+)
+
+
+@dataclass
+class Report:
+    schema: int
+    device: str
+    date: str
+    versions: dict
+    dry_run: bool
+    kernel: list[dict] = field(default_factory=list)
+    models: list[dict] = field(default_factory=list)
+    speed: list[dict] = field(default_factory=list)
+    prefill: list[dict] = field(default_factory=list)
+    not_run: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(row["passed"] for row in (*self.kernel, *self.models))
+
+
+def kernel_rows(sizes: Sizes, device: str) -> list[dict]:
+    """Each case: the kernel on fp16/bf16 inputs against the reference on the same inputs in fp32."""
+    import torch
+
+    from dattn_export.plugins import contract
+    from dattn_export.plugins.contract import Attributes
+    from dattn_export.plugins.triton_kernel import launch
+
+    rows = []
+    for name, (heads, kv_heads, dim, softcap, window, scale) in sizes.attention.items():
+        for dtype in (torch.float16, torch.bfloat16):
+            for merge, segments in (("alpha", 1), ("sum", 2)):  # dattn's one softmax; the released sum, frames + audio
+                for context in sizes.contexts:
+                    for phase, queries, past in (
+                        ("prefill", sizes.prefill_queries, 0),
+                        ("decode", 1, sizes.decode_past),
+                    ):
+                        g = torch.Generator().manual_seed(len(rows))
+                        rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+                        keys = past + queries
+                        mask = torch.ones(1, context, dtype=torch.int32)
+                        mask[:, context * 2 // 3 :] = segments  # the last third: the audio segment
+                        inputs = (
+                            rand(1, heads, queries, dim), rand(1, kv_heads, keys, dim), rand(1, kv_heads, keys, dim),
+                            torch.ones(1, keys, dtype=torch.bool, device=device), rand(1, heads, queries, dim),
+                            rand(1, kv_heads, context, dim), rand(1, kv_heads, context, dim), mask.to(device),
+                        )  # fmt: skip
+                        attributes = Attributes(scale, softcap, window, merge, num_contexts=segments)
+                        got = launch(*inputs, attributes).float()
+                        expected = contract.reference(tuple(t.float() if t.is_floating_point() else t for t in inputs),
+                                                      attributes)  # fmt: skip
+                        error = (got - expected).abs().max().item()
+                        # outputs O(1) a softmax; the sum merge adds one per segment and the text's
+                        magnitude = max(1.0, expected.abs().max().item())
+                        tolerance = TOLERANCE[str(dtype).removeprefix("torch.")] * magnitude
+                        rows.append(dict(attention=name, dtype=str(dtype).removeprefix("torch."), merge=merge,
+                                         softcap=softcap, window=window, heads=heads, kv_heads=kv_heads, head_dim=dim,
+                                         context=context, phase=phase, queries=queries, past=past,
+                                         max_abs=error, tolerance=tolerance, passed=error <= tolerance))  # fmt: skip
+                        del got, expected, inputs
+    return rows
+
+
+def kernel_op(*inputs, **keywords):
+    """The reference's attention op (its keywords) run by the Triton kernel."""
+    from dattn_export.plugins.contract import Attributes
+    from dattn_export.plugins.triton_kernel import launch
+
+    return launch(*inputs, Attributes.from_reference(**keywords))
+
+
+def model_configs(sizes: Sizes) -> dict:
+    from dattn_export.presets import tiny_config
+
+    return {
+        "demo (Mistral)": tiny_config("mistral"),
+        "demo (Gemma 2)": tiny_config("gemma2"),
+        f"Mistral, hidden {sizes.wide['hidden_size']}, {sizes.wide['num_hidden_layers']} layers": tiny_config(
+            "mistral", **sizes.wide
+        ),
+    }
+
+
+def model_rows(sizes: Sizes, device: str) -> list[dict]:
+    """Each model: random weights in fp32 run through the reference, then the same weights in bf16 with the kernel
+    as every attention op; logits of the prompt and greedy tokens compared."""
+    import torch
+
+    from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
+    from dattn_export.plugins.contract import using_op
+    from dattn_export.presets import randomize_weights
+
+    rows = []
+    for name, config in model_configs(sizes).items():
+        with torch.device(device):
+            model = MODEL_CLASSES[config.model_type](config)
+        model = randomize_weights(model.eval(), seed=1)
+        g = torch.Generator().manual_seed(2)
+        ids = torch.randint(3, config.vocab_size, (1, sizes.prompt), generator=g).to(device)
+        size = config.vision_config["image_size"]
+        pixels = torch.randn(1, 1, 3, size, size, generator=g).to(device)
+        with torch.no_grad():
+            expected = model(ids, pixels).logits.float()
+            expected_tokens = model.generate(ids, pixels, max_new_tokens=sizes.new_tokens)[0].tolist()
+            model = model.to(torch.bfloat16)
+            with using_op(model, kernel_op):
+                got = model(ids, pixels.bfloat16()).logits.float()
+                tokens = model.generate(ids, pixels.bfloat16(), max_new_tokens=sizes.new_tokens)[0].tolist()
+        scale = expected.abs().max().item()
+        error = (got - expected).abs().max().item()
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, expected_tokens)) if a != b), len(tokens))
+        rows.append(dict(model=name, hidden=config.hidden_size, layers=config.num_hidden_layers, dtype="bfloat16",
+                         logits_max_abs=error, logits_scale=scale, relative=error / scale, tolerance=MODEL_TOLERANCE,
+                         tokens_agree=agree, tokens=len(tokens), passed=error / scale <= MODEL_TOLERANCE))  # fmt: skip
+        del model
+    return rows
+
+
+def timed(fn, repeats: int, device: str) -> float:
+    """Milliseconds a call (CUDA events on a GPU; the wall clock in the dry run)."""
+    import torch
+
+    fn()
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / repeats
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def speed_rows(sizes: Sizes, device: str) -> list[dict]:
+    """The kernel against SDPA on the equivalent conventional attention: the queries over [context ; text] keys with
+    the matching causal mask, K/V expanded to the query heads as SDPA takes them."""
+    import torch
+    import torch.nn.functional as F
+
+    from dattn_export.plugins.contract import Attributes
+    from dattn_export.plugins.triton_kernel import launch
+
+    name, (heads, kv_heads, dim, _, _, scale) = next(iter(sizes.attention.items()))
+    rows = []
+    for context in sizes.contexts:
+        for phase, queries, past in (("prefill", sizes.prefill_queries, 0), ("decode", 1, sizes.decode_past)):
+            keys = past + queries
+            rand = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float16)  # noqa: E731
+            q, k, v = rand(1, heads, queries, dim), rand(1, kv_heads, keys, dim), rand(1, kv_heads, keys, dim)
+            k_vis, v_vis = rand(1, kv_heads, context, dim), rand(1, kv_heads, context, dim)
+            key_mask = torch.ones(1, keys, dtype=torch.bool, device=device)
+            context_mask = torch.ones(1, context, dtype=torch.bool, device=device)
+            attributes = Attributes(scale)
+            ours = timed(lambda: launch(q, k, v, key_mask, q, k_vis, v_vis, context_mask, attributes),
+                         sizes.timing_repeats, device)  # fmt: skip
+            all_k = torch.cat([k_vis, k], 2).repeat_interleave(heads // kv_heads, 1)
+            all_v = torch.cat([v_vis, v], 2).repeat_interleave(heads // kv_heads, 1)
+            slots = torch.arange(context + keys, device=device)
+            mask = slots[None, :] <= (context + past + torch.arange(queries, device=device))[:, None]
+            sdpa = timed(lambda: F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, scale=scale),
+                         sizes.timing_repeats, device)  # fmt: skip
+            rows.append(dict(attention=name, context=context, phase=phase, queries=queries, past=past,
+                             dattn_ms=ours, sdpa_ms=sdpa, speedup=sdpa / ours))  # fmt: skip
+    return rows
+
+
+def prefill_rows(sizes: Sizes, device: str) -> list[dict]:
+    """The wide model in bf16 with the kernel: every layer's context K/V for N context tokens (linear in N: the
+    context never attends to itself), then the prompt's prefill over them."""
+    import torch
+
+    from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
+    from dattn_export.plugins.contract import using_op
+
+    config = list(model_configs(sizes).values())[-1]
+    with torch.device(device):
+        model = MODEL_CLASSES[config.model_type](config).to(torch.bfloat16).eval()
+    ids = torch.randint(3, config.vocab_size, (1, sizes.prompt), device=device)
+    rows = []
+    with torch.no_grad(), using_op(model, kernel_op):
+        for context in sizes.prefill_contexts:
+            embeds = torch.randn(1, context, config.hidden_size, device=device, dtype=torch.bfloat16)
+
+            def prefill():
+                caches = model.model.encode_context(embeds)
+                return model(ids, context_key_values=caches).logits
+
+            ms = timed(prefill, max(1, sizes.timing_repeats // 4), device)
+            rows.append(dict(model=f"hidden {config.hidden_size}, {config.num_hidden_layers} layers",
+                             context_tokens=context, prompt_tokens=sizes.prompt, ms=ms))  # fmt: skip
+    return rows
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+    import triton
+
+    import dattn_export
+
+    found = dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
+                 transformers=transformers.__version__, dattn_export=dattn_export.__version__,
+                 dattn_export_from=str(Path(dattn_export.__file__).parent))  # fmt: skip
+    if torch.cuda.is_available():
+        found["cuda"] = torch.version.cuda
+    return found
+
+
+def check(out: Path, dry_run: bool) -> Report:
+    """The whole check: the GPU's sizes on a GPU, the dry run's through Triton's interpreter on CPU tensors."""
+    import torch
+
+    if not dry_run and not torch.cuda.is_available():
+        sys.exit("no CUDA GPU is visible: run this on a GPU machine, or `dry-run` here")
+    device, sizes = ("cpu", DRY) if dry_run else ("cuda", GPU)
+    name = "CPU (Triton interpreter), dry run" if dry_run else torch.cuda.get_device_name()
+    report = Report(SCHEMA, name, datetime.date.today().isoformat(), versions(), dry_run)
+    start = time.perf_counter()
+    for part, rows in (("kernel", kernel_rows), ("models", model_rows), ("speed", speed_rows),
+                       ("prefill", prefill_rows)):  # fmt: skip
+        part_start = time.perf_counter()
+        setattr(report, part, rows(sizes, device))
+        print(f"{part}: {len(getattr(report, part))} rows, {time.perf_counter() - part_start:.1f} s", flush=True)
+        write(report, out)  # what is done so far survives a run cut short
+    report.not_run = [dict(what=what, why=why) for what, why in NOT_RUN]
+    report.seconds = time.perf_counter() - start
+    write(report, out)
+    return report
+
+
+def write(report: Report, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps({**dataclasses.asdict(report), "passed": report.passed}, indent=1))
+    (out / "gpu_check.md").write_text(markdown(report))
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    def cell(value) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "**NO**"
+        if isinstance(value, float):
+            return f"{value:.3g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(report: Report) -> str:
+    v = report.versions
+    head = (
+        f"# GPU check: {report.device}, {report.date}\n\n"
+        f"torch {v['torch']}, triton {v['triton']}, transformers {v['transformers']}, python {v['python']}; "
+        f"{report.seconds:.0f} s; {'every check passed' if report.passed else '**a check failed**'}\n"
+    )
+    sections = [
+        ("Kernel against the fp32 reference", report.kernel,
+         ["attention", "dtype", "merge", "context", "phase", "max_abs", "tolerance", "passed"]),
+        ("Models in bf16 (kernel) against fp32 (reference)", report.models,
+         ["model", "logits_max_abs", "logits_scale", "relative", "tokens_agree", "tokens", "passed"]),
+        ("Kernel against SDPA (fp16, ms a call)", report.speed,
+         ["attention", "context", "phase", "dattn_ms", "sdpa_ms", "speedup"]),
+        ("Prefill (bf16, kernel)", report.prefill, ["model", "context_tokens", "prompt_tokens", "ms"]),
+        ("Not run", report.not_run, ["what", "why"]),
+    ]  # fmt: skip
+    return head + "".join(f"\n## {title}\n\n{table(rows, columns)}\n" for title, rows, columns in sections)
+
+
+# --- here, before the device call ---------------------------------------------------------------------------------
+
+
+def prepare() -> list[Path]:
+    """Our wheel, built as a release builds it (PEP 517, in an isolated environment), into CARRIED: the one wheel
+    that travels."""
+    import shutil
+
+    shutil.rmtree(CARRIED, ignore_errors=True)
+    CARRIED.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(CARRIED), str(ROOT)],
+                   check=True)  # fmt: skip
+    return sorted(CARRIED.glob("*.whl"))
+
+
+def travelling_bytes() -> int:
+    """What a device call sends: tracked and untracked-not-ignored files, and the carried folder."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.split(b"\0")  # fmt: skip
+    files = [ROOT / name.decode() for name in listed if name] + list(CARRIED.rglob("*"))
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def wheels_install_there(wheels: list[Path]) -> str:
+    """pip's answer to installing the wheels on the GPU machine's Python (3.12, x86-64, no index)."""
+    target = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu-check-target"
+    platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux2014_x86_64", "any")]
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index", "--only-binary=:all:",
+         "--python-version=3.12", *platforms, "--target", str(target), *map(str, wheels)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    return "" if result.returncode == 0 else (result.stderr.strip().splitlines() or ["pip failed"])[-1]
+
+
+def our_imports() -> set[str]:
+    """The top-level packages that the modules of ours the check loaded import (anywhere in them: a function's
+    import too), read from their source."""
+    import ast
+
+    names = set()
+    for module in [m for name, m in sys.modules.items() if name.startswith("dattn_export") and m is not None]:
+        tree = ast.parse(Path(module.__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def dry_run(out: Path) -> Report:
+    """All but the GPU: the carried set's size and wheels, the check through Triton's interpreter (same schema), and
+    that it imports nothing the GPU machine lacks."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    wheels = sorted(CARRIED.glob("*.whl")) or prepare()
+    problems = []
+    size = travelling_bytes()
+    if size > CARRY_LIMIT:
+        problems.append(f"{size / 2**20:.1f} MiB would travel: over the {CARRY_LIMIT >> 20} MiB a device call takes")
+    if refused := wheels_install_there(wheels):
+        problems.append(f"the carried wheels do not install on Python 3.12 x86-64: {refused}")
+    report = check(out, dry_run=True)
+    if foreign := sorted(our_imports() - THERE - set(sys.stdlib_module_names) - {"dattn_export"}):
+        problems.append(f"imports what the GPU machine lacks: {', '.join(foreign)}")
+    summary = dict(travelling_mib=size / 2**20, wheels=[w.name for w in wheels], problems=problems)
+    (out / "dry_run.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    if problems:
+        sys.exit("dry run: " + "; ".join(problems))
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step", choices=["prepare", "run", "dry-run"])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
+    args = parser.parse_args()
+    if args.step == "prepare":
+        print("\n".join(str(w) for w in prepare()))
+        return
+    report = dry_run(args.out) if args.step == "dry-run" else check(args.out, dry_run=False)
+    print(markdown(report))
+    if not report.passed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
