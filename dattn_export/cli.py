@@ -123,20 +123,42 @@ def main():
 def print_prompt_result(
     title: str, result, rows: list[tuple[str, str]], seconds: dict[str, float] | None = None
 ) -> None:
-    from .checkpoints.names import AUDIO_TOWER_NOT_RUN
     from .ui import out, summary_table
 
     out.print(f"prompt ids ({len(result.prompt_ids)}): {result.prompt_ids}")
     out.print(f"generated ids ({len(result.generated_ids)}): {result.generated_ids}")
     out.print(f"generated text: {result.text!r}")
-    params = ", ".join(f"{k} {v:,}" for k, v in result.parameters.items())
-    timings = "\n".join(f"{k.split(':')[0]}: {v:.2f} s" for k, v in (seconds or result.seconds).items())
-    rows = [*rows, ("parameters", params), ("visual tokens", str(result.visual_tokens))]
+    out.print(summary_table(title, [*rows, *context_rows(result), ("time", timings(seconds or result.seconds))]))
+
+
+def print_answers(title: str, answers, rows: list[tuple[str, str]]) -> None:
+    """Each prompt's answer, then one table: the context (encoded once) and each answer's time."""
+    from .ui import out, summary_table
+
+    for number, result in enumerate(answers.results, 1):
+        out.print(f"answer {number}: prompt ids ({len(result.prompt_ids)}): {result.prompt_ids}")
+        out.print(f"answer {number}: generated ids ({len(result.generated_ids)}): {result.generated_ids}")
+        out.print(f"answer {number}: generated text: {result.text!r}")
+    once = timings(answers.seconds)
+    each = "\n".join(f"answer {n}: {sum(r.seconds.values()):.2f} s" for n, r in enumerate(answers.results, 1))
+    rows = [*rows, ("prompts", str(len(answers.results))), *context_rows(answers.results[0])]
+    out.print(summary_table(title, [*rows, ("time, once", once), ("time, each prompt", each)]))
+
+
+def context_rows(result) -> list[tuple[str, str]]:
+    from .checkpoints.names import AUDIO_TOWER_NOT_RUN
+
+    rows = [("parameters", ", ".join(f"{k} {v:,}" for k, v in result.parameters.items()))]
+    rows.append(("visual tokens", str(result.visual_tokens)))
     if result.audio_tokens is not None:
         rows.append(("audio tokens", str(result.audio_tokens)))
     elif "audio tower" in result.parameters:
         rows.append(("audio tower", AUDIO_TOWER_NOT_RUN))
-    out.print(summary_table(title, [*rows, ("time", timings)]))
+    return rows
+
+
+def timings(seconds: dict[str, float]) -> str:
+    return "\n".join(f"{k.split(':')[0]}: {v:.2f} s" for k, v in seconds.items())
 
 
 @main.command(
@@ -252,10 +274,23 @@ VIDEO_OPTIONS = [
     epilog=examples(
         "dattn-export generate ./converted --prompt $'USER: <image>\\nWhat is shown?\\nASSISTANT:' --image cat.png",
         'dattn-export generate ./onnx --backend genai --prompt "$(cat prompt.txt)" --image cat.png --max-new-tokens 64',
+        "dattn-export generate ./onnx --backend ort --video talk.mp4 --prompts questions.jsonl",
     )
 )
 @click.argument("checkpoint", type=click.Path(), metavar="FOLDER")
-@click.option("--prompt", required=True, help="Text prompt.")
+@click.option(
+    "--prompt",
+    "prompts",
+    multiple=True,
+    help="Text prompt (repeatable: the media is encoded once and every prompt answered from it).",
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help='A file of prompts, after any --prompt: one a line, or JSON lines (.jsonl: a string or {"prompt": ...} '
+    "a line, for prompts with line breaks).",
+)
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="Image file (repeatable).")
 @video_options
 @click.option(
@@ -273,7 +308,8 @@ VIDEO_OPTIONS = [
 @device_option
 def generate(
     checkpoint: str,
-    prompt: str,
+    prompts: tuple[str, ...],
+    prompts_file: Path | None,
     images: tuple[Path, ...],
     video: Path | None,
     frames: Path | None,
@@ -285,16 +321,22 @@ def generate(
     """Greedy generation from FOLDER: a checkpoint or converted folder with the PyTorch reference model, or the
     exported graphs with the backend that runs them."""
     check_device(backend, device)
+    if not prompts and prompts_file is None:
+        raise click.UsageError("give a prompt: --prompt TEXT (repeatable) or --prompts FILE")
     checkpoint = resolve(checkpoint, f"generate --backend {backend}", *BACKENDS[backend], hub=backend == "torch")
     require_backend(backend)
-    from .stages.generate import Media, run_prompt, run_prompt_graphs
+    from .stages.generate import Media, read_prompts, run_prompts, run_prompts_graphs
 
+    prompts = [*prompts, *(read_prompts(prompts_file) if prompts_file else [])]
     media = Media(images=list(images), video=video, frames=frames, audio=audio)
     if backend == "torch":
-        result = run_prompt(checkpoint, prompt, media, max_new_tokens)
+        answers = run_prompts(checkpoint, prompts, media, max_new_tokens)
     else:
-        result = run_prompt_graphs(checkpoint, prompt, media, max_new_tokens, backend, device)
-    print_prompt_result("dattn-export generate", result, [("checkpoint", str(checkpoint))])
+        answers = run_prompts_graphs(checkpoint, prompts, media, max_new_tokens, backend, device)
+    if len(prompts) == 1:
+        print_prompt_result("dattn-export generate", answers.one(), [("checkpoint", str(checkpoint))])
+    else:
+        print_answers("dattn-export generate", answers, [("checkpoint", str(checkpoint))])
 
 
 def source_options(command):

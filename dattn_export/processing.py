@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProces
 
 from .checkpoints.towers import tower_folder
 from .errors import InputError
-from .modeling.images import prepare_pictures
+from .modeling.images import prepare_pictures, tower_side
 from .sidefiles import read_json, reading
 
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -100,12 +100,12 @@ def load_video_frames(
     return frames
 
 
-def load_frame_folder(folder: Path) -> list[Image.Image]:
-    """A folder of frame images, in file-name order."""
+def load_frame_folder(folder: Path, square: int | None = None) -> list[Image.Image]:
+    """A folder of frame images, in file-name order; with `square`, each resized to it as it is read."""
     files = sorted(f for f in Path(folder).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise InputError(folder, f"holds no frame images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    return [open_image(f) for f in files]
+    return [open_image(f) if square is None else tower_square(open_image(f), square) for f in files]
 
 
 def open_image(path: Path) -> Image.Image:
@@ -114,6 +114,15 @@ def open_image(path: Path) -> Image.Image:
     with reading(path, "image"):
         with Image.open(path) as image:
             return image.convert("RGB")
+
+
+def frame_square(folder: Path, config) -> int | None:
+    """The side video frames are resized to before the tower (its square), when frames are prepared by `resize`
+    (as the released video models' are): a frame can then be resized as it is decoded, and an hour of 1080p holds
+    3600 squares, not 3600 x 6.2 MB of RGB. The preparation's own resize then leaves it as it is."""
+    if not config.is_video or config.mm_image_aspect_ratio != "resize":
+        return None
+    return tower_side(load_image_processor(folder, config))
 
 
 def tower_square(frame: Image.Image, size: int) -> Image.Image:

@@ -44,18 +44,17 @@ def test_genai_generates_the_reference_tokens(tmp_path, family):
 
 
 @pytest.mark.slow
-def test_generate_backend_genai_and_what_genai_cannot_drive(tmp_path):
-    """`generate --backend genai` on an export gives the reference's tokens, as `--backend ort` (our decoder graph on
-    ONNX Runtime) does; a WINGS model's export says in its manifest why genai cannot drive it, and generate says so
-    in one line."""
-    checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
-    assert run_cli("onnx", checkpoint, "-o", tmp_path / "onnx").returncode == 0
+def test_generate_backend_genai_and_what_genai_cannot_drive(pipeline, tmp_path):
+    """`generate --backend genai` on an export (getting started's) gives the reference's tokens, as `--backend ort`
+    (our decoder graph on ONNX Runtime) does; a WINGS model's export says in its manifest why genai cannot drive it,
+    and generate says so in one line."""
+    checkpoint = pipeline / "dattn-demo" / "checkpoint"
     args = ("--image", checkpoint / "demo.png", "--prompt", DEMO_PROMPT, "--max-new-tokens", "8")
     torch_ = run_cli("generate", checkpoint, *args)
     expected = [line for line in torch_.stdout.splitlines() if line.startswith("generated ids")]
     assert expected, torch_.stderr
     for backend in ("genai", "ort"):
-        run = run_cli("generate", tmp_path / "onnx", "--backend", backend, *args)
+        run = run_cli("generate", pipeline / "onnx", "--backend", backend, *args)
         assert run.returncode == 0, run.stderr
         assert [line for line in run.stdout.splitlines() if line.startswith("generated ids")] == expected, backend
 

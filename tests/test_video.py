@@ -21,11 +21,12 @@ from transformers import WhisperFeatureExtractor
 from dattn_export.checkpoints.source import load_model
 from dattn_export.errors import InputError
 from dattn_export.modeling import modeling_dattn
+from dattn_export.modeling.images import prepare_pictures
 from dattn_export.modeling.streams import AUDIO, FRAMES
 from dattn_export.processing import load_image_processor, load_tokenizer
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.demo import write_demo_checkpoint, write_video
-from dattn_export.stages.generate import Media, run_prompt
+from dattn_export.stages.generate import Media, decode_media, run_prompt
 from dattn_export.stages.info import describe
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.push import usage_snippet
@@ -266,6 +267,24 @@ def test_generate_reads_frames_and_a_wav(tmp_path):
     media = Media(frames=tmp_path / "frames", audio=tmp_path / "speech.wav")
     result = run_prompt(folder, "what happens", media, max_new_tokens=3)
     assert result.visual_tokens == 3 * 16 and result.audio_tokens == 2  # 5 s: 10 mel frames -> 5 -> 2
+
+
+def test_frames_are_held_at_the_tower_s_square_from_decoding_on(tmp_path):
+    """Reported: `generate --video` held every frame at full size (an hour of 1080p: killed at 22.7 GiB). Frames are
+    resized as decoded (video and frame folders alike), to the pixels the preparation would make of full-size ones."""
+    folder = write_demo_checkpoint(tmp_path / "video", "gemma2", video=True)
+    config, square = load_model(folder).config, 28  # the demo video tower's square
+    full = [np.random.default_rng(i).integers(0, 256, (180, 320, 3), np.uint8) for i in range(3)]
+    write_video(tmp_path / "clip.mov", full, 1, None)
+    (tmp_path / "frames").mkdir()
+    for i, frame in enumerate(full):
+        Image.fromarray(frame).save(tmp_path / "frames" / f"{i:03d}.png")
+    processor = load_image_processor(folder, config)
+    expected = prepare_pictures([Image.fromarray(f) for f in full], "resize", processor)
+    for media in (Media(video=tmp_path / "clip.mov"), Media(frames=tmp_path / "frames")):
+        frames = decode_media(media, folder, config).frames
+        assert [frame.size for frame in frames] == [(square, square)] * 3  # 2.4 KB a frame held, not 173 KB
+        assert torch.equal(prepare_pictures(frames, "resize", processor), expected)
 
 
 def damaged_inputs(tmp_path):

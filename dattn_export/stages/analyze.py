@@ -79,7 +79,7 @@ def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool 
     media.check(source.config, prompt)
     if not (media.images or media.video or media.frames):
         raise InputError("--image", "nothing to analyze: pass an image (a video model: --video or --frames)")
-    decoded = decode_media(media)
+    decoded = decode_media(media, checkpoint, source.config)
     model = build_model(source)
     tokenizer = load_tokenizer(checkpoint, model.config)
     before_text, _, after_text = prompt.partition(IMAGE_MARKER) if IMAGE_MARKER in prompt else ("", "", prompt)

@@ -3,6 +3,7 @@ greedy decoding."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from ..modeling.streams import AUDIO
 from ..processing import (
     AUDIO_RATE,
     audio_features,
+    frame_square,
     load_audio,
     load_audio_processor,
     load_frame_folder,
@@ -90,10 +92,16 @@ class DecodedMedia:
     samples: np.ndarray | None
 
 
-def decode_media(media: Media) -> DecodedMedia:
-    """Every file read and decoded before any model work, so that a bad one is the first and only message."""
+def decode_media(media: Media, folder: Path, config) -> DecodedMedia:
+    """Every file read and decoded before any model work, so that a bad one is the first and only message; video
+    frames resized to the tower's square as they are decoded (`frame_square`)."""
+    square = frame_square(folder, config) if media.video or media.frames else None
     frames = (
-        load_video_frames(media.video) if media.video else load_frame_folder(media.frames) if media.frames else None
+        load_video_frames(media.video, square=square)
+        if media.video
+        else load_frame_folder(media.frames, square)
+        if media.frames
+        else None
     )
     if media.audio:
         samples = load_audio(media.audio)
@@ -168,68 +176,139 @@ def open_runtime(folder: Path, backend: str, device: str = "cpu"):
     return runtime, runtime
 
 
-def run_prompt_graphs(
-    folder: Path, prompt: str, media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
-) -> PromptResult:
-    """The same prompt through exported graphs: the context by our graphs (once), the greedy decoding by our decoder
-    graph on ONNX Runtime (ort, on `device`) or TensorRT (trt), or by onnxruntime-genai (genai)."""
+@dataclass
+class Answers:
+    """Prompts answered from one context: each prompt's result (its `seconds`: its own answer), and what was done
+    once for all of them (loading, the context's encoding)."""
+
+    results: list[PromptResult]
+    seconds: dict[str, float]
+
+    def one(self) -> PromptResult:
+        """The one prompt's result, its seconds the whole run's."""
+        (result,) = self.results
+        result.seconds = self.seconds | result.seconds
+        return result
+
+
+def answer_label(number: int, prompts: int, what: str) -> str:
+    return f"answer {number}/{prompts}: {what}" if prompts > 1 else what
+
+
+def run_prompts_graphs(
+    folder: Path, prompts: list[str], media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
+) -> Answers:
+    """Prompts through exported graphs: the context by our graphs (once, for every prompt), each prompt's greedy
+    decoding by our decoder graph on ONNX Runtime (ort, on `device`) or TensorRT (trt), or by onnxruntime-genai."""
     seconds: dict[str, float] = {}
     folder = Path(folder)
     config = folder_config(folder)
-    media.check(config, prompt)
-    decoded = decode_media(media)
+    for prompt in prompts:
+        media.check(config, prompt)
+    decoded = decode_media(media, folder, config)
     tokenizer, eos = load_tokenizer(folder, config), eos_token_id(folder, config)
     name = GRAPH_RUNTIMES[backend]
     with stage(f"load the graphs ({name})", seconds):
         runtime, graphs = open_runtime(folder, backend, device)
-    ids = tokenizer(prompt, return_tensors="np")["input_ids"]
     with stage("encode the context: K/V for every layer (our graphs)", seconds):
         context = graph_context(graphs, folder, config, decoded)
     caches, mask = context
-    with stage(f"generate up to {max_new_tokens} tokens with {name} (greedy)", seconds):
-        if backend == "genai":
-            generated, _ = runtime.generate(ids, context, max_new_tokens)
-        else:
-            attention = np.ones_like(ids)
-            generated = runtime.generate(ids, attention, caches, max_new_tokens, eos, mask)[0].tolist()
-    generated = generated[: generated.index(eos) + 1] if eos in generated else generated
-    return PromptResult(
-        prompt_ids=ids[0].tolist(),
-        generated_ids=generated,
-        text=tokenizer.decode(generated, skip_special_tokens=True),
-        visual_tokens=int((mask == config.streams[0].segment).sum()),
-        parameters={},
-        seconds=seconds,
-        audio_tokens=int((mask == AUDIO.segment).sum()) if config.is_video else None,
-    )
+    results = []
+    for number, prompt in enumerate(prompts, 1):
+        answer: dict[str, float] = {}
+        ids = tokenizer(prompt, return_tensors="np")["input_ids"]
+        with stage(answer_label(number, len(prompts), f"generate up to {max_new_tokens} tokens with {name}"), answer):
+            if backend == "genai":
+                generated, _ = runtime.generate(ids, context, max_new_tokens)
+            else:
+                attention = np.ones_like(ids)
+                generated = runtime.generate(ids, attention, caches, max_new_tokens, eos, mask)[0].tolist()
+        generated = generated[: generated.index(eos) + 1] if eos in generated else generated
+        results.append(
+            PromptResult(
+                prompt_ids=ids[0].tolist(),
+                generated_ids=generated,
+                text=tokenizer.decode(generated, skip_special_tokens=True),
+                visual_tokens=int((mask == config.streams[0].segment).sum()),
+                parameters={},
+                seconds=answer,
+                audio_tokens=int((mask == AUDIO.segment).sum()) if config.is_video else None,
+            )
+        )
+    return Answers(results, seconds)
+
+
+def run_prompt_graphs(
+    folder: Path, prompt: str, media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
+) -> PromptResult:
+    return run_prompts_graphs(folder, [prompt], media, max_new_tokens, backend, device).one()
 
 
 @torch.no_grad()
-def run_prompt(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> PromptResult:
+def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: int) -> Answers:
+    """Prompts through the reference model: the media encoded once (the context's K/V for every layer), each prompt
+    answered from it by greedy decoding."""
     seconds: dict[str, float] = {}
     source = open_source(folder)
-    media.check(source.config, prompt)
-    decoded = decode_media(media)
+    for prompt in prompts:
+        media.check(source.config, prompt)
+    decoded = decode_media(media, folder, source.config)
     tokenizer, eos = load_tokenizer(folder, source.config), eos_token_id(folder, source.config)
     with stage("load checkpoint", seconds):
         model = build_model(source)
-    inputs = tokenizer(prompt, return_tensors="pt")
     streams = encode_media(model, folder, decoded, seconds)
-    with stage(f"generate up to {max_new_tokens} tokens (greedy, KV cache)", seconds):
-        generated = model.generate(
-            inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            **streams,
-        )[0].tolist()
+    parameters = parameter_counts({n: tuple(p.shape) for n, p in model.named_parameters()})
     audio = streams.get("audio_key_values")
-    return PromptResult(
-        prompt_ids=inputs["input_ids"][0].tolist(),
-        generated_ids=generated,
-        text=tokenizer.decode(generated, skip_special_tokens=True),
-        visual_tokens=int(streams["context_mask"].sum()) if "context_mask" in streams else 0,
-        parameters=parameter_counts({n: tuple(p.shape) for n, p in model.named_parameters()}),
-        seconds=seconds,
-        audio_tokens=(0 if audio is None else int(streams["audio_mask"].sum())) if model.config.is_video else None,
-    )
+    results = []
+    for number, prompt in enumerate(prompts, 1):
+        answer: dict[str, float] = {}
+        inputs = tokenizer(prompt, return_tensors="pt")
+        with stage(answer_label(number, len(prompts), f"generate up to {max_new_tokens} tokens (greedy)"), answer):
+            generated = model.generate(
+                inputs["input_ids"],
+                attention_mask=inputs["attention_mask"],
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                **streams,
+            )[0].tolist()
+        results.append(
+            PromptResult(
+                prompt_ids=inputs["input_ids"][0].tolist(),
+                generated_ids=generated,
+                text=tokenizer.decode(generated, skip_special_tokens=True),
+                visual_tokens=int(streams["context_mask"].sum()) if "context_mask" in streams else 0,
+                parameters=parameters,
+                seconds=answer,
+                audio_tokens=(0 if audio is None else int(streams["audio_mask"].sum()))
+                if model.config.is_video
+                else None,
+            )
+        )
+    return Answers(results, seconds)
+
+
+def run_prompt(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> PromptResult:
+    return run_prompts(folder, [prompt], media, max_new_tokens).one()
+
+
+def read_prompts(path: Path) -> list[str]:
+    """A prompts file: JSON lines (`.jsonl`: each a string or an object with "prompt", so a prompt may hold line
+    breaks), else one prompt a line; blank lines skipped."""
+    prompts = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        if Path(path).suffix != ".jsonl":
+            prompts.append(line)
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(path, f"line {number} is not JSON ({e.msg})") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(prompt, str):
+            raise InputError(path, f'line {number} is neither a string nor an object with a "prompt" string')
+        prompts.append(prompt)
+    if not prompts:
+        raise InputError(path, "holds no prompt")
+    return prompts

@@ -14,8 +14,7 @@ from ..checkpoints.source import folder_config
 from ..errors import InputError
 from ..extras import require
 from ..folders import CONVERTED, check_kind
-from ..modeling.images import tower_side
-from ..processing import load_audio_processor, load_image_processor
+from ..processing import frame_square, load_audio_processor
 from ..sidefiles import read_json
 from ..vllm_plugin import MEDIA_CONNECTOR, VIDEO_BACKEND, unsupported
 from ..vllm_plugin.video import longest_sound_track, max_video_frames, video_tokens
@@ -133,8 +132,8 @@ def vllm_serve_command(
         frames = max_video_frames(config, requested_frames(extra))
         if option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads them
             loader = {"video_backend": VIDEO_BACKEND}
-            if config.mm_image_aspect_ratio == "resize":  # resized as decoded, then again by the rule: the same pixels
-                loader["frame_size"] = tower_side(load_image_processor(folder, config))
+            if square := frame_square(folder, config):
+                loader["frame_size"] = square
             command += ["--media-io-kwargs", json.dumps({"video": loader | {"max_frames": frames}})]
         if option_value(extra, "--max-num-batched-tokens") is None:
             command += longest_video_budget(folder, config, frames, extra)

@@ -258,7 +258,7 @@ def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, 
     """A video model's frames and audio through vision, audio and context_kv, each stream's K/V compared with the
     reference's (worst of every layer's): (the reference's streams, the graphs' context K/V and mask)."""
     if media.video or media.frames or media.audio:
-        decoded = decode_media(media)
+        decoded = decode_media(media, folder, reference.config)
     else:  # the demo video's frames (one a second) and sound
         frames = demo_frames()[::DEMO_VIDEO_FPS]
         decoded = DecodedMedia([], [Image.fromarray(f) for f in frames], demo_audio(len(frames)) / 32768)
