@@ -273,8 +273,7 @@ VIDEO_OPTIONS = [
 @main.command(
     epilog=examples(
         "dattn-export generate ./converted --prompt $'USER: <image>\\nWhat is shown?\\nASSISTANT:' --image cat.png",
-        'dattn-export generate ./onnx --backend genai --prompt "$(cat prompt.txt)" --image cat.png --max-new-tokens 64',
-        "dattn-export generate ./onnx --backend ort --video talk.mp4 --prompts questions.jsonl",
+        "dattn-export generate ./onnx --backend genai --image cat.png --prompts questions.jsonl --max-new-tokens 64",
     )
 )
 @click.argument("checkpoint", type=click.Path(), metavar="FOLDER")

@@ -102,7 +102,7 @@ def test_analyze_a_video_model_matches_materialised_softmax(tmp_path):
     tokenizer = load_tokenizer(folder, model.config)
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(report.tokens)])
     with torch.no_grad():
-        streams = encode_media(model, folder, decode_media(media), {})
+        streams = encode_media(model, folder, decode_media(media, folder, model.config), {})
         expected = materialised_masses(model, ids, streams, report.image_after_token).numpy()  # (L, 4, T)
     np.testing.assert_allclose(np.array(report.visual_mass), expected[:, 0], atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.array(report.audio_mass), expected[:, 1], atol=1e-5, rtol=0)

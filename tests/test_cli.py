@@ -199,7 +199,7 @@ def test_every_option_has_help_and_every_command_two_examples_that_parse(tmp_pat
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "onnx").mkdir()
-    for existing in ("cat.png", "onnx/validation_report.json"):  # options that must name an existing file
+    for existing in ("cat.png", "questions.jsonl", "onnx/validation_report.json"):  # options naming an existing file
         (tmp_path / existing).touch()
     for name, command in cli.main.commands.items():
         options = [param for param in command.params if isinstance(param, click.Option)]

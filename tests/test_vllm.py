@@ -434,7 +434,7 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
     # at --max-model-len 256, vLLM's token budget is smaller than the longest video's tokens: serve sizes it
     with serving(folder, tmp_path / "serve.log") as chat:
         text = "what is in the video"
-        expected = expected_ids(folder, text, decode_media(Media(video=clip)))
+        expected = expected_ids(folder, text, decode_media(Media(video=clip), folder, folder_config(folder)))
         request = video_part(data_url(clip.read_bytes(), "video/quicktime"))
         assert answer_ids(chat(text, request)) == expected
         bad = {
