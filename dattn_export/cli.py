@@ -125,9 +125,7 @@ def print_prompt_result(
 ) -> None:
     from .ui import out, summary_table
 
-    out.print(f"prompt ids ({len(result.prompt_ids)}): {result.prompt_ids}")
-    out.print(f"generated ids ({len(result.generated_ids)}): {result.generated_ids}")
-    out.print(f"generated text: {result.text!r}")
+    print_answer(result)
     out.print(summary_table(title, [*rows, *context_rows(result), ("time", timings(seconds or result.seconds))]))
 
 
@@ -136,13 +134,19 @@ def print_answers(title: str, answers, rows: list[tuple[str, str]]) -> None:
     from .ui import out, summary_table
 
     for number, result in enumerate(answers.results, 1):
-        out.print(f"answer {number}: prompt ids ({len(result.prompt_ids)}): {result.prompt_ids}")
-        out.print(f"answer {number}: generated ids ({len(result.generated_ids)}): {result.generated_ids}")
-        out.print(f"answer {number}: generated text: {result.text!r}")
+        print_answer(result, f"answer {number}: ")
     once = timings(answers.seconds)
     each = "\n".join(f"answer {n}: {sum(r.seconds.values()):.2f} s" for n, r in enumerate(answers.results, 1))
     rows = [*rows, ("prompts", str(len(answers.results))), *context_rows(answers.results[0])]
     out.print(summary_table(title, [*rows, ("time, once", once), ("time, each prompt", each)]))
+
+
+def print_answer(result, label: str = "") -> None:
+    from .ui import out
+
+    out.print(f"{label}prompt ids ({len(result.prompt_ids)}): {result.prompt_ids}")
+    out.print(f"{label}generated ids ({len(result.generated_ids)}): {result.generated_ids}")
+    out.print(f"{label}generated text: {result.text!r}")
 
 
 def context_rows(result) -> list[tuple[str, str]]:

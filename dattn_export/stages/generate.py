@@ -213,6 +213,8 @@ def run_prompts_graphs(
     with stage("encode the context: K/V for every layer (our graphs)", seconds):
         context = graph_context(graphs, folder, config, decoded)
     caches, mask = context
+    visual_tokens = int((mask == config.streams[0].segment).sum())
+    audio_tokens = int((mask == AUDIO.segment).sum()) if config.is_video else None
     results = []
     for number, prompt in enumerate(prompts, 1):
         answer: dict[str, float] = {}
@@ -229,10 +231,10 @@ def run_prompts_graphs(
                 prompt_ids=ids[0].tolist(),
                 generated_ids=generated,
                 text=tokenizer.decode(generated, skip_special_tokens=True),
-                visual_tokens=int((mask == config.streams[0].segment).sum()),
+                visual_tokens=visual_tokens,
                 parameters={},
                 seconds=answer,
-                audio_tokens=int((mask == AUDIO.segment).sum()) if config.is_video else None,
+                audio_tokens=audio_tokens,
             )
         )
     return Answers(results, seconds)
@@ -259,6 +261,8 @@ def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: 
     streams = encode_media(model, folder, decoded, seconds)
     parameters = parameter_counts({n: tuple(p.shape) for n, p in model.named_parameters()})
     audio = streams.get("audio_key_values")
+    visual_tokens = int(streams["context_mask"].sum()) if "context_mask" in streams else 0
+    audio_tokens = (0 if audio is None else int(streams["audio_mask"].sum())) if model.config.is_video else None
     results = []
     for number, prompt in enumerate(prompts, 1):
         answer: dict[str, float] = {}
@@ -276,12 +280,10 @@ def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: 
                 prompt_ids=inputs["input_ids"][0].tolist(),
                 generated_ids=generated,
                 text=tokenizer.decode(generated, skip_special_tokens=True),
-                visual_tokens=int(streams["context_mask"].sum()) if "context_mask" in streams else 0,
+                visual_tokens=visual_tokens,
                 parameters=parameters,
                 seconds=answer,
-                audio_tokens=(0 if audio is None else int(streams["audio_mask"].sum()))
-                if model.config.is_video
-                else None,
+                audio_tokens=audio_tokens,
             )
         )
     return Answers(results, seconds)
