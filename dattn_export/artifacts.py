@@ -21,7 +21,7 @@ import torch
 
 from .errors import DattnError, EnvironmentFailure, InputError, from_os_error
 from .folders import CONVERT_MANIFEST, ONNX_MANIFEST, TRT_MANIFEST, check_output
-from .modeling.streams import context_graphs
+from .modeling.streams import context_graphs, frame_tokens
 from .sidefiles import read_json, reading
 from .ui import human_bytes
 
@@ -240,9 +240,15 @@ class ExportedModel:
     audio_tower: str | None = None  # a checkpoint's audio tower: what it does (audio.onnx), or why it has no graph
     input_type: str = "image"  # image | video (mm_input_type)
     num_contexts: int = 1  # the segments of the decoder's context_attention_mask (modeling/streams.py)
-    tokens_per_frame: int | None = None
-    max_video_frames: int | None = None  # past it the released pool resizes its grids, which vision.onnx does not
+    tokens_per_frame: int | None = None  # within the released resize budget (frame_tokens: of a video's length)
+    pool_rule: str | None = None  # a video model's mm_pool_rule, mm_image_pool_size and tower grid: its tokens
+    pool_size: int | None = None
+    patch_grid: int | None = None
     mel_frames_per_audio_token: int | None = None  # a sample's audio tokens: its log-mel frames // this
+
+    def frame_tokens(self, total_frames: int) -> int:
+        """Tokens per frame of a video of `total_frames` frames, as the model's config counts them."""
+        return frame_tokens(self.pool_rule, self.pool_size, self.patch_grid, total_frames)
 
 
 SCHEMES = {"int4": 4, "int8": 8}  # weight-only quantization: its bits per weight

@@ -141,12 +141,34 @@ def print_answers(title: str, answers, rows: list[tuple[str, str]]) -> None:
     out.print(summary_table(title, [*rows, ("time, once", once), ("time, each prompt", each)]))
 
 
+def answers_json(answers, prompts: list[str], checkpoint: Path, backend: str) -> dict:
+    import dataclasses
+
+    first = answers.results[0]
+    return {
+        "checkpoint": str(checkpoint),
+        "backend": backend,
+        "visual_tokens": first.visual_tokens,
+        "audio_tokens": first.audio_tokens,
+        "seconds": answers.seconds,
+        "answers": [
+            {"prompt": prompt, **{k: v for k, v in dataclasses.asdict(result).items() if k not in ANSWER_SHARED}}
+            for prompt, result in zip(prompts, answers.results)
+        ],
+    }
+
+
+ANSWER_SHARED = ("visual_tokens", "audio_tokens", "parameters")  # a PromptResult's fields that every answer shares
+
+
 def print_answer(result, label: str = "") -> None:
     from .ui import out
 
     out.print(f"{label}prompt ids ({len(result.prompt_ids)}): {result.prompt_ids}")
     out.print(f"{label}generated ids ({len(result.generated_ids)}): {result.generated_ids}")
     out.print(f"{label}generated text: {result.text!r}")
+    if result.time_ranges is not None:  # a video file's answer, as the released inference script prints it
+        out.print(f"{label}time ranges: {', '.join(result.time_ranges) or '(none in the answer)'}")
 
 
 def context_rows(result) -> list[tuple[str, str]]:
@@ -309,6 +331,7 @@ VIDEO_OPTIONS = [
     "our graphs on ONNX Runtime, once).",
 )
 @device_option
+@click.option("--json", "as_json", is_flag=True, help="Print the answers, token counts and timings as JSON.")
 def generate(
     checkpoint: str,
     prompts: tuple[str, ...],
@@ -320,6 +343,7 @@ def generate(
     max_new_tokens: int,
     backend: str,
     device: str,
+    as_json: bool,
 ):
     """Greedy generation from FOLDER: a checkpoint or converted folder with the PyTorch reference model, or the
     exported graphs with the backend that runs them."""
@@ -336,7 +360,11 @@ def generate(
         answers = run_prompts(checkpoint, prompts, media, max_new_tokens)
     else:
         answers = run_prompts_graphs(checkpoint, prompts, media, max_new_tokens, backend, device)
-    if len(prompts) == 1:
+    if as_json:
+        import json
+
+        click.echo(json.dumps(answers_json(answers, prompts, checkpoint, backend), indent=2))
+    elif len(prompts) == 1:
         print_prompt_result("dattn-export generate", answers.one(), [("checkpoint", str(checkpoint))])
     else:
         print_answers("dattn-export generate", answers, [("checkpoint", str(checkpoint))])

@@ -3,6 +3,7 @@ the released code (bytedance/vidi `dataset/vid_utils.py`, `img_utils.py`); files
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import BinaryIO
 
@@ -76,20 +77,22 @@ def open_media(path: Path | BinaryIO):
 def load_video_frames(
     path: Path | BinaryIO, fps: float = VIDEO_FPS, limit: int | None = None, square: int | None = None
 ) -> list[Image.Image]:
-    """Every round(average rate / fps)-th frame from the first, as RGB images (load_video's frame indices); at most
-    `limit` of them; with `square`, each resized to the tower's square as it is decoded (`tower_square`), so a
-    served video never holds its full-size frames."""
+    """Every round(average rate / fps)-th frame from the first, as RGB images turned upright as the stream's display
+    matrix says (decord's `VideoReader.get_batch` at load_video's frame indices); at most `limit` of them; with
+    `square`, each resized to the tower's square as it is decoded (`tower_square`), so that an hour never holds its
+    full-size frames."""
     with open_media(path) as container:
         if not container.streams.video:
             raise InputError(path, "has no video stream")
         stream = container.streams.video[0]
         if not stream.average_rate:
             raise InputError(path, "has no frame rate: cannot sample frames per second")
+        stream.thread_type = "AUTO"  # frame and slice threads, as the ffmpeg command line decodes
         step, frames = max(1, round(float(stream.average_rate) / fps)), []
         try:
             for i, decoded in enumerate(container.decode(stream)):
                 if i % step == 0:
-                    frame = decoded.to_image().convert("RGB")
+                    frame = upright(decoded)
                     frames.append(frame if square is None else tower_square(frame, square))
                 if len(frames) == limit:
                     break
@@ -98,6 +101,43 @@ def load_video_frames(
     if not frames:
         raise InputError(path, "holds no video frames")
     return frames
+
+
+# a display matrix's counter-clockwise quarter turns; decord turns frames by the matrix's angle and ignores its flips
+QUARTER_TURNS = {1: Image.Transpose.ROTATE_90, 2: Image.Transpose.ROTATE_180, 3: Image.Transpose.ROTATE_270}
+
+
+def upright(frame: av.VideoFrame) -> Image.Image:
+    """A decoded frame as RGB, turned as its display matrix says (a phone's portrait video is stored sideways)."""
+    image = frame.to_image().convert("RGB")
+    turn = QUARTER_TURNS.get(round(frame.rotation / 90) % 4)
+    return image if turn is None else image.transpose(turn)
+
+
+def media_duration(path: Path | BinaryIO) -> float:
+    """A media file's duration in seconds as ffprobe's `format=duration` gives it (the container's)."""
+    with open_media(path) as container:
+        if container.duration is None:
+            raise InputError(path, "states no duration")
+        return container.duration / av.time_base
+
+
+def time_ranges(text: str, duration: float, family) -> list[str]:
+    """An answer's "0.12-0.15" ranges (fractions of the video) as hh:mm:ss-hh:mm:ss, as the family's released
+    inference script writes them for a video of `duration` seconds; a match that is no number (its pattern allows
+    "1.2.3") is skipped, where the script would stop."""
+    ranges = []
+    for match in re.findall(family.released_range_pattern, text):
+        try:
+            start, end = (float(fraction) * duration for fraction in match)
+        except ValueError:
+            continue
+        ranges.append("-".join(clock(t, family.released_seconds_format) for t in (start, end)))
+    return ranges
+
+
+def clock(t: float, seconds_format: str) -> str:
+    return f"{int(t / 3600):02d}:{(int(t) % 3600) // 60:02d}:" + seconds_format.format(int(t) % 60)
 
 
 def load_frame_folder(folder: Path, square: int | None = None) -> list[Image.Image]:
@@ -132,24 +172,48 @@ def tower_square(frame: Image.Image, size: int) -> Image.Image:
 
 
 def load_audio(path: Path | BinaryIO, rate: int = AUDIO_RATE, missing_ok: bool = False) -> np.ndarray | None:
-    """The first audio stream as one channel of float samples at `rate`, through 16-bit (load_audio: ffmpeg's s16le
-    output / 32768); None for a file without one when `missing_ok` (a video without a sound track)."""
+    """The first audio stream as one channel of float samples at `rate`, through 16-bit: what load_audio's
+    `ffmpeg -i FILE -f s16le -ac 1 -ar RATE -` gives, / 32768. The same filters as that command (its end cut at the
+    stream's duration, as an mp4's edit list says, then one conversion of layout, rate and format), so the samples
+    are the command's to the bit. None for a file without a sound track when `missing_ok`."""
     with open_media(path) as container:
         if not container.streams.audio:
             if missing_ok:
                 return None
             raise InputError(path, "has no audio stream")
-        resampler, pieces = av.AudioResampler(format="s16", layout="mono", rate=rate), []
+        stream, graph = container.streams.audio[0], av.filter.Graph()
+        chain = [graph.add_abuffer(template=stream)]
+        if stream.duration:
+            end = round(stream.duration * stream.time_base * stream.codec_context.sample_rate)
+            chain.append(graph.add("atrim", f"end_sample={end}"))
+        chain.append(graph.add("aformat", f"sample_fmts=s16:sample_rates={rate}:channel_layouts=mono"))
+        chain.append(graph.add("abuffersink"))
+        for source, sink in zip(chain, chain[1:]):
+            source.link_to(sink)
+        graph.configure()
+        pieces = []
         try:
-            for frame in container.decode(container.streams.audio[0]):
-                pieces += [r.to_ndarray() for r in resampler.resample(frame)]
-            pieces += [r.to_ndarray() for r in resampler.resample(None)]
+            for frame in container.decode(stream):
+                chain[0].push(frame)
+                pieces += pulled(chain[-1])
+            chain[0].push(None)
+            pieces += pulled(chain[-1])
         except av.FFmpegError as e:
             raise InputError(path, f"cannot be decoded as audio ({str(e).strip()})") from None
-    samples = np.concatenate(pieces, axis=1).reshape(-1) if pieces else np.zeros(0, np.int16)
+    samples = np.concatenate(pieces) if pieces else np.zeros(0, np.int16)
     if not samples.size:
         raise InputError(path, "holds no audio samples")
     return samples.astype(np.float32) / 32768.0
+
+
+def pulled(sink) -> list[np.ndarray]:
+    """The samples a filter graph's sink holds now."""
+    pieces = []
+    while True:
+        try:
+            pieces.append(sink.pull().to_ndarray().reshape(-1))
+        except (av.BlockingIOError, av.EOFError):
+            return pieces
 
 
 def load_audio_processor(folder: Path, config) -> WhisperFeatureExtractor:

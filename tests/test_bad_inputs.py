@@ -7,6 +7,7 @@ more cases, run as real subprocesses."""
 
 import collections
 import json
+import os
 import pickle
 import shutil
 import warnings
@@ -20,20 +21,17 @@ from helpers import damage
 from helpers.builders import model_and_tensors, write_hf
 
 from dattn_export.cli import main
-from dattn_export.stages.convert import convert
 from dattn_export.stages.demo import write_demo_checkpoint
-from dattn_export.stages.onnx_export import export_onnx
 
 
 @pytest.fixture(scope="module")
-def originals(tmp_path_factory):
-    """A demo checkpoint (sharded, released layout), its converted folder, its ONNX export, a video model, and an HF
-    folder of .bin shards: every case damages a copy of one."""
+def originals(tmp_path_factory, pipeline):
+    """A demo checkpoint (sharded, released layout), its converted folder and its ONNX export (getting started's),
+    a video model, and an HF folder of .bin shards: every case damages a copy of one."""
     root = tmp_path_factory.mktemp("originals")
-    checkpoint = write_demo_checkpoint(root / "checkpoint")
-    convert(checkpoint, root / "converted")
-    export_onnx(root / "converted", root / "onnx")
-    write_demo_checkpoint(root / "video", video=True)
+    for name in ("dattn-demo/checkpoint", "dattn-demo/towers", "converted", "onnx"):
+        (root / Path(name).name).symlink_to(pipeline / name)
+    (root / "video").symlink_to(write_demo_checkpoint(root / "video-model" / "video", video=True))
     model, tensors = model_and_tensors("mistral")
     write_hf(root / "bin", model, tensors, fmt="bin", shards=2)
     return root
@@ -946,9 +944,9 @@ def flip_last_byte(path: Path) -> Path:
 
 
 def snapshot(folder: Path) -> dict:
-    return {
-        p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink()
-    }
+    """Every file's bytes, through the links to getting started's folders."""
+    files = sorted(Path(root) / name for root, _, names in os.walk(folder, followlinks=True) for name in names)
+    return {p.relative_to(folder): p.read_bytes() for p in files if p.is_file() and not p.is_symlink()}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -58,10 +58,9 @@ def test_launch_grid_and_scalar_arguments():
 
 
 @pytest.mark.slow
-def test_trt_command_says_what_is_missing(tmp_path):
-    export_onnx(write_demo_checkpoint(tmp_path / "ckpt"), tmp_path / "onnx")
+def test_trt_command_says_what_is_missing(pipeline, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "dattn_export", "trt", tmp_path / "onnx", "-o", tmp_path / "engines"],
+        [sys.executable, "-m", "dattn_export", "trt", pipeline / "onnx", "-o", tmp_path / "engines"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -80,9 +79,8 @@ def test_trt_command_says_what_is_missing(tmp_path):
 def test_engines_match_pytorch_with_plugin_and_with_function(tmp_path, family):
     """Engines with the plugin and engines with the ONNX function fallback both validate against PyTorch, and
     `generate --backend trt` gives the reference's tokens."""
-    from dattn_export.stages.demo import DEMO_PROMPT, write_demo_checkpoint
+    from dattn_export.stages.demo import DEMO_PROMPT
     from dattn_export.stages.generate import Media, run_prompt, run_prompt_graphs
-    from dattn_export.stages.onnx_export import export_onnx
     from dattn_export.stages.trt_build import Limits, build_engines
     from dattn_export.stages.validate import validate
 

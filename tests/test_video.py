@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.builders import released_model
 from helpers.cli import run_cli
-from helpers.vidi_literal import audio_stream, pool_frames, video_stream, vidi_logits
+from helpers.vidi_literal import audio_stream, pool_frames, released_answer_ranges, video_stream, vidi_logits
 from PIL import Image
 from safetensors import safe_open
 from transformers import WhisperFeatureExtractor
@@ -21,9 +21,11 @@ from transformers import WhisperFeatureExtractor
 from dattn_export.checkpoints.source import load_model
 from dattn_export.errors import InputError
 from dattn_export.modeling import modeling_dattn
+from dattn_export.modeling import streams as stream_specs
+from dattn_export.modeling.families import FAMILIES
 from dattn_export.modeling.images import prepare_pictures
 from dattn_export.modeling.streams import AUDIO, FRAMES
-from dattn_export.processing import load_image_processor, load_tokenizer
+from dattn_export.processing import load_image_processor, load_tokenizer, time_ranges
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.demo import write_demo_checkpoint, write_video
 from dattn_export.stages.generate import Media, decode_media, run_prompt
@@ -106,7 +108,7 @@ def test_long_videos_are_resized_before_pooling():
     model = video_model("gemma2")
     features = torch.randn(3751, 48, 7, 7)  # 3751 x 8 x 8 > 240000
     with torch.no_grad():
-        got = model.model.mm_rand_img_pool(features, len(features))
+        got = model.model.mm_rand_img_pool(features, model.model.resized_side(len(features)))
     expected = pool_frames(model, features)
     assert got.shape == expected.shape == (3751, 192, 5, 5)  # side 8 x sqrt(240000 / 240064) -> 7 -> 10 (the floor)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
@@ -194,8 +196,8 @@ def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
     ]
     caches, mask = runtime.batch_contexts(contexts)
     with torch.no_grad():
-        streams = [video_stream(model, frames), audio_stream(model, mels, mel_frames)]
-        expected = [vidi_logits(model, prompt, streams).numpy() for prompt in (ids, ids.flip(1))]
+        literal = [video_stream(model, frames), audio_stream(model, mels, mel_frames)]
+        expected = [vidi_logits(model, prompt, literal).numpy() for prompt in (ids, ids.flip(1))]
     ones = np.ones(ids.shape, np.int64)
     full, _ = runtime.decode(ids.numpy(), ones, runtime.empty_kv(2), caches, mask)
     assert np.abs(full - expected[0]).max() <= 1e-4
@@ -207,6 +209,16 @@ def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
     assert np.abs(np.concatenate(pieces, 1) - full).max() <= 1e-5
     second, _ = runtime.decode(ids.flip(1).numpy(), ones, runtime.empty_kv(2), caches, mask)
     assert np.abs(second - expected[1]).max() <= 1e-4
+
+    # past the released resize budget, lowered so that the batch's 5 frames of 8 x 8 padded tokens pass 40 x pool^2:
+    # Vidi1.5 resizes each grid (to 10 x 10, its floor: 5 x 5 tokens), Vidi_7B's pool is as before
+    monkeypatch.setattr(stream_specs, "RESIZE_TOKENS", 40)
+    caches, mask = runtime.batch_contexts([runtime.encode_video(f.numpy(), None, pool_frames=5) for f in frames])
+    assert mask.shape[1] == 3 * (4 if model.config.mm_pool_rule == "conv-interpolate" else 25)
+    with torch.no_grad():
+        expected = vidi_logits(model, ids, [video_stream(model, frames, max_tokens=40)]).numpy()
+    resized, _ = runtime.decode(ids.numpy(), ones, runtime.empty_kv(2), caches, mask)
+    assert np.abs(resized - expected).max() <= 1e-4
     with pytest.raises(InputError, match=r"of shape \[2, 3, 20, 20\]: vision.onnx takes \[frames, 3, 28, 28\]"):
         runtime.encode_video(np.zeros((2, 3, 20, 20), np.float32), None)
 
@@ -384,3 +396,63 @@ def test_frames_of_the_wrong_size_are_refused_by_name():
     model = video_model("mistral")
     with pytest.raises(ValueError, match=r"frames of shape \[3, 32, 32\]: the tower takes \[3, 28, 28\]"):
         model.model.encode_video([torch.zeros(2, 3, 32, 32)])
+
+
+# answer: where Vidi_7B's script stops (its pattern takes "0.99." at a sentence's end, and float() raises), the part
+# before what it cannot read; ours skips that range
+ANSWERS = {"0.12-0.15": None, "0.0-0.5, 0.25-1.0": None, "from 0.333-0.4 and 0.9-0.99.": "from 0.333-0.4",
+           "none here": None, "10-20 and 0.5-0.75": None}  # fmt: skip
+
+
+@pytest.mark.parametrize("answer", list(ANSWERS))
+@pytest.mark.parametrize("length", [5.02, 3884.0, 7201.5])
+def test_time_ranges_are_the_released_inference_script_s(family, answer, length):
+    """The released scripts' hh:mm:ss ranges (Vidi_7B writes 5 seconds as 5.00, Vidi1.5 as 05; Vidi_7B's pattern
+    also takes whole numbers), for videos of 5 s, the README's 3884 s and 2 hours."""
+    ranges = ", ".join(time_ranges(answer, length, FAMILIES[family]))
+    if family == "mistral" and ANSWERS[answer]:
+        with pytest.raises(ValueError):
+            released_answer_ranges(answer, length, family)
+        assert ranges == released_answer_ranges(ANSWERS[answer], length, family)
+    else:
+        assert ranges == released_answer_ranges(answer, length, family)
+
+
+def test_generate_prints_a_video_s_answer_as_time_ranges(tmp_path, family, monkeypatch):
+    """generate --video prints the answer's ranges as the released script does, with the file's duration (here 3 s),
+    beside the text and in --json; an answer about a folder of frames (no duration) has none."""
+    from click.testing import CliRunner
+
+    from dattn_export import cli
+    from dattn_export.stages import generate
+
+    folder = write_demo_checkpoint(tmp_path / "video", family, video=True)
+    write_test_video(tmp_path / "clip.mov", audio_seconds=3)  # 3 s of frames and of sound
+    answer = "0.25-0.5 and 0.9-1.0"  # the random demo model's own text holds no ranges: its decoding answers this
+
+    class Answering:
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def __call__(self, *args, **kwargs):
+            return self.tokenizer(*args, **kwargs)
+
+        def decode(self, *args, **kwargs):
+            return answer
+
+    monkeypatch.setattr(generate, "load_tokenizer", lambda *args: Answering(load_tokenizer(*args)))
+    expected = released_answer_ranges(answer, 3.0, family)
+    args = ["generate", str(folder), "--prompt", "when", "--video", str(tmp_path / "clip.mov"), "--max-new-tokens", "2"]
+    printed = CliRunner().invoke(cli.main, args)
+    assert printed.exit_code == 0, printed.output
+    assert f"time ranges: {expected}" in printed.output
+    reported = CliRunner().invoke(cli.main, [*args, "--json"])
+    (result,) = json.loads(reported.stdout)["answers"]
+    assert result["prompt"] == "when" and ", ".join(result["time_ranges"]) == expected
+    assert expected == ("00:00:0.00-00:00:1.00, 00:00:2.00-00:00:3.00" if family == "mistral" else
+                        "00:00:00-00:00:01, 00:00:02-00:00:03")  # fmt: skip
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    Image.new("RGB", (40, 40), "red").save(frames / "0.png")
+    reported = CliRunner().invoke(cli.main, [*args[:4], "--frames", str(frames), "--json"])
+    assert json.loads(reported.stdout)["answers"][0]["time_ranges"] is None

@@ -13,7 +13,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import CLIPVisionConfig, SiglipVisionConfig, WhisperConfig
 
 from .families import BY_MODEL_TYPE, FAMILIES, Family
-from .streams import STREAMS, ContextStream
+from .streams import STREAMS, ContextStream, frame_tokens
 
 ATTENTION_MODES = ("dattn", "dattn-sum", "sattn", "mmca")
 # how many text keys a sliding window of w shows a query: transformers' masks show w (itself and w - 1 before);
@@ -299,8 +299,11 @@ class DAttnFields:
     @property
     def tokens_per_frame(self) -> int:
         """A video model's visual tokens per frame (space-to-depth: until the frames pass the resize budget)."""
-        side = self.mm_image_pool_size
-        return side**2 if self.mm_pool_rule == "conv-interpolate" else ((self.patch_grid + 1) // side) ** 2
+        return self.frame_tokens(1)
+
+    def frame_tokens(self, total_frames: int) -> int:
+        """A video model's visual tokens per frame in a video of `total_frames` frames (streams.frame_tokens)."""
+        return frame_tokens(self.mm_pool_rule, self.mm_image_pool_size, self.patch_grid, total_frames)
 
     @property
     def wings_layer_indices(self) -> list[int]:

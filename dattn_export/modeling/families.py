@@ -27,6 +27,11 @@ class Family:
     released_architecture: str
     released_pool_rule: str  # how its video model pools frames and audio (configuration_dattn.POOL_RULES)
     released_scales_streams: bool  # its visual and audio streams times sqrt(hidden), like its text
+    # how its inference script turns an answer's "0.12-0.15" (fractions of the video) into hh:mm:ss ranges: the
+    # pattern it finds them with (None: no released script to follow), and how it writes the seconds (its minutes
+    # and hours are always {:02d})
+    released_range_pattern: str | None = None
+    released_seconds_format: str = "{:02d}"
     released_extra_fields: dict = field(default_factory=dict)  # keys its saved config.json has beside ours
     tiny: dict = field(default_factory=dict)  # a tiny text model (presets.py) that exercises the family's features
 
@@ -67,6 +72,8 @@ FAMILIES = {
             released_architecture="DattnMistralForCausalLM",
             released_pool_rule="conv-interpolate",
             released_scales_streams=False,
+            released_range_pattern=r"([\d|\.]+)-([\d|\.]+)",  # Vidi_7B/inference.py
+            released_seconds_format="{:.2f}",
             # heads of 32: vLLM's CPU attention has kernels from 32 up, so the demo serves on CPU too
             tiny=dict(TINY_SIZES, num_key_value_heads=2, head_dim=32, sliding_window=None),
         ),
@@ -84,6 +91,8 @@ FAMILIES = {
             released_architecture="DattnGemma2ForCausalLM",
             released_pool_rule="space-to-depth",
             released_scales_streams=True,
+            released_range_pattern=r"(\d\.\d+)-(\d\.\d+)",  # Vidi1.5_9B/vidi/eval/inference.py
+            released_seconds_format="{:02d}",
             released_extra_fields={"cache_implementation": "hybrid"},
             tiny=dict(
                 TINY_SIZES,

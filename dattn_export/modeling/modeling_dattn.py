@@ -40,7 +40,7 @@ from .attention import causal_mask, dattn_op, decomposed_attention, segment_shar
 from .configuration_dattn import CONFIG_CLASSES
 from .families import FAMILIES, Family
 from .images import anyres_grid, anyres_tiles, prepare_pictures
-from .streams import AUDIO, CONTEXT_CHUNK, FRAMES
+from .streams import AUDIO, CONTEXT_CHUNK, FRAMES, pooled_side
 
 # one layer's cache: key, value (B, kv_heads, S, head_dim) [, WINGS key, value (B, hidden / head_dim, S, head_dim)]
 KV = tuple[Tensor, ...]
@@ -160,9 +160,6 @@ class AudioTower(nn.Module):
 class FramePool(nn.Module):
     """mm_rand_img_pool: frames' tower features (N, C, g, g) -> (N, C', s, s), by the config's mm_pool_rule."""
 
-    PADDED_SIDE = 28  # space-to-depth: the released code's constant (SigLIP/14 at 384 px: 27 patches, plus one)
-    MAX_TOKENS = 60000  # space-to-depth: past 60000 x pool^2 padded tokens in all, the frames are resized
-
     def __init__(self, config):
         super().__init__()
         self.rule, self.pool = config.mm_pool_rule, config.mm_image_pool_size
@@ -171,29 +168,17 @@ class FramePool(nn.Module):
             self.conv = nn.Conv2d(channels, channels, kernel_size=math.ceil(config.patch_grid / self.pool), bias=False)
         self.out_channels = channels if self.rule == "conv-interpolate" else channels * self.pool**2
 
-    @classmethod
-    def max_frames(cls, config) -> int | None:
-        """The most frames a video may have before the space-to-depth rule resizes its grids (None: no limit)."""
-        if config.mm_pool_rule == "conv-interpolate":
-            return None
-        return cls.MAX_TOKENS * config.mm_image_pool_size**2 // (config.patch_grid + 1) ** 2
-
-    def forward(self, x: Tensor, total_frames: int | None) -> Tensor:
-        """`total_frames`: how many frames the video has in all (the resize budget counts them), when `x` is a
-        chunk of them; None: within the budget, never resized (graphs, whose runtime checks `max_frames`)."""
+    def forward(self, x: Tensor, side: int | None = None) -> Tensor:
+        """`side`: space-to-depth's pooled side in tokens (`streams.pooled_side`), which the padded grid is resized
+        to first (bilinear, as utils.resize_by_tokens); None: the grid as the tower gives it. The graph always
+        passes it (resizing a grid to its own size changes nothing), so that one graph takes any video length."""
         if self.rule == "conv-interpolate":  # mm_vision/pool.py (Vidi_7B)
             return F.interpolate(self.conv(x), size=self.pool, mode="bilinear", align_corners=True)
         x = F.pad(x, (0, 1, 0, 1))  # mm_vision/pool.py (Vidi1.5_9B), with the size multimodal.py chooses
+        if side is not None:
+            x = F.interpolate(x, size=(side * self.pool, side * self.pool), mode="bilinear", align_corners=False)
         frames, channels, height, width = x.shape
-        size = (self.PADDED_SIDE, self.PADDED_SIDE)
-        budget = self.MAX_TOKENS * self.pool**2
-        counted = 0 if total_frames is None else total_frames * height * width
-        if counted > budget:  # utils.resize_by_tokens: even sides, at least 10
-            ratio = math.sqrt(budget / counted)
-            size = tuple(max(10, int(n * ratio) - int(n * ratio) % 2) for n in (height, width))
-        if size[0] != self.PADDED_SIDE:
-            x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
-        m, height, width = self.pool, x.shape[2], x.shape[3]  # utils.space_to_depth: m x m blocks into channels
+        m = self.pool  # utils.space_to_depth: m x m blocks into channels
         x = x.reshape(frames, channels, height // m, m, width // m, m).permute(0, 1, 3, 5, 2, 4)
         return x.reshape(frames, channels * m * m, height // m, width // m)
 
@@ -571,27 +556,36 @@ class ContextStreams:
         """Each sample's frames (F_i, 3, H, W) -> (B, L, hidden) visual embeddings and their (B, L) mask
         (multimodal.py encode_video_images), `frame_stream` part by part. A sample whose frames are all zero has no
         video."""
-        pool_frames = sum(len(f) for f in frames)  # the released pool's resize budget counts the batch's frames
+        side = self.resized_side(sum(len(f) for f in frames))  # the released budget counts the batch's frames
         samples = []
         for sample in frames:
             parts = sample.split(FRAMES.parts_per_run)
             index = torch.arange(len(sample), device=sample.device).split(FRAMES.parts_per_run)
             num_frames = torch.tensor(len(sample))
-            samples.append(torch.cat([self.frame_stream(*p, num_frames, pool_frames)[0] for p in zip(parts, index)]))
+            samples.append(torch.cat([self.frame_stream(*p, num_frames, side)[0] for p in zip(parts, index)]))
         return self.context_stream(samples, [f.abs().sum() != 0 for f in frames])
 
+    def resized_side(self, total_frames: int) -> int | None:
+        """Space-to-depth past the resize budget: the pooled side (in tokens) each frame's grid is resized to for a
+        video of `total_frames` frames; None where the released pool does not resize."""
+        config = self.config
+        if config.mm_pool_rule != "space-to-depth":
+            return None
+        side = pooled_side(config.patch_grid + 1, config.mm_image_pool_size, total_frames)
+        return None if side * config.mm_image_pool_size == config.patch_grid + 1 else side
+
     def frame_stream(
-        self, pixels: Tensor, frame_index: Tensor, num_frames: Tensor, pool_frames: int | None = None
+        self, pixels: Tensor, frame_index: Tensor, num_frames: Tensor, pooled_side: int | None = None
     ) -> Tensor:
         """Part of one video as its stream tokens (the frames graph): frames (N, 3, H, W) at `frame_index` (N,) of
-        the video's `num_frames` -> (1, N * tokens per frame, hidden): tower features -> mm_rand_img_pool (resized
-        when `pool_frames` pass its budget; None: within it, as the graph runs) -> projector -> norm -> + row,
-        + column embeddings (over the pooled grid) -> + time embeddings (over the video's frames)."""
+        the video's `num_frames` -> (1, N * tokens per frame, hidden): tower features -> mm_rand_img_pool (each grid
+        resized to `pooled_side` tokens a side first: `resized_side`) -> projector -> norm -> + row, + column
+        embeddings (over the pooled grid) -> + time embeddings (over the video's frames)."""
         grid, size = self.config.patch_grid, self.config.vision_config["image_size"]
         if tuple(pixels.shape[-3:]) != (3, size, size):
             raise ValueError(f"frames of shape {list(pixels.shape[-3:])}: the tower takes [3, {size}, {size}]")
         features = self.mm_vis(pixels.to(self.dtype)).unflatten(1, (grid, grid)).permute(0, 3, 1, 2)
-        x = self.mm_rand_img_pool(features, pool_frames).permute(0, 2, 3, 1)
+        x = self.mm_rand_img_pool(features, pooled_side).permute(0, 2, 3, 1)
         x = self.with_positions(self.mm_rand_img_norm(self.mm_rand_img_projector(x)))
         x = x + self.mm_rand_pos_t.at(frame_index, num_frames, x.dtype)[:, None, None]
         return self.stream_tokens(x.flatten(0, 2))[None]

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..artifacts import DTYPES, OnnxManifest
 from ..errors import InputError
-from ..modeling.streams import AUDIO, CONTEXT_CHUNK, FRAMES
+from ..modeling.streams import AUDIO, CONTEXT_CHUNK, FRAMES, pooled_side
 
 NUMPY_DTYPES = {d.onnx: d.numpy for d in DTYPES.values()}  # graph values' ONNX types
 ATTENTION_BUDGET = 1 << 18  # new tokens x keys per decoder run (about 16 MB of fp32 logits a head group)
@@ -85,27 +85,24 @@ class GraphRuntime:
         return caches
 
     def encode_video(
-        self, frames: np.ndarray | None, audio: tuple[np.ndarray, int] | None
+        self, frames: np.ndarray | None, audio: tuple[np.ndarray, int] | None, pool_frames: int | None = None
     ) -> tuple[list[np.ndarray], np.ndarray]:
         """A video model's context: its frames (F, 3, H, W) and audio (log-mel 30 s chunks (C, bins, frames) and
         its length in mel frames), either may be None, -> every layer's K/V over [frames ; audio] and the (1, V + A)
         mask giving each key its stream's segment. Built part by part (`parts_per_run` frames, then 30 s audio
-        chunks, a run): memory beyond the caches does not grow with the length."""
+        chunks, a run): memory beyond the caches does not grow with the length. `pool_frames`: the frames the
+        released pool's resize budget counts (a batch's, where its videos are encoded one by one), else F's."""
         model = self.manifest.model
         num_frames = 0 if frames is None else len(frames)
-        if model.max_video_frames is not None and num_frames > model.max_video_frames:
-            raise InputError(
-                "frames",
-                f"{num_frames} frames: past {model.max_video_frames} the released pool resizes each frame's grid, "
-                "which vision.onnx does not (run it with the PyTorch reference: generate without --backend)",
-            )
+        pool_frames = pool_frames or num_frames
         tokens = [
-            (FRAMES, FRAMES.tokens(model, num_frames)),
+            (FRAMES, num_frames * model.frame_tokens(pool_frames) if num_frames else 0),
             (AUDIO, 0 if audio is None else AUDIO.tokens(model, audio[1])),
         ]
         mask = np.concatenate([np.full(count, stream.segment, np.int64) for stream, count in tokens])[None]
         parts = chain(
-            () if frames is None else self.frame_parts(frames), () if audio is None else self.audio_parts(*audio)
+            () if frames is None else self.frame_parts(frames, pool_frames),
+            () if audio is None else self.audio_parts(*audio),
         )
         return self.fill_caches(parts, mask), mask
 
@@ -129,17 +126,19 @@ class GraphRuntime:
         caches = [np.concatenate([padded(c, 2) for c in parts]) for parts in zip(*(kv for kv, _ in contexts))]
         return caches, np.concatenate([padded(mask, 1) for _, mask in contexts])
 
-    def frame_parts(self, frames: np.ndarray) -> Iterator[np.ndarray]:
-        """One video's stream tokens, FRAMES.parts_per_run frames a run: (1, n * tokens per frame, hidden) each."""
-        size = self.manifest.model.image_size
+    def frame_parts(self, frames: np.ndarray, pool_frames: int) -> Iterator[np.ndarray]:
+        """One video's stream tokens, FRAMES.parts_per_run frames a run: (1, n * tokens per frame, hidden) each; a
+        space-to-depth pool's graph is told each frame's pooled side (`pooled_grid`'s length)."""
+        model = self.manifest.model
+        size = model.image_size
         if frames.ndim != 4 or frames.shape[1:] != (3, size, size):
             raise InputError("frames", f"of shape {list(frames.shape)}: vision.onnx takes [frames, 3, {size}, {size}]")
+        side = {"pooled_grid": np.arange(pooled_side(model.patch_grid + 1, model.pool_size, pool_frames))}
         for start in range(0, len(frames), FRAMES.parts_per_run):
             pixels = frames[start : start + FRAMES.parts_per_run].astype(self.dtype)
             index = np.arange(start, start + len(pixels), dtype=np.int64)
-            (embeds,) = self._run(
-                "vision", {"pixel_values": pixels, "frame_index": index, "num_frames": np.array(len(frames))}
-            )
+            feeds = {"pixel_values": pixels, "frame_index": index, "num_frames": np.array(len(frames))}
+            (embeds,) = self._run("vision", feeds | (side if model.pool_rule == "space-to-depth" else {}))
             yield embeds
 
     def audio_parts(self, features: np.ndarray, mel_frames: int) -> Iterator[np.ndarray]:

@@ -25,7 +25,9 @@ from ..processing import (
     load_image_processor,
     load_tokenizer,
     load_video_frames,
+    media_duration,
     open_image,
+    time_ranges,
 )
 from ..sidefiles import read_json
 from ..ui import stage
@@ -74,6 +76,7 @@ class PromptResult:
     parameters: dict[str, int]
     seconds: dict[str, float] = field(default_factory=dict)
     audio_tokens: int | None = None  # None: an image model
+    time_ranges: list[str] | None = None  # a video file's answer: its "0.12-0.15" ranges as hh:mm:ss (released)
 
 
 def eos_token_id(folder: Path, config) -> int | None:
@@ -90,6 +93,14 @@ class DecodedMedia:
     images: list
     frames: list | None
     samples: np.ndarray | None
+    duration: float | None = None  # a video file's, in seconds
+
+    def time_ranges(self, text: str, config) -> list[str] | None:
+        """The answer's ranges as the released inference script prints them, for a video file (of a family that was
+        released)."""
+        if self.duration is None or config.family.released_range_pattern is None:
+            return None
+        return time_ranges(text, self.duration, config.family)
 
 
 def decode_media(media: Media, folder: Path, config) -> DecodedMedia:
@@ -107,7 +118,8 @@ def decode_media(media: Media, folder: Path, config) -> DecodedMedia:
         samples = load_audio(media.audio)
     else:  # the video's own sound track, when it has one
         samples = load_audio(media.video, missing_ok=True) if media.video else None
-    return DecodedMedia([open_image(p) for p in media.images], frames, samples)
+    duration = media_duration(media.video) if media.video else None
+    return DecodedMedia([open_image(p) for p in media.images], frames, samples, duration)
 
 
 def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, float]) -> dict:
@@ -230,11 +242,12 @@ def run_prompts_graphs(
             PromptResult(
                 prompt_ids=ids[0].tolist(),
                 generated_ids=generated,
-                text=tokenizer.decode(generated, skip_special_tokens=True),
+                text=(text := tokenizer.decode(generated, skip_special_tokens=True)),
                 visual_tokens=visual_tokens,
                 parameters={},
                 seconds=answer,
                 audio_tokens=audio_tokens,
+                time_ranges=decoded.time_ranges(text, config),
             )
         )
     return Answers(results, seconds)
@@ -279,11 +292,12 @@ def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: 
             PromptResult(
                 prompt_ids=inputs["input_ids"][0].tolist(),
                 generated_ids=generated,
-                text=tokenizer.decode(generated, skip_special_tokens=True),
+                text=(text := tokenizer.decode(generated, skip_special_tokens=True)),
                 visual_tokens=visual_tokens,
                 parameters=parameters,
                 seconds=answer,
                 audio_tokens=audio_tokens,
+                time_ranges=decoded.time_ranges(text, model.config),
             )
         )
     return Answers(results, seconds)

@@ -14,6 +14,8 @@ A video model (mm_input_type "video") has two context streams, frames and audio,
 in parts (so memory does not grow with the length), then through context_kv, and laid end to end as the decoder's
 context, `context_attention_mask` giving each key its stream (1 frames, 2 audio, 0 none):
   vision.onnx     pixel_values (N, 3, H, W) frames, frame_index (N,), num_frames () -> context_embeds (1, N * t, hidden)
+                  space-to-depth pools (Vidi1.5) also take pooled_grid (s,): each frame is pooled to s x s tokens,
+                  its grid resized first past the released resize budget (streams.pooled_side), so t = s * s
   audio.onnx      input_features (C, mel bins, chunk frames) 30 s chunks, first_chunk (), mel_frames () ->
                   audio_embeds (1, C * a, hidden), audio_attention_mask (1, C * a): tokens within the sample
 
@@ -71,7 +73,7 @@ from ..checkpoints.safetensors_writer import RangeCopier
 from ..checkpoints.source import open_source
 from ..checkpoints.weights import empty_model, is_stand_in, parameter_bytes, stand_in
 from ..errors import InputError
-from ..modeling.modeling_dattn import MODEL_CLASSES, FramePool
+from ..modeling.modeling_dattn import MODEL_CLASSES
 from ..modeling.streams import context_graphs
 from ..plugins import contract
 from ..plugins.onnx_node import attach_function, fused_nodes
@@ -152,6 +154,19 @@ class StreamGraph(nn.Module):
 
     def forward(self, inputs):
         return getattr(self.model.model, self.method)(*inputs)
+
+
+class FramesGraph(StreamGraph):
+    """frame_stream of a space-to-depth model, its pooled side the length of `pooled_grid`: a shape the graph reads
+    (ONNX Resize to a size computed from it), so that one graph pools a video of any length as the released pool
+    does past its resize budget."""
+
+    def __init__(self, model):
+        super().__init__(model, "frame_stream")
+
+    def forward(self, inputs):
+        *frame_inputs, pooled_grid = inputs
+        return super().forward([*frame_inputs, pooled_grid.shape[0]])
 
 
 class ContextKVGraph(nn.Module):
@@ -263,13 +278,18 @@ def video_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
         "frame_index": (torch.arange(2, 5), {0: frames}),
         "num_frames": (torch.tensor(9), None),
     }
+    if config.mm_pool_rule == "space-to-depth":  # the pooled side, for any video length: its values are not read
+        frame_inputs["pooled_grid"] = (torch.arange(config.patch_grid + 2), {0: Dim("pooled_side")})
+        vision = GraphSpec(FramesGraph(model), frame_inputs, ["context_embeds"], (len(frame_inputs),))
+    else:
+        vision = stream_spec(model, "frame_stream", frame_inputs, ["context_embeds"])
     audio_inputs = {
         "input_features": (torch.randn(2, audio["num_mel_bins"], chunk_frames, dtype=dtype), {0: chunks}),
         "first_chunk": (torch.tensor(1), None),
         "mel_frames": (torch.tensor(3 * chunk_frames), None),
     }
     return {
-        "vision": stream_spec(model, "frame_stream", frame_inputs, ["context_embeds"]),
+        "vision": vision,
         "audio": stream_spec(model, "audio_stream", audio_inputs, ["audio_embeds", "audio_attention_mask"]),
     }
 
@@ -628,7 +648,9 @@ def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int
             input_type=config.mm_input_type,
             num_contexts=config.num_contexts,
             tokens_per_frame=config.tokens_per_frame if config.is_video else None,
-            max_video_frames=FramePool.max_frames(config) if config.is_video else None,
+            pool_rule=config.mm_pool_rule if config.is_video else None,
+            pool_size=config.mm_image_pool_size if config.is_video else None,
+            patch_grid=config.patch_grid,
             mel_frames_per_audio_token=config.mel_frames_per_audio_token if config.is_video else None,
         ),
         attention=AttentionExport(attention, op if attention == "fused" else None),

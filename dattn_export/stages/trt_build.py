@@ -62,6 +62,8 @@ class Limits:
             # a video model's stream graphs: the runtime runs at most this many frames / 30 s chunks at once
             "frames": (1, FRAMES.parts_per_run, FRAMES.parts_per_run),
             "chunks": (1, 1, AUDIO.parts_per_run),
+            # a space-to-depth pool's side in tokens: SigLIP-384 at pool 2 gives 14, and 5 at its smallest resize
+            "pooled_side": (1, 14, 32),
             # an anyres model's vision graph: the tiling of one image
             "tile_rows": (1, 2, self.max_tile_side),
             "tile_columns": (1, 2, self.max_tile_side),

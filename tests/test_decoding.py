@@ -1,0 +1,111 @@
+"""Video files decode as the released code decodes them: frames as decord's `VideoReader` gives them at load_video's
+indices (every round(average rate)-th frame), samples as the ffmpeg command line of its load_audio gives them
+(`-f s16le -ac 1 -ar 16000`), to the pixel and to the bit. The files are made by the ffmpeg command line (the
+static build of imageio-ffmpeg) in the containers, codecs, rates and layouts that cameras, phones and editors
+write."""
+
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from dattn_export.processing import AUDIO_RATE, load_audio, load_video_frames, media_duration
+
+decord = pytest.importorskip("decord", reason="decord, the released decoder, is in the test extra")
+imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg", reason="the ffmpeg command line is in the test extra")
+
+SOURCE = ["-f", "lavfi", "-i", "testsrc2=size=160x90:rate={rate}"]
+SOUND = ["-f", "lavfi", "-i", "sine=frequency=440:sample_rate={hz}", "-ac", "{channels}"]
+H264 = ["-c:v", "libx264", "-pix_fmt", "yuv420p"]
+VP9 = ["-c:v", "libvpx-vp9", "-deadline", "realtime"]
+BT709 = ["-colorspace", "bt709", "-color_primaries", "bt709", "-color_trc", "bt709"]
+
+# name: (file, what ffmpeg is given, frame rate, sound: (rate, channels) or None)
+FILES = {
+    "mp4, h264 + stereo AAC 44.1 kHz": ("a.mp4", [*H264, "-c:a", "aac"], "30", (44100, 2)),
+    "29.97 fps (NTSC), AAC 48 kHz": ("ntsc.mp4", [*H264, "-c:a", "aac"], "30000/1001", (48000, 2)),
+    "webm, vp9 + opus": ("a.webm", [*VP9, "-c:a", "libopus"], "25", (48000, 2)),
+    "mkv, h264 + flac": ("a.mkv", [*H264, "-c:a", "flac"], "24", (44100, 1)),
+    "avi, mpeg4 + mp3": ("a.avi", ["-c:v", "mpeg4", "-c:a", "libmp3lame"], "25", (44100, 2)),
+    "mov, no sound track": ("a.mov", H264, "30", None),
+    "HD bt709": ("hd.mp4", [*H264, *BT709], "30", None),
+    # the first 2 s at 30 fps, then frames 2/30 s apart: an average rate (20.3) that is no frame's own
+    "variable frame rate": (
+        "vfr.mp4",
+        [*H264, "-vf", "setpts='if(lt(N,60),N,60+2*(N-60))/30/TB'", "-fps_mode", "vfr", "-c:a", "aac"],
+        "30",
+        (44100, 1),
+    ),
+}  # fmt: skip
+# a phone's portrait video: stored landscape, with a display matrix that turns it (the metadata alone is rewritten)
+ROTATIONS = {
+    "rotate 90": ["-display_rotation", "90"],
+    "rotate -90": ["-display_rotation", "-90"],
+    "rotate 180": ["-display_rotation", "180"],
+    "rotate 90, mirrored": ["-display_rotation", "90", "-display_hflip"],
+}
+
+
+def ffmpeg(*args) -> bytes:
+    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-v", "error", "-y", *map(str, args)]
+    return subprocess.run(command, capture_output=True, check=True).stdout
+
+
+def make(folder, name: str):
+    file, codecs, rate, sound = FILES[name]
+    inputs = [arg.format(rate=rate) for arg in SOURCE]
+    if sound:
+        inputs += [arg.format(hz=sound[0], channels=sound[1]) for arg in SOUND]
+    ffmpeg(*inputs, "-t", 5, *codecs, folder / file)
+    return folder / file
+
+
+def released_frames(path) -> np.ndarray:
+    """bytedance/vidi `vid_utils.load_video(file)` at fps 1, before its PIL conversion (an RGB no-op)."""
+    reader = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=0)
+    return reader.get_batch(list(range(0, len(reader), round(reader.get_avg_fps() / 1.0)))).asnumpy()
+
+
+def released_samples(path) -> np.ndarray:
+    """bytedance/vidi `vid_utils.load_audio(file)`: the ffmpeg command line's 16-bit mono at 16 kHz, / 32768."""
+    out = ffmpeg("-threads", 0, "-i", path, "-f", "s16le", "-ac", 1, "-acodec", "pcm_s16le", "-ar", AUDIO_RATE, "-")
+    return np.frombuffer(out, np.int16).astype(np.float32) / 32768.0
+
+
+def ffprobe_duration(path) -> float:
+    """The container's duration as the ffmpeg command line reports it (ffprobe's format=duration, to 1/100 s)."""
+    run = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-i", str(path)], capture_output=True, text=True)
+    hours, minutes, seconds = re.search(r"Duration: (\d+):(\d+):([\d.]+)", run.stderr).groups()
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+
+
+def assert_frames_equal(path):
+    expected = released_frames(path)
+    ours = np.stack([np.asarray(frame) for frame in load_video_frames(path)])
+    assert ours.shape == expected.shape and np.array_equal(ours, expected)
+    return ours
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_frames_and_samples_are_the_released_decoder_s(tmp_path, name):
+    path = make(tmp_path, name)
+    frames = assert_frames_equal(path)
+    assert len(frames) == 5 and frames.std() > 10  # 5 s at 1 frame/s, and pictures, not a blank
+    assert abs(media_duration(path) - ffprobe_duration(path)) <= 0.005  # the time ranges' length
+    if FILES[name][3] is None:
+        assert load_audio(path, missing_ok=True) is None
+        return
+    expected = released_samples(path)
+    assert len(expected) == 5 * AUDIO_RATE or name.startswith("avi")  # mp3's padding: the command keeps it too
+    assert np.array_equal(load_audio(path), expected)
+
+
+@pytest.mark.parametrize("rotation", list(ROTATIONS))
+def test_a_phone_s_portrait_video_is_turned_as_decord_turns_it(tmp_path, rotation):
+    stored = make(tmp_path, "mp4, h264 + stereo AAC 44.1 kHz")
+    turned = tmp_path / "turned.mp4"
+    ffmpeg(*ROTATIONS[rotation], "-i", stored, "-c", "copy", turned)
+    frames = assert_frames_equal(turned)
+    assert (frames.shape[1:3] == (160, 90)) == (rotation != "rotate 180")  # a quarter turn stands it upright
+    assert not np.array_equal(frames, np.stack([np.asarray(frame) for frame in load_video_frames(stored)]))
