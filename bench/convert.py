@@ -167,7 +167,7 @@ def measure(source: Path, work: Path, largest_tensor: int) -> dict:
 
 def startup_seconds(work: Path) -> float:
     """Best of three `convert` runs of the tiny demo checkpoint (1 MB): the command's fixed cost."""
-    from dattn_export.stages.demo import write_demo_checkpoint
+    from dattn_export.demo_model import write_demo_checkpoint
 
     tiny = write_demo_checkpoint(work / "tiny")
     runs = []

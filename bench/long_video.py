@@ -26,9 +26,9 @@ from pathlib import Path
 
 import imageio_ffmpeg
 
+from dattn_export.demo_model import write_demo_checkpoint
+from dattn_export.media import Media, decode_media
 from dattn_export.modeling.families import FAMILIES
-from dattn_export.stages.demo import write_demo_checkpoint
-from dattn_export.stages.generate import Media, decode_media
 from dattn_export.stages.onnx_export import export_onnx
 
 BACKENDS = {"torch": "checkpoint", "ort": "onnx", "genai": "onnx"}

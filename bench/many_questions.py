@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from dattn_export.demo_model import write_demo_checkpoint, write_video
+from dattn_export.media import Media
 from dattn_export.modeling.families import FAMILIES
 from dattn_export.processing import AUDIO_RATE
-from dattn_export.stages.demo import write_demo_checkpoint, write_video
-from dattn_export.stages.generate import Media, run_prompts, run_prompts_graphs
+from dattn_export.stages.generate import run_prompts, run_prompts_graphs
 from dattn_export.stages.onnx_export import export_onnx
 
 

@@ -56,9 +56,9 @@ def write_checkpoint(mode: str, work: Path, layers: int = 8) -> tuple[Path, int]
     from safetensors.torch import save_file
 
     from dattn_export.checkpoints.source import saved_state_dict
+    from dattn_export.demo_model import write_demo_checkpoint
     from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
     from dattn_export.presets import randomize_weights, tiny_config
-    from dattn_export.stages.demo import write_demo_checkpoint
 
     config = tiny_config(
         "mistral",

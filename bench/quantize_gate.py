@@ -24,8 +24,8 @@ from helpers.builders import checkpoint_of  # noqa: E402
 from helpers.quantized import CORPORA, broken_export, train  # noqa: E402
 
 from dattn_export.artifacts import Scheme  # noqa: E402
+from dattn_export.demo_model import write_demo_checkpoint  # noqa: E402
 from dattn_export.stages import quantize  # noqa: E402
-from dattn_export.stages.demo import write_demo_checkpoint  # noqa: E402
 from dattn_export.stages.onnx_export import export_onnx  # noqa: E402
 from dattn_export.stages.validate import validate  # noqa: E402
 

@@ -125,8 +125,8 @@ def write_checkpoint(name: str, folder: Path, layout: str) -> int:
     from dattn_export.checkpoints.released import released_config
     from dattn_export.checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
     from dattn_export.checkpoints.source import model_shapes, tied_names
+    from dattn_export.demo_model import build_tokenizer
     from dattn_export.stages.convert import parse_size
-    from dattn_export.stages.demo import build_tokenizer
 
     config = model_config(name)
     shapes = {n: s for n, s in model_shapes(config).items() if n not in tied_names(config)}
@@ -164,7 +164,7 @@ def write_checkpoint(name: str, folder: Path, layout: str) -> int:
 
 def demo_media(folder: Path) -> dict:
     """A picture and a 4-second video with a sound track, the demo's."""
-    from dattn_export.stages.demo import demo_audio, demo_frames, demo_image, write_video
+    from dattn_export.demo_model import demo_audio, demo_frames, demo_image, write_video
 
     demo_image(384).save(folder / "picture.png")
     frames = demo_frames(8, 384)

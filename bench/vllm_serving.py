@@ -72,9 +72,9 @@ def write_ours(folder: Path, tokens: int) -> None:
     from transformers import SiglipImageProcessor
 
     from dattn_export.checkpoints.source import saved_state_dict
+    from dattn_export.demo_model import write_demo_checkpoint
     from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
     from dattn_export.presets import randomize_weights, tiny_config
-    from dattn_export.stages.demo import write_demo_checkpoint
 
     demo = write_demo_checkpoint(folder.parent / "demo-checkpoint")
     config = tiny_config(

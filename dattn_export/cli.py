@@ -352,7 +352,8 @@ def generate(
         raise click.UsageError("give a prompt: --prompt TEXT (repeatable) or --prompts FILE")
     checkpoint = resolve(checkpoint, f"generate --backend {backend}", *BACKENDS[backend], hub=backend == "torch")
     require_backend(backend)
-    from .stages.generate import Media, read_prompts, run_prompts, run_prompts_graphs
+    from .media import Media
+    from .stages.generate import read_prompts, run_prompts, run_prompts_graphs
 
     prompts = [*prompts, *(read_prompts(prompts_file) if prompts_file else [])]
     media = Media(images=list(images), video=video, frames=frames, audio=audio)
@@ -690,7 +691,7 @@ def validate(
     require_backend(backend)
     if save_polygraphy:
         require("polygraphy")
-    from .stages.generate import Media
+    from .media import Media
     from .stages.validate import validate as run_validate
     from .ui import out as stdout
 
@@ -979,8 +980,8 @@ def analyze(checkpoint: str, image, video, frames, audio, prompt: str, out: Path
     MLLM-LAWS curves and attention shift; plots."""
     checkpoint = resolve(checkpoint, "analyze", *TRAINING_OUTPUT)
     require("matplotlib")  # the plots come last: say so before the work
+    from .media import Media
     from .stages.analyze import analyze as run_analyze
-    from .stages.generate import Media
     from .ui import out as stdout
     from .ui import summary_table
 

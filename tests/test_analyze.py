@@ -11,12 +11,12 @@ from helpers.builders import build_model, checkpoint_of
 from PIL import Image
 
 from dattn_export.checkpoints.source import load_model
+from dattn_export.demo_model import demo_image, write_demo_checkpoint
+from dattn_export.media import Media, decode_media, encode_media
 from dattn_export.modeling.attention import dattn_op
 from dattn_export.plugins.contract import using_op
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
 from dattn_export.stages.analyze import PLOT_SIZE, analyze
-from dattn_export.stages.demo import demo_image, write_demo_checkpoint
-from dattn_export.stages.generate import Media, decode_media, encode_media
 
 PROMPT = "USER: Look at this <image> and describe the picture in detail.\nASSISTANT:"
 

@@ -21,7 +21,7 @@ from helpers import damage
 from helpers.builders import model_and_tensors, write_hf
 
 from dattn_export.cli import main
-from dattn_export.stages.demo import write_demo_checkpoint
+from dattn_export.demo_model import write_demo_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from dattn_export import __version__
 from dattn_export.checkpoints.source import load_model
+from dattn_export.demo_model import DEMO_PROMPT, DEMO_VIDEO_PROMPT, write_demo_checkpoint
+from dattn_export.media import Media
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
-from dattn_export.stages.demo import DEMO_PROMPT, DEMO_VIDEO_PROMPT, write_demo_checkpoint
-from dattn_export.stages.generate import Media, run_prompt
+from dattn_export.stages.generate import run_prompt
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from helpers.cli import error_line as cli_error_line
 from helpers.cli import run_cli
 from helpers.guides import runnable
 
-from dattn_export.stages.demo import DEMO_PROMPT, write_demo_checkpoint
+from dattn_export.demo_model import DEMO_PROMPT, write_demo_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_SECONDS = 2.0  # a refusal that imports nothing heavy (torch alone takes longer to import)

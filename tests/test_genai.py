@@ -8,10 +8,10 @@ import torch
 from helpers.cli import run_cli
 
 from dattn_export.checkpoints.source import load_model
+from dattn_export.demo_model import DEMO_PROMPT, write_demo_checkpoint
 from dattn_export.modeling.families import DEFAULT_FAMILY
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
 from dattn_export.runtime.genai import GenaiRuntime
-from dattn_export.stages.demo import DEMO_PROMPT, write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[test]')")

@@ -12,9 +12,9 @@ import pytest
 from helpers.hub_server import client_env, publish_folder, start
 from safetensors import safe_open
 
+from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.folders import CONVERT_MANIFEST, ONNX_MANIFEST, TRT_MANIFEST
 from dattn_export.stages.convert import convert
-from dattn_export.stages.demo import write_demo_checkpoint
 
 TOKEN = "hf_carol_private_token_77"
 

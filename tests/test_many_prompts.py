@@ -7,9 +7,10 @@ import re
 import pytest
 from helpers.cli import error_line, run_cli
 
+from dattn_export.demo_model import DEMO_PROMPT
 from dattn_export.errors import InputError
-from dattn_export.stages.demo import DEMO_PROMPT
-from dattn_export.stages.generate import Media, read_prompts, run_prompt, run_prompts, run_prompts_graphs
+from dattn_export.media import Media
+from dattn_export.stages.generate import read_prompts, run_prompt, run_prompts, run_prompts_graphs
 
 PROMPTS = [
     DEMO_PROMPT,

@@ -15,9 +15,9 @@ from helpers.checks import ATOL, SHAPES, run_case
 from helpers.cli import error_line, run_cli
 from polygraphy.comparator import RunResults
 
+from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.runtime import graph as graph_runtime
 from dattn_export.runtime.ort import OrtModel
-from dattn_export.stages.demo import write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.validate import Comparison, validate
 

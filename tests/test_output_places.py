@@ -18,7 +18,7 @@ from helpers.checks import assert_converted_equals
 from helpers.hub_server import start
 
 from dattn_export.checkpoints.source import load_model, saved_state_dict
-from dattn_export.stages.demo import write_demo_checkpoint
+from dattn_export.demo_model import write_demo_checkpoint
 
 UNSHARE = shutil.which("unshare")
 

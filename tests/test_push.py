@@ -17,8 +17,8 @@ from huggingface_hub import ModelCard
 from PIL import Image
 
 from dattn_export.checkpoints.source import load_model
+from dattn_export.demo_model import DEMO_PROMPT, write_demo_checkpoint
 from dattn_export.stages.convert import convert
-from dattn_export.stages.demo import DEMO_PROMPT, write_demo_checkpoint
 
 TOKEN = "hf_alice_secret_token_42"
 TOKENS = {TOKEN: "alice", "hf_bob_token": "bob"}

@@ -13,12 +13,13 @@ from PIL import Image
 
 from dattn_export.checkpoints.released import is_released
 from dattn_export.checkpoints.source import load_model
+from dattn_export.demo_model import write_demo_checkpoint
+from dattn_export.media import Media
 from dattn_export.modeling.modeling_dattn import MODEL_CLASSES, anyres_grid
 from dattn_export.presets import randomize_weights, tiny_config
 from dattn_export.processing import load_image_processor, load_tokenizer
 from dattn_export.runtime.ort import OrtModel
-from dattn_export.stages.demo import write_demo_checkpoint
-from dattn_export.stages.generate import Media, run_prompt
+from dattn_export.stages.generate import run_prompt
 from dattn_export.stages.onnx_export import export_onnx
 
 
@@ -107,7 +108,7 @@ RELEASED_KEYS = {  # what the released trainer's config.json adds to the LLM's (
 
 def test_demo_writes_the_released_layout(tmp_path, family):
     """The demo's folder is what the released code saves: its keys, Whisper tensors, towers named by folders."""
-    from dattn_export.stages.demo import write_demo_checkpoint
+    from dattn_export.demo_model import write_demo_checkpoint
 
     folder = write_demo_checkpoint(tmp_path / "ckpt", family)
     config = json.loads((folder / "config.json").read_text())
@@ -123,7 +124,7 @@ def test_demo_writes_the_released_layout(tmp_path, family):
 def test_released_folder_converts_untouched(tmp_path):
     """No flag and no edit: the towers' configs come from their folders, the audio tower is carried, and the
     converted config records what it inferred and from where."""
-    from dattn_export.stages.demo import write_demo_checkpoint
+    from dattn_export.demo_model import write_demo_checkpoint
 
     folder = write_demo_checkpoint(tmp_path / "ckpt", "gemma2")
     info = run_cli("info", folder, "--json")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dattn_export.artifacts import GraphValue
-from dattn_export.stages.demo import write_demo_checkpoint
+from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.trt_build import Limits, profile_shapes
 

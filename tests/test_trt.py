@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers.cli import run_cli
 
+from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.plugins import contract
 from dattn_export.plugins.contract import Attributes
 from dattn_export.plugins.tensorrt_plugin import signature
 from dattn_export.plugins.triton_kernel import int_arguments, launch_grid
-from dattn_export.stages.demo import write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
 
 HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
@@ -79,8 +79,9 @@ def test_trt_command_says_what_is_missing(pipeline, tmp_path):
 def test_engines_match_pytorch_with_plugin_and_with_function(tmp_path, family):
     """Engines with the plugin and engines with the ONNX function fallback both validate against PyTorch, and
     `generate --backend trt` gives the reference's tokens."""
-    from dattn_export.stages.demo import DEMO_PROMPT
-    from dattn_export.stages.generate import Media, run_prompt, run_prompt_graphs
+    from dattn_export.demo_model import DEMO_PROMPT
+    from dattn_export.media import Media
+    from dattn_export.stages.generate import run_prompt, run_prompt_graphs
     from dattn_export.stages.trt_build import Limits, build_engines
     from dattn_export.stages.validate import validate
 

@@ -19,7 +19,9 @@ from safetensors import safe_open
 from transformers import WhisperFeatureExtractor
 
 from dattn_export.checkpoints.source import load_model
+from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.errors import InputError
+from dattn_export.media import Media, decode_media
 from dattn_export.modeling import modeling_dattn
 from dattn_export.modeling import streams as stream_specs
 from dattn_export.modeling.families import FAMILIES
@@ -27,8 +29,7 @@ from dattn_export.modeling.images import prepare_pictures
 from dattn_export.modeling.streams import AUDIO, FRAMES
 from dattn_export.processing import load_image_processor, load_tokenizer, time_ranges
 from dattn_export.runtime.ort import OrtModel
-from dattn_export.stages.demo import write_demo_checkpoint, write_video
-from dattn_export.stages.generate import Media, decode_media, run_prompt
+from dattn_export.stages.generate import run_prompt
 from dattn_export.stages.info import describe
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.push import usage_snippet

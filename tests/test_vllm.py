@@ -30,9 +30,9 @@ from helpers.vllm_requests import REQUESTS, request_image, request_video
 from PIL import Image
 
 from dattn_export.checkpoints.source import folder_config, load_model
+from dattn_export.demo_model import write_demo_checkpoint, write_video
+from dattn_export.media import DecodedMedia, Media, decode_media, encode_media
 from dattn_export.processing import audio_features, load_audio_processor, load_image_processor, load_tokenizer
-from dattn_export.stages.demo import write_demo_checkpoint, write_video
-from dattn_export.stages.generate import DecodedMedia, Media, decode_media, encode_media
 from dattn_export.vllm_plugin.video import longest_sound_track, max_video_frames
 
 vllm_missing = pytest.mark.skipif(
@@ -61,7 +61,8 @@ def served(tmp_path_factory):
     clip = {  # the released classes' default tower, pictures padded to squares (a rule CLIP and SigLIP differ on)
         "mistral-clip-pad": converted(tmp_path_factory.mktemp("clip"), "mistral", vision="clip", **CLIP_PAD)
     }
-    return folders | videos | clip | {"gemma2-anyres": converted(tmp_path_factory.mktemp("anyres"), "gemma2", **ANYRES)}
+    anyres = {"gemma2-anyres": converted(tmp_path_factory.mktemp("anyres"), "gemma2", **ANYRES)}
+    return folders | videos | clip | anyres | {"qwen2": converted(tmp_path_factory.mktemp("qwen2"), "qwen2")}
 
 
 def request_decoded(folder: Path, seed: int | None) -> DecodedMedia:
@@ -125,6 +126,7 @@ def vllm_requests(folder: Path, tensor_parallel: int, results: Path, ray_address
     [
         *(("mistral", 1), ("gemma2", 2)),  # each family at TP=1 and TP=2 across the cases, each input kind once
         *(("mistral-video", 2), ("gemma2-video", 1), ("gemma2-anyres", 1), ("mistral-clip-pad", 1)),
+        ("qwen2", 2),  # a family with no released model (families.py): q/k/v biases split across ranks
     ],
 )
 def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
@@ -134,7 +136,8 @@ def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     images' shapes choose different tilings, so the requests' visual streams differ in length. Video: the
     requests' own frame counts and sound tracks (three with one, two without), the frames and the audio each under
     their own softmax (one softmax over both misses the tolerance by 3000x). CLIP, pictures padded to squares:
-    vLLM's pixels are the released path's for that rule too."""
+    vLLM's pixels are the released path's for that rule too. Qwen2, whose reference equals transformers' Qwen2
+    (test_families.py), at TP=2."""
     folder = served[model]
     for (text, seed, steps), got in zip(REQUESTS, vllm_requests(folder, tensor_parallel, tmp_path / "vllm.json")):
         tokens, logprobs = reference(folder, text, request_decoded(folder, seed), steps)

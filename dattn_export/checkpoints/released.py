@@ -9,15 +9,16 @@ import ast
 from pathlib import Path
 
 from ..errors import InputError
-from ..modeling.configuration_dattn import CONFIG_CLASSES
 from ..modeling.families import BY_MODEL_TYPE
 
 CODE = "bytedance/vidi lmm/dattn"
 
 
 def is_released(fields: dict) -> bool:
-    """Released configs name D-Attn's model types but none of our switches (ours always write dattn_mode)."""
-    return fields.get("model_type") in CONFIG_CLASSES and "dattn_mode" not in fields
+    """Released configs name D-Attn's model types but none of our switches (ours always write dattn_mode); only
+    families with a released model have them."""
+    family = BY_MODEL_TYPE.get(fields.get("model_type"))
+    return family is not None and family.released_model is not None and "dattn_mode" not in fields
 
 
 def released_fields(fields: dict, source: Path) -> dict:

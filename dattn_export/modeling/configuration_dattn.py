@@ -262,10 +262,9 @@ class DAttnFields:
     def logits_softcap(self) -> float | None:
         return getattr(self, "final_logit_softcapping", None)
 
-    @property
-    def projection_bias(self) -> bool:
-        """q, k, v and o projections with biases."""
-        return getattr(self, "attention_bias", False)
+    def has_bias(self, projection: str) -> bool:
+        """Whether the attention's `projection` (q_proj, k_proj, v_proj or o_proj) has a bias (families.py)."""
+        return self.family.projection_has_bias(projection, getattr(self, "attention_bias", False))
 
     @property
     def use_diagonal(self) -> bool:
@@ -326,12 +325,23 @@ class DAttnFields:
         return ("key", "value", "wings_key", "wings_value") if self.has_wings(layer_idx) else ("key", "value")
 
 
+class HeadSize:
+    """head_dim where the family's config may omit it (Qwen2's has no such field): hidden_size / heads, as
+    transformers' own attention takes it."""
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if getattr(self, "head_dim", None) is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+
 def config_class(family: Family) -> type:
-    """The family's transformers config with the D-Attn fields."""
+    """The family's transformers config with the D-Attn fields (named `family.config_class_name`)."""
     base = getattr(transformers, f"{family.prefix}Config")
     namespace = {"model_type": family.model_type, "__module__": __name__}
-    return strict(type(family.config_class_name, (base, DAttnFields), namespace))
+    return strict(type(family.config_class_name, (HeadSize, base, DAttnFields), namespace))
 
 
 CONFIG_CLASSES = {family.model_type: config_class(family) for family in FAMILIES.values()}
-globals().update({cls.__name__: cls for cls in CONFIG_CLASSES.values()})  # where a Hub repo's auto_map finds them
+# importable by the names families.py gives them: where a Hub repo's auto_map and config.json find them
+globals().update({cls.__name__: cls for cls in CONFIG_CLASSES.values()})

@@ -22,11 +22,19 @@ class Family:
     norm_offset: float  # its RMSNorm scales by (offset + weight): weights start at 1 - offset
     window_per_layer: bool  # the sliding window applies to the layers layer_types marks sliding; else to all
     genai_type: str  # onnxruntime-genai's model type
-    # the released D-Attn model on this family (GitHub bytedance/vidi) and what its code does that configs omit
-    released_model: str
-    released_architecture: str
-    released_pool_rule: str  # how its video model pools frames and audio (configuration_dattn.POOL_RULES)
-    released_scales_streams: bool  # its visual and audio streams times sqrt(hidden), like its text
+    # the classes made from this entry (configuration_dattn.config_class, modeling_dattn.model_class, and the vLLM
+    # plugin's): the names config.json's architectures and a Hub repo's auto_map give
+    config_class_name: str
+    model_class_name: str
+    # the attention projections that always carry a bias (Qwen2: q, k and v); None: q, k, v and o alike, as the
+    # config's attention_bias says (false where the family's config has no such field)
+    biased_projections: tuple[str, ...] | None = None
+    # the released D-Attn model on this family (GitHub bytedance/vidi) and what its code does that configs omit;
+    # None: no released model, so no released config to read
+    released_model: str | None = None
+    released_architecture: str | None = None
+    released_pool_rule: str = "space-to-depth"  # how its video model pools (configuration_dattn.POOL_RULES)
+    released_scales_streams: bool = False  # its visual and audio streams times sqrt(hidden), like its text
     # how its inference script turns an answer's "0.12-0.15" (fractions of the video) into hh:mm:ss ranges: the
     # pattern it finds them with (None: no released script to follow), and how it writes the seconds (its minutes
     # and hours are always {:02d})
@@ -39,13 +47,11 @@ class Family:
     def model_type(self) -> str:
         return f"dattn_{self.name}"
 
-    @property
-    def config_class_name(self) -> str:
-        return f"DAttn{self.prefix}Config"
-
-    @property
-    def model_class_name(self) -> str:
-        return f"DAttn{self.prefix}ForCausalLM"
+    def projection_has_bias(self, projection: str, attention_bias: bool) -> bool:
+        """Whether `projection` (q_proj, k_proj, v_proj, o_proj) has a bias, given the config's attention_bias."""
+        if self.biased_projections is None:
+            return attention_bias
+        return projection in self.biased_projections
 
 
 DEFAULT_FAMILY = "mistral"  # the demo's and the presets'
@@ -68,6 +74,8 @@ FAMILIES = {
             norm_offset=0.0,
             window_per_layer=False,
             genai_type="mistral",
+            config_class_name="DAttnMistralConfig",
+            model_class_name="DAttnMistralForCausalLM",
             released_model="Vidi_7B",
             released_architecture="DattnMistralForCausalLM",
             released_pool_rule="conv-interpolate",
@@ -87,6 +95,8 @@ FAMILIES = {
             norm_offset=1.0,
             window_per_layer=True,
             genai_type="gemma2",
+            config_class_name="DAttnGemma2Config",
+            model_class_name="DAttnGemma2ForCausalLM",
             released_model="Vidi1.5_9B",
             released_architecture="DattnGemma2ForCausalLM",
             released_pool_rule="space-to-depth",
@@ -103,6 +113,28 @@ FAMILIES = {
                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                 attn_logit_softcapping=50.0,
                 final_logit_softcapping=30.0,
+            ),  # fmt: skip
+        ),
+        Family(  # no released D-Attn model: a family added by this entry alone
+            name="qwen2",
+            transformers_module="qwen2",
+            prefix="Qwen2",
+            activation_key="hidden_act",
+            sandwich_norms=False,
+            embedding_scaled=False,
+            norm_offset=0.0,
+            window_per_layer=True,
+            genai_type="qwen2",
+            config_class_name="DAttnQwen2Config",
+            model_class_name="DAttnQwen2ForCausalLM",
+            biased_projections=("q_proj", "k_proj", "v_proj"),
+            tiny=dict(
+                TINY_SIZES,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                use_sliding_window=True,
+                sliding_window=8,
+                max_window_layers=1,  # layers from this one on slide: full, sliding, sliding
             ),  # fmt: skip
         ),
     )

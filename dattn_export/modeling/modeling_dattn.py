@@ -200,12 +200,11 @@ class DAttnAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        bias = config.projection_bias
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        hidden, bias = config.hidden_size, config.has_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias("q_proj"))
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias("k_proj"))
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias("v_proj"))
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias("o_proj"))
         self.scale = config.attention_scale
         self.softcap = config.attention_softcap
         self.merge = config.merge
@@ -897,4 +896,5 @@ def model_class(family: Family) -> type:
 
 
 MODEL_CLASSES = {family.model_type: model_class(family) for family in FAMILIES.values()}
-globals().update({cls.__name__: cls for cls in MODEL_CLASSES.values()})  # where a Hub repo's auto_map finds them
+# importable by the names families.py gives them (model_class_name): where a Hub repo's auto_map finds them
+globals().update({cls.__name__: cls for cls in MODEL_CLASSES.values()})

@@ -24,10 +24,10 @@ from ..checkpoints.source import build_model, open_source
 from ..errors import InputError
 from ..extras import require
 from ..folders import check_output
+from ..media import Media, decode_media, encode_media
 from ..modeling.attention import dattn_op, segment_shares
 from ..plugins.contract import using_op
 from ..processing import load_tokenizer
-from .generate import Media, decode_media, encode_media
 
 IMAGE_MARKER = "<image>"
 PLOT_SIZE = {"visual_mass.png": (1200, 600), "laws.png": (900, 500)}  # pixels, at 100 dpi

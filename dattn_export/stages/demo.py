@@ -1,158 +1,21 @@
-"""The built-in tiny demo: a random-weight D-Attn checkpoint in the layout of a real training output."""
+"""`dattn-export demo`: the main job end to end on the built-in tiny model (`demo_model.py`)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
-from PIL import Image, ImageDraw
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import CLIPVisionConfig, PreTrainedTokenizerFast, SiglipVisionConfig, WhisperConfig
-
-from ..checkpoints.released import OWN_KEYS, released_config
-from ..checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
-from ..checkpoints.source import saved_state_dict
+from ..artifacts import atomic_dir
+from ..demo_model import DEMO_PROMPT, DEMO_VIDEO_PROMPT, write_demo_checkpoint
+from ..folders import check_demo_folder
+from ..media import Media
 from ..modeling.families import DEFAULT_FAMILY
-from ..modeling.modeling_dattn import MODEL_CLASSES
-from ..presets import randomize_weights, tiny_config
-from ..processing import AUDIO_RATE, IMAGE_PROCESSORS, default_audio_processor
-
-if TYPE_CHECKING:  # only for the annotations: validate imports this module (its prompts and pictures)
-    from .generate import PromptResult
-    from .validate import ValidationReport
-    from .verify import Check
-
-DEMO_PROMPT = "USER: Describe the image in one sentence.\nASSISTANT:"
-DEMO_VIDEO_PROMPT = "USER: What happens in the video, and what do you hear?\nASSISTANT:"
-DEMO_VIDEO_FPS = 2  # the file's rate: generate takes one frame a second
-SHARD_BYTES = 256 * 1024  # small, so the demo checkpoint has several shards like a real one
-
-CORPUS = [
-    "USER: Describe the image in one sentence.\nASSISTANT: A red circle on a blue and green gradient.",
-    "USER: What is in the picture?\nASSISTANT: There is a round shape in the middle of the picture.",
-    "USER: How many objects are there?\nASSISTANT: One object, a circle, near the center.",
-    "The quick brown fox jumps over the lazy dog. Vision and text tokens attend differently.",
-    "Decomposed attention: visual tokens see themselves, text tokens see the image and earlier text.",
-]
-
-
-def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained here on a few sentences: encodes any text, needs no download."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<pad>", "<s>", "</s>"],  # ids 0, 1, 2 as in the config
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left"
-    )
-
-
-def demo_image(size: int = 64) -> Image.Image:
-    y, x = np.mgrid[0:size, 0:size] / (size - 1)
-    pixels = np.stack([x * 0.2, y * 0.8, 1 - y * 0.6], axis=-1)
-    image = Image.fromarray((pixels * 255).astype(np.uint8))
-    ImageDraw.Draw(image).ellipse([size // 4, size // 4, 3 * size // 4, 3 * size // 4], fill=(220, 30, 30))
-    return image
-
-
-def demo_frames(count: int = 12, size: int = 64) -> list[np.ndarray]:
-    """(size, size, 3) uint8 frames: the demo picture's circle crossing it from left to right."""
-    frames = []
-    for i in range(count):
-        image = demo_image(size)
-        draw, left = ImageDraw.Draw(image), i * (size - size // 3) // max(count - 1, 1)
-        draw.rectangle([0, 0, size, size], fill=(30, 60 + 10 * i, 200))
-        draw.ellipse([left, size // 3, left + size // 3, 2 * size // 3], fill=(220, 30, 30))
-        frames.append(np.asarray(image))
-    return frames
-
-
-def demo_audio(seconds: float, rate: int = AUDIO_RATE) -> np.ndarray:
-    """16-bit mono samples: a tone rising from 200 Hz to 2 kHz."""
-    t = np.arange(int(seconds * rate)) / rate
-    frequency = 200 + 1800 * t / seconds
-    return (np.sin(2 * np.pi * np.cumsum(frequency) / rate) * 9000).astype(np.int16)
-
-
-def write_video(path: Path, frames: list[np.ndarray], fps: int, samples: np.ndarray | None, rate: int = AUDIO_RATE):
-    """A QuickTime file of lossless frames (PNG) and, unless None, 16-bit mono PCM samples: what PyAV decodes exactly,
-    so a test can know every pixel and sample the reader gets."""
-    import av
-
-    height, width = frames[0].shape[:2]
-    with av.open(str(path), "w", format="mov") as container:
-        video = container.add_stream("png", rate=fps)
-        video.width, video.height, video.pix_fmt = width, height, "rgb24"
-        audio = None if samples is None else container.add_stream("pcm_s16le", rate=rate, layout="mono")
-        for frame in frames:
-            container.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(video.encode())
-        if audio is not None:
-            frame = av.AudioFrame.from_ndarray(samples[None], format="s16", layout="mono")
-            frame.sample_rate = rate
-            container.mux(audio.encode(frame))
-            container.mux(audio.encode())
-
-
-def write_towers(folder: Path, config) -> tuple[Path, Path]:
-    """The tower folders a released checkpoint names (config and preprocessor, as the tower's Hub folder has them;
-    their weights are in the checkpoint): (vision tower, audio tower)."""
-    kind = "clip" if config.vision_config["model_type"] == "clip_vision_model" else "siglip"
-    vision = folder / f"tiny-{kind}{'-video' if config.is_video else ''}"  # video frames are smaller
-    audio = folder / "tiny-whisper"
-    size, processor = config.vision_config["image_size"], IMAGE_PROCESSORS[config.vision_config["model_type"]]
-    if kind == "clip":  # CLIP resizes the shortest edge, then crops the centre
-        CLIPVisionConfig(**config.vision_config).save_pretrained(vision)
-        processor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(vision)
-    else:
-        SiglipVisionConfig(**config.vision_config).save_pretrained(vision)
-        processor(size={"height": size, "width": size}).save_pretrained(vision)
-    WhisperConfig(**config.audio_config).save_pretrained(audio)
-    default_audio_processor(config.audio_config).save_pretrained(audio)  # its chunk: the tiny encoder's input
-    return vision.absolute(), audio.absolute()
-
-
-def write_demo_checkpoint(
-    out: Path, family: str = DEFAULT_FAMILY, seed: int = 0, video: bool = False, **config_overrides
-) -> Path:
-    """A checkpoint as the released training code (bytedance/vidi) saves it: its config.json keys (the towers named
-    by folders, written beside in `towers/`), sharded safetensors with its names and shapes (the Whisper audio tower
-    included), tokenizer and generation config; plus a sample image (demo.png). Overrides of this project's own
-    switches (attention modes, WINGS learners), which the released code cannot express, give our config format.
-    `video`: a video model (frames and audio) as the family's released video model."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(family, audio=True, video=video, mm_std=0.5, **config_overrides)
-    model = randomize_weights(MODEL_CLASSES[config.model_type](config), seed).eval()
-    planned = [
-        PlannedTensor(name, t.dtype, tuple(t.shape), produce=lambda _buffer, t=t: t)
-        for name, t in saved_state_dict(model).items()
-    ]
-    write_shards(plan_shards(planned, SHARD_BYTES), out)
-    vision, audio = write_towers(out.parent / "towers", config)
-    if set(config_overrides) & set(OWN_KEYS):
-        config.save_pretrained(out)
-    else:
-        fields = released_config(config, str(vision), str(audio))
-        (out / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
-    build_tokenizer(config.vocab_size).save_pretrained(out)
-    generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 16, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    demo_image().save(out / "demo.png")  # video models: a demo.mov beside
-    if video:
-        frames = demo_frames()
-        write_video(out / "demo.mov", frames, DEMO_VIDEO_FPS, demo_audio(len(frames) / DEMO_VIDEO_FPS))
-    return out
+from ..ui import stage
+from .convert import convert
+from .generate import PromptResult, run_prompt
+from .onnx_export import export_onnx
+from .validate import ValidationReport, validate
+from .verify import Check, verify
 
 
 @dataclass
@@ -178,15 +41,6 @@ def run_demo(
     """The main job end to end on a tiny checkpoint written to `directory/checkpoint`: reference generation,
     convert + verify, ONNX export + validation on ONNX Runtime. A folder that holds anything is refused unless
     `force`; then only the demo's own folders in it are replaced."""
-    from ..artifacts import atomic_dir
-    from ..folders import check_demo_folder
-    from ..ui import stage
-    from .convert import convert
-    from .generate import Media, run_prompt
-    from .onnx_export import export_onnx
-    from .validate import validate
-    from .verify import verify
-
     check_demo_folder(directory, force)
     checkpoint, converted, exported = directory / "checkpoint", directory / "converted", directory / "onnx"
     seconds: dict[str, float] = {}

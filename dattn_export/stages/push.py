@@ -115,7 +115,7 @@ def model_card(
 ) -> str:
     from huggingface_hub import ModelCard, ModelCardData
 
-    from .demo import DEMO_PROMPT
+    from ..demo_model import DEMO_PROMPT
 
     config = folder_config(folder)
     manifest = ConvertManifest.read(folder)

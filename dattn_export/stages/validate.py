@@ -20,7 +20,9 @@ from PIL import Image
 
 from ..artifacts import VALIDATION_REPORT, from_json
 from ..checkpoints.source import load_model
+from ..demo_model import DEMO_PROMPT, DEMO_VIDEO_FPS, DEMO_VIDEO_PROMPT, demo_audio, demo_frames, demo_image
 from ..errors import InputError
+from ..media import DecodedMedia, Media, decode_media, encode_media, graph_context
 from ..modeling.images import anyres_tiles, prepare_pictures
 from ..modeling.streams import AUDIO, FRAMES
 from ..processing import load_image_processor, load_tokenizer, open_image
@@ -28,8 +30,6 @@ from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
 from ..sidefiles import read_json, reading
 from . import polygraphy_data, quantize
-from .demo import DEMO_PROMPT, DEMO_VIDEO_FPS, DEMO_VIDEO_PROMPT, demo_audio, demo_frames, demo_image
-from .generate import DecodedMedia, Media, decode_media, encode_media, graph_context
 from .onnx_export import layer_caches
 from .polygraphy_data import recording
 

@@ -324,12 +324,11 @@ class DAttnAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // ranks
         self.num_kv_heads = max(1, config.num_key_value_heads // ranks)  # fewer KV heads than ranks: replicated
-        bias = config.projection_bias
-        quant = vllm_config.quant_config
+        bias, quant = config.has_bias, vllm_config.quant_config
         self.q_proj = ColumnParallelLinear(
             config.hidden_size,
             config.num_attention_heads * self.head_dim,
-            bias=bias,
+            bias=bias("q_proj"),
             quant_config=quant,
             prefix=f"{prefix}.q_proj",
         )
@@ -340,19 +339,22 @@ class DAttnAttention(nn.Module):
             self.head_dim,
             0,
             config.num_key_value_heads,
-            bias=bias,
+            bias=bias("k_proj"),  # k and v have biases alike in every family
             quant_config=quant,
             prefix=f"{prefix}.kv_proj",
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
-            bias=bias,
+            bias=bias("o_proj"),
             quant_config=quant,
             prefix=f"{prefix}.o_proj",
         )
         self.value_o_proj = RowParallelLinear(
-            self.num_kv_heads * ranks * self.head_dim, config.hidden_size, bias=bias, prefix=f"{prefix}.value_o_proj"
+            self.num_kv_heads * ranks * self.head_dim,
+            config.hidden_size,
+            bias=bias("o_proj"),
+            prefix=f"{prefix}.value_o_proj",
         )
         self.value_o_proj.weight.weight_loader = self.load_value_o_proj
         self.rotary_emb = get_rope(
@@ -631,5 +633,5 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         return loaded
 
 
-# one class per architecture name: vLLM's registry maps each name to a class
+# one class per architecture name (families.py's model_class_name): vLLM's registry maps each name to a class
 globals().update({name: type(name, (DAttnForCausalLM,), {"__module__": __name__}) for name in ARCHITECTURES})

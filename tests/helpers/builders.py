@@ -9,9 +9,9 @@ from safetensors.torch import save_file
 
 from dattn_export.checkpoints.released import released_config, released_fields
 from dattn_export.checkpoints.source import config_from_dict, saved_state_dict
+from dattn_export.demo_model import build_tokenizer, write_demo_checkpoint
 from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
 from dattn_export.presets import randomize_weights, tiny_config
-from dattn_export.stages.demo import build_tokenizer, write_demo_checkpoint
 
 
 def build_model(family: str, seed: int = 0, **overrides):

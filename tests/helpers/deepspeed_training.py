@@ -29,9 +29,9 @@ from safetensors.torch import save_file
 
 from dattn_export.checkpoints.released import released_config
 from dattn_export.checkpoints.source import saved_state_dict
+from dattn_export.demo_model import write_towers
 from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
 from dattn_export.presets import randomize_weights, tiny_config
-from dattn_export.stages.demo import write_towers
 
 STEPS, BATCH, LENGTH = 2, 2, 12
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

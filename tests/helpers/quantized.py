@@ -12,8 +12,8 @@ import onnx
 import torch
 
 from dattn_export.checkpoints.source import load_model
+from dattn_export.demo_model import CORPUS
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
-from dattn_export.stages.demo import CORPUS
 
 CORPORA = {
     "demo": CORPUS[:3],  # the demo's questions and answers, which the gate's prompts ask
