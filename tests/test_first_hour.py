@@ -202,7 +202,7 @@ def test_a_quantized_export_s_verdict_names_the_gate_that_decided():
     "greedy tokens: 0/20 agree; PASSED"."""
     from click.testing import CliRunner
 
-    from dattn_export.cli import print_validation
+    from dattn_export.cli.validate import print_validation
     from dattn_export.stages.quantize import GATES, GateResult
     from dattn_export.stages.validate import Comparison, ValidationReport
 

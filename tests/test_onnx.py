@@ -259,6 +259,7 @@ def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path,
 
     from dattn_export.artifacts import DTYPES
     from dattn_export.checkpoints.source import load_model
+    from dattn_export.graphs import graph_specs
     from dattn_export.plugins.onnx_node import fused_nodes
     from dattn_export.stages import onnx_export
 
@@ -270,7 +271,7 @@ def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path,
     manifest = export_onnx(checkpoint, tmp_path / "ours", dtype=dtype)
     torch_dtype = DTYPES[dtype].torch
     (tmp_path / "torch").mkdir()
-    for name, spec in onnx_export.graph_specs(load_model(checkpoint, torch_dtype), torch_dtype).items():
+    for name, spec in graph_specs(load_model(checkpoint, torch_dtype), torch_dtype).items():
         with torch.no_grad(), warnings.catch_warnings(), fused_nodes(spec.module):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(

@@ -26,14 +26,14 @@ from helpers.cli import run_cli
 from helpers.ray_cpu_shim import RESOURCE as RAY_RANK_RESOURCE
 from helpers.real_checkpoints import free_port
 from helpers.released_images import process_images, with_output_size
-from helpers.vllm_requests import REQUESTS, request_image, request_video
+from helpers.vllm_requests import LONG_VIDEO_REQUEST, REQUESTS, long_video, request_image, request_video
 from PIL import Image
 
 from dattn_export.checkpoints.source import folder_config, load_model
 from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.media import DecodedMedia, Media, decode_media, encode_media
 from dattn_export.processing import audio_features, load_audio_processor, load_image_processor, load_tokenizer
-from dattn_export.vllm_plugin.video import longest_sound_track, max_video_frames
+from dattn_export.vllm_plugin.video import DEFAULT_MAX_FRAMES, longest_sound_track, max_video_frames
 
 vllm_missing = pytest.mark.skipif(
     __import__("importlib").util.find_spec("vllm") is None,
@@ -432,10 +432,11 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
     folder, clip, long_clip = served["mistral-video"], tmp_path / "clip.mov", tmp_path / "long.mov"
     frames, samples = request_video(2)
     write_video(clip, list(frames), 1, (samples * 32768).astype(np.int16))
-    most = max_video_frames(folder_config(folder), None)  # conv-interpolate: DEFAULT_MAX_FRAMES
+    most = 12  # frames this server takes: past them a video is refused with the setting that raises the limit
     write_video(long_clip, [frames[0]] * (most + 1), 1, None)
+    limit = ("--limit-mm-per-prompt", json.dumps({"video": {"count": 1, "num_frames": most}}))
     # at --max-model-len 256, vLLM's token budget is smaller than the longest video's tokens: serve sizes it
-    with serving(folder, tmp_path / "serve.log") as chat:
+    with serving(folder, tmp_path / "serve.log", *limit) as chat:
         text = "what is in the video"
         expected = expected_ids(folder, text, decode_media(Media(video=clip), folder, folder_config(folder)))
         request = video_part(data_url(clip.read_bytes(), "video/quicktime"))
@@ -446,8 +447,9 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
             "too many frames": (text, video_part(data_url(long_clip.read_bytes(), "video/quicktime"))),
         }
         for case, (prompt, media) in bad.items():
-            with pytest.raises(BadRequestError):
+            with pytest.raises(BadRequestError) as refused:
                 chat(prompt, media)
+            assert case != "too many frames" or f"at most {most} are served" in str(refused.value), refused.value
         assert answer_ids(chat(text, request)) == expected  # still serving
 
 
@@ -456,23 +458,51 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
 @torch.no_grad()
 def test_serve_budgets_the_longest_video(served):
     """vLLM takes a request's encoder tokens in one step: at a small --max-model-len, `serve` raises vLLM's token
-    budget to the longest video's tokens, as many as the reference model's streams for that video have."""
+    budget to those of the video with the most, as many as the reference model's streams for that video have (and one
+    more, which vLLM needs). Past
+    the released resize budget (3750 frames of the demo's tiny tower) every frame's grid is resized, here to more
+    tokens than within it; no frame limit below two hours holds unless one is asked for."""
     from dattn_export.stages.serve import vllm_serve_command
 
-    folder = served["mistral-video"]
+    folder = served["gemma2-video"]
     model = load_model(folder)
-    frames, size = max_video_frames(model.config, None), model.config.vision_config["image_size"]
+    assert max_video_frames(model.config, None) == DEFAULT_MAX_FRAMES == 7200
+    frames, size = 3760, model.config.vision_config["image_size"]
     video, _ = model.model.embed_video([torch.rand(frames, 3, size, size)])
+    assert video.shape[1] == frames * 25 and model.config.tokens_per_frame == 16  # resized: 5 x 5 tokens, not 4 x 4
     mels, mel_frames = audio_features(
         np.ones(longest_sound_track(frames), np.float32) / 4, load_audio_processor(folder, model.config)
     )
     audio, _ = model.model.embed_audio([mels], [mel_frames])
-    command, _ = vllm_serve_command(folder, 1, "127.0.0.1", 8000, ("--max-model-len", "256"))
-    assert int(command[command.index("--max-num-batched-tokens") + 1]) == video.shape[1] + audio.shape[1]
+    limit = ("--limit-mm-per-prompt", json.dumps({"video": {"count": 1, "num_frames": frames}}))
+    command, _ = vllm_serve_command(folder, 1, "127.0.0.1", 8000, ("--max-model-len", "256", *limit))
+    # one more: vLLM refuses an encoder prompt as long as its encoder cache
+    assert int(command[command.index("--max-num-batched-tokens") + 1]) == video.shape[1] + audio.shape[1] + 1
     few_frames = ("--max-model-len=256", "--limit-mm-per-prompt", json.dumps({"video": {"count": 1, "num_frames": 6}}))
     assert "--max-num-batched-tokens" not in vllm_serve_command(folder, 1, "127.0.0.1", 8000, few_frames)[0]
+    default, _ = vllm_serve_command(folder, 1, "127.0.0.1", 8000, ("--max-model-len", "256"))
     count_only = ("--max-model-len", "256", "--limit-mm-per-prompt", json.dumps({"video": 1}))  # no frame limit
-    assert vllm_serve_command(folder, 1, "127.0.0.1", 8000, count_only)[0][: len(command)] == command
+    assert vllm_serve_command(folder, 1, "127.0.0.1", 8000, count_only)[0][: len(default)] == default
+    assert '"max_frames": 7200' in default[default.index("--media-io-kwargs") + 1]
+
+
+@pytest.mark.slow
+@vllm_missing
+def test_vllm_past_the_resize_budget_equals_reference(served, tmp_path):
+    """A video past the released resize budget (62 minutes of frames and sound, 3760 frames; the demo tower's budget
+    is 3750): vLLM resizes every frame's grid as the reference does, and gives its tokens and log-probabilities."""
+    folder, frames = served["gemma2-video"], 3760
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    command = [sys.executable, HELPERS / "vllm_requests.py", folder, "1", tmp_path / "long.json", "--long-video"]
+    run = subprocess.run([*command, str(frames)], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (got,) = json.loads((tmp_path / "long.json").read_text())
+    pictures, samples = long_video(frames)
+    text, steps = LONG_VIDEO_REQUEST
+    media = DecodedMedia([], [Image.fromarray(frame) for frame in pictures], samples)
+    tokens, logprobs = reference(folder, text, media, steps)
+    assert got["tokens"] == tokens
+    assert np.abs(np.array(got["logprobs"]) - logprobs).max() <= LOGPROB_TOLERANCE
 
 
 @vllm_missing

@@ -1,1 +1,1 @@
-"""One module per command; `cli.py` only parses options and renders what these return."""
+"""One module per command; `cli/` (a module per command) only parses options and renders what these return."""

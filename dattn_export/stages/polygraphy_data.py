@@ -3,7 +3,7 @@ inputs and the PyTorch reference's outputs on exactly those inputs, in polygraph
 `polygraphy run GRAPH --onnxrt` (or `--trt`) checks a backend against the reference with polygraphy's tolerances
 and statistics, the reports users file runtime bugs with.
 
-The reference of each graph is the module it was exported from (`onnx_export.graph_specs`), run on the recorded
+The reference of each graph is the module it was exported from (`graphs.graph_specs`), run on the recorded
 feeds: one definition of what a graph computes."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..extras import require
-from .onnx_export import GraphSpec, graph_specs
+from ..graphs import GraphSpec, graph_specs
 
 RUNNER = "pytorch-reference"
 

@@ -22,6 +22,7 @@ from ..artifacts import VALIDATION_REPORT, from_json
 from ..checkpoints.source import load_model
 from ..demo_model import DEMO_PROMPT, DEMO_VIDEO_FPS, DEMO_VIDEO_PROMPT, demo_audio, demo_frames, demo_image
 from ..errors import InputError
+from ..graphs import layer_caches
 from ..media import DecodedMedia, Media, decode_media, encode_media, graph_context
 from ..modeling.images import anyres_tiles, prepare_pictures
 from ..modeling.streams import AUDIO, FRAMES
@@ -30,7 +31,6 @@ from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
 from ..sidefiles import read_json, reading
 from . import polygraphy_data, quantize
-from .onnx_export import layer_caches
 from .polygraphy_data import recording
 
 # max abs error allowed on logits: fp32 as in the ecosystem's exporters; fp16 keeps ~3 significant digits

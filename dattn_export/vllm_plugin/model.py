@@ -69,7 +69,7 @@ from ..modeling.modeling_dattn import o_proj_per_kv_head
 from ..modeling.streams import AUDIO, FRAMES, IMAGE, ContextStream
 from ..processing import audio_features, load_audio_processor, load_image_processor
 from . import ARCHITECTURES, VIDEO_BACKEND, unsupported
-from .video import longest_sound_track, max_video_frames, video_tokens
+from .video import FRAME_LIMIT_OPTION, longest_sound_track, longest_video, max_video_frames, video_tokens
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # a request's image may hold at most this many pixels (it is resized to the tower's)
 
@@ -130,12 +130,12 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
         return ""
 
     def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int], mm_options):
-        """The largest image: an anyres model's widest tiling, filled exactly; the longest video, with a sound track
-        as long."""
+        """The largest image: an anyres model's widest tiling, filled exactly; the video with the most tokens
+        (`video.longest_video`), with a sound track as long."""
         config = self.info.get_hf_config()
         size = config.vision_config["image_size"]
         if config.is_video:
-            frames = self.info.max_frames()
+            frames, _ = longest_video(config, self.info.max_frames(), self.info.audio_processor.hop_length)
             video = self._get_dummy_videos(width=size, height=size, num_frames=frames, num_videos=1)[0]
             audio = np.random.default_rng(0).uniform(-0.5, 0.5, longest_sound_track(frames))
             return {"video": [(video, {"audio": audio.astype(np.float32)})] * mm_counts.get("video", 0)}
@@ -176,7 +176,9 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         config, most, frames, mels, sizes = self.info.get_hf_config(), self.info.max_frames(), [], [], []
         for video, metadata in videos:
             if len(video) > most:
-                raise ValueError(f"video of {len(video)} frames: at most {most} are served")
+                raise ValueError(
+                    f"video of {len(video)} frames: at most {most} are served ({FRAME_LIMIT_OPTION} raises it)"
+                )
             pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
             frames.append(prepare_pictures(pictures, config.mm_image_aspect_ratio, self.info.image_processor))
             samples, extractor = sound_track(metadata), self.info.audio_processor

@@ -3,20 +3,35 @@ before vLLM starts); apart from `__init__`, which vLLM imports in every process 
 
 from __future__ import annotations
 
-from ..modeling.streams import AUDIO, FRAMES, RESIZE_TOKENS
+from ..modeling.streams import AUDIO, FRAMES
 from ..processing import AUDIO_RATE, VIDEO_FPS
 
-DEFAULT_MAX_FRAMES = 300  # frames a video may have, where the model's pool sets no limit (5 minutes at 1 frame/s)
+# frames a served video may have unless --limit-mm-per-prompt's num_frames says otherwise: two hours at 1 frame/s.
+# The released code sets no limit; a server needs one, because it sizes its token budget and its profiling run for
+# the longest video it takes
+DEFAULT_MAX_FRAMES = 7200
 
 
 def max_video_frames(config, limit: int | None) -> int:
-    """The most frames a request's video may have: DEFAULT_MAX_FRAMES, or for a space-to-depth pool the most
-    before its resize budget (served videos are not resized yet), lowered by `limit` (`--limit-mm-per-prompt
-    '{"video": {"count": 1, "num_frames": N}}'`)."""
-    most = DEFAULT_MAX_FRAMES
-    if config.mm_pool_rule == "space-to-depth":
-        most = RESIZE_TOKENS * config.mm_image_pool_size**2 // (config.patch_grid + 1) ** 2
-    return min(most, limit) if limit else most
+    """The most frames a request's video may have: `limit` (`--limit-mm-per-prompt '{"video": {"count": 1,
+    "num_frames": N}}'`), else DEFAULT_MAX_FRAMES, whatever the pool (past space-to-depth's resize budget, the
+    frames' grids are resized as the released pool resizes them)."""
+    return limit or DEFAULT_MAX_FRAMES
+
+
+FRAME_LIMIT_OPTION = """--limit-mm-per-prompt '{"video": {"count": 1, "num_frames": N}}'"""
+
+
+def longest_video(config, most_frames: int, hop: int) -> tuple[int, int]:
+    """(frames, encoder tokens) of the video of at most `most_frames` frames, with a sound track as long (log-mel
+    frames of `hop` samples), that has the most tokens: the longest, except where space-to-depth's resize gives
+    a longer video fewer tokens a frame (within the budget the grid keeps its side; past it, the side shrinks)."""
+
+    def tokens(frames: int) -> int:
+        return video_tokens(config, frames, longest_sound_track(frames) // hop)
+
+    frames = max(range(1, most_frames + 1), key=lambda count: (tokens(count), count))
+    return frames, tokens(frames)
 
 
 def video_tokens(config, frames: int, mel_frames: int) -> int:

@@ -1,11 +1,13 @@
 """Requests for the vLLM tests, and a script that runs them through `vllm.LLM` (vLLM spawns its workers, so it runs
-in its own process): `python vllm_requests.py FOLDER TENSOR_PARALLEL OUT.json [RAY_ADDRESS]` writes each request's
-greedy tokens and their log-probabilities; with a Ray cluster's address, the workers are Ray actors placed by vLLM's Ray
-executor (on CPU through `ray_cpu_shim`), and the nodes they ran on are written too."""
+in its own process): `python vllm_requests.py FOLDER TENSOR_PARALLEL OUT.json [RAY_ADDRESS | --long-video FRAMES]`
+writes each request's greedy tokens and their log-probabilities; with a Ray cluster's address, the workers are Ray
+actors placed by vLLM's Ray executor (on CPU through `ray_cpu_shim`), and the nodes they ran on are written too;
+with --long-video, one request on a video that long."""
 
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -44,6 +46,17 @@ def request_video(seed: int) -> tuple[np.ndarray, np.ndarray | None]:
     return frames, samples
 
 
+def long_video(frames: int) -> tuple[np.ndarray, np.ndarray]:
+    """A video of `frames` small frames at 1 frame/s and a sound track as long: past the demo video model's resize
+    budget when long enough (`streams.pooled_side`)."""
+    rng = np.random.default_rng(frames)
+    samples = (rng.integers(-9000, 9000, 16000 * frames) / 32768).astype(np.float32)
+    return rng.integers(0, 255, (frames, 20, 26, 3), dtype=np.uint8), samples
+
+
+LONG_VIDEO_REQUEST = ("what happens in the long video", 5)  # (prompt, tokens to generate)
+
+
 def request_media(video_model: bool, seed: int) -> dict:
     if video_model:
         frames, samples = request_video(seed)
@@ -51,7 +64,8 @@ def request_media(video_model: bool, seed: int) -> dict:
     return {"image": request_image(seed)}
 
 
-def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = None) -> None:
+def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = None, long_frames: int = 0) -> None:
+    """REQUESTS, or with `long_frames` one request on a `long_video` of that many frames."""
     from vllm import LLM, SamplingParams
 
     if ray_address:
@@ -66,6 +80,15 @@ def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = 
 
     video_model = json.loads(open(os.path.join(folder, "config.json")).read()).get("mm_input_type") == "video"
 
+    frame_limit, budget = MAX_FRAMES, {}
+    if long_frames:  # vLLM takes a request's encoder tokens in one step: its budget holds the video's (as serve sets)
+        from dattn_export.checkpoints.source import folder_config
+        from dattn_export.processing import load_audio_processor
+        from dattn_export.vllm_plugin.video import longest_video
+
+        config, frame_limit = folder_config(folder), long_frames
+        hop = load_audio_processor(Path(folder), config).hop_length
+        budget = {"max_num_batched_tokens": longest_video(config, long_frames, hop)[1] + 1}
     llm = LLM(
         folder,
         dtype="float32",
@@ -75,13 +98,20 @@ def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = 
         max_num_seqs=3,
         distributed_executor_backend="ray" if ray_address else None,
         # a video model's encoder sequence is as long as the longest video taken: 8 frames, the requests' at most
-        limit_mm_per_prompt={"video": {"count": 1, "num_frames": MAX_FRAMES}} if video_model else None,
+        limit_mm_per_prompt={"video": {"count": 1, "num_frames": frame_limit}} if video_model else None,
+        **budget,
     )
+    requests = REQUESTS
     prompts = [
         prompt_of(text) | ({} if seed is None else {"multi_modal_data": request_media(video_model, seed)})
         for text, seed, _ in REQUESTS
     ]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for *_, n in REQUESTS]
+    if long_frames:
+        frames, samples = long_video(long_frames)
+        text, steps = LONG_VIDEO_REQUEST
+        requests = [(text, None, steps)]
+        prompts = [prompt_of(text) | {"multi_modal_data": {"video": (frames, {"audio": samples})}}]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for *_, n in requests]
     results = []
     for output in llm.generate(prompts, params):
         completion = output.outputs[0]
@@ -113,4 +143,7 @@ def ray_worker(worker) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
+    if "--long-video" in sys.argv:  # FOLDER TENSOR_PARALLEL OUT.json --long-video FRAMES
+        main(sys.argv[1], int(sys.argv[2]), sys.argv[3], long_frames=int(sys.argv[sys.argv.index("--long-video") + 1]))
+    else:
+        main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:])

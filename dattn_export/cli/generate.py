@@ -1,0 +1,87 @@
+"""`dattn-export generate`: prompts answered from one encoded context, on the reference or a graph backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..extras import require_backend
+from ..folders import BACKENDS, resolve
+from .answers import answers_json, print_answers, print_prompt_result
+from .common import check_device, device_option, examples, video_options
+
+
+@click.command(
+    epilog=examples(
+        "dattn-export generate ./converted --prompt $'USER: <image>\\nWhat is shown?\\nASSISTANT:' --image cat.png",
+        "dattn-export generate ./onnx --backend genai --image cat.png --prompts questions.jsonl --max-new-tokens 64",
+    )
+)
+@click.argument("checkpoint", type=click.Path(), metavar="FOLDER")
+@click.option(
+    "--prompt",
+    "prompts",
+    multiple=True,
+    help="Text prompt (repeatable: the media is encoded once and every prompt answered from it).",
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help='A file of prompts, after any --prompt: one a line, or JSON lines (.jsonl: a string or {"prompt": ...} '
+    "a line, for prompts with line breaks).",
+)
+@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="Image file (repeatable).")
+@video_options
+@click.option(
+    "--max-new-tokens", type=click.IntRange(min=1), default=20, show_default=True, help="Greedy tokens to generate."
+)
+@click.option(
+    "--backend",
+    type=click.Choice(list(BACKENDS)),
+    default="torch",
+    show_default=True,
+    help="torch: the PyTorch reference on a checkpoint or converted folder; ort: an `onnx` folder on ONNX Runtime "
+    "CPU; trt: a `trt` engines folder on a GPU; genai: onnxruntime-genai decoding an `onnx` folder (the context by "
+    "our graphs on ONNX Runtime, once).",
+)
+@device_option
+@click.option("--json", "as_json", is_flag=True, help="Print the answers, token counts and timings as JSON.")
+def generate(
+    checkpoint: str,
+    prompts: tuple[str, ...],
+    prompts_file: Path | None,
+    images: tuple[Path, ...],
+    video: Path | None,
+    frames: Path | None,
+    audio: Path | None,
+    max_new_tokens: int,
+    backend: str,
+    device: str,
+    as_json: bool,
+):
+    """Greedy generation from FOLDER: a checkpoint or converted folder with the PyTorch reference model, or the
+    exported graphs with the backend that runs them."""
+    check_device(backend, device)
+    if not prompts and prompts_file is None:
+        raise click.UsageError("give a prompt: --prompt TEXT (repeatable) or --prompts FILE")
+    checkpoint = resolve(checkpoint, f"generate --backend {backend}", *BACKENDS[backend], hub=backend == "torch")
+    require_backend(backend)
+    from ..media import Media
+    from ..stages.generate import read_prompts, run_prompts, run_prompts_graphs
+
+    prompts = [*prompts, *(read_prompts(prompts_file) if prompts_file else [])]
+    media = Media(images=list(images), video=video, frames=frames, audio=audio)
+    if backend == "torch":
+        answers = run_prompts(checkpoint, prompts, media, max_new_tokens)
+    else:
+        answers = run_prompts_graphs(checkpoint, prompts, media, max_new_tokens, backend, device)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(answers_json(answers, prompts, checkpoint, backend), indent=2))
+    elif len(prompts) == 1:
+        print_prompt_result("dattn-export generate", answers.one(), [("checkpoint", str(checkpoint))])
+    else:
+        print_answers("dattn-export generate", answers, [("checkpoint", str(checkpoint))])

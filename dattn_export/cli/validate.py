@@ -1,0 +1,145 @@
+"""`dattn-export validate`: an export's numbers against the PyTorch reference, and the report's rendering."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..extras import require, require_backend
+from ..folders import BACKENDS, TRAINING_OUTPUT, resolve
+from .common import check_device, device_option, examples, video_options
+
+
+@click.command(
+    epilog=examples(
+        "dattn-export validate ./onnx",
+        "dattn-export validate ./engines --backend trt --image cat.png --prompt $'USER: <image>\\nWhat is it?'",
+    )
+)
+@click.argument("folder", type=click.Path(), metavar="FOLDER")
+@click.option("--against", type=click.Path(), help="Reference checkpoint (default: the export's source).")
+@click.option(
+    "--backend",
+    type=click.Choice(["ort", "trt"]),  # those of BACKENDS that run the graphs the reference is compared with
+    default="ort",
+    show_default=True,
+    help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU.",
+)
+@click.option(
+    "--max-new-tokens",
+    "--steps",
+    "steps",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Greedy tokens to generate and compare (--steps: its earlier name).",
+)
+@click.option(
+    "--atol",
+    type=click.FloatRange(min=0),
+    help="Absolute tolerance on the logits [default: the graphs' dtype's, printed in the report's title]. A "
+    "quantized export is held to its accuracy gate instead.",
+)
+@click.option(
+    "--rtol",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Relative tolerance on the logits: each passes within atol + rtol * |reference| (numpy's allclose).",
+)
+@click.option("--prompt", default=None, help="Prompt (default: the demo's).")
+@click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
+@video_options
+@click.option(
+    "--save-polygraphy",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write every compared graph run's inputs and the reference's outputs here in polygraphy's JSON format, "
+    "and print the `polygraphy run` commands that check them.",
+)
+@device_option
+def validate(
+    folder: str,
+    against: str | None,
+    backend: str,
+    steps: int,
+    atol: float | None,
+    rtol: float,
+    prompt: str | None,
+    image,
+    video,
+    frames,
+    audio,
+    save_polygraphy: Path | None,
+    device: str,
+):
+    """Run the graphs in FOLDER (an `onnx` export, or with --backend trt a `trt` engines folder) and compare them
+    with the PyTorch reference; exit 1 beyond tolerance. A video model takes --video, --frames or --audio (default:
+    the demo video's frames and sound)."""
+    check_device(backend, device)
+    folder = resolve(folder, f"validate --backend {backend}", *BACKENDS[backend], hub=False)
+    against = against and resolve(against, "validate --against", *TRAINING_OUTPUT)
+    require_backend(backend)
+    if save_polygraphy:
+        require("polygraphy")
+    from ..media import Media
+    from ..stages.validate import validate as run_validate
+    from ..ui import out as stdout
+
+    media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
+    report = run_validate(
+        folder,
+        against,
+        backend,
+        steps,
+        prompt,
+        media,
+        save_polygraphy=save_polygraphy,
+        atol=atol,
+        rtol=rtol,
+        device=device,
+    )
+    print_validation(report, folder)
+    if report.polygraphy_commands:
+        stdout.print(f"polygraphy data in {save_polygraphy}; check it (--trt instead of --onnxrt for TensorRT):")
+        for command in report.polygraphy_commands:
+            stdout.print(command, markup=False, soft_wrap=True)
+    if not report.passed:
+        raise SystemExit(1)
+
+
+def print_validation(report, folder: Path) -> None:
+    from rich.table import Table
+
+    from ..artifacts import VALIDATION_REPORT
+    from ..ui import out
+
+    rule = f"logits within atol {report.tolerance:g}" + (f" + rtol {report.rtol:g}" if report.rtol else "")
+    if report.gate:  # quantized weights: the gate decides, the fp tolerance does not apply
+        rule = f"{report.gate.scheme} weights: held to the accuracy gate, not to a logits tolerance"
+    where = "gpu" if report.backend == "trt" else report.device
+    table = Table(
+        title=f"dattn-export validate {folder} ({report.backend} on {where}, {report.dtype}; {rule})",
+        title_justify="left",
+    )
+    for column in ("graph", "output", "max abs error", "max rel error", "p90 / p95 / p99 abs"):
+        table.add_column(column)
+    for c in report.comparisons:
+        table.add_row(
+            c.graph, c.output, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}", f"{c.p90:.1e} / {c.p95:.1e} / {c.p99:.1e}"
+        )
+    out.print(table)
+    if g := report.gate:
+        t = g.thresholds
+        out.print(
+            f"accuracy gate ({g.scheme} weights; {g.prompts} prompts, {g.positions} positions): greedy mass "
+            f"{g.greedy_mass:.3f} (>= {t.greedy_mass}), top-5 mass {g.top5_mass:.4f} (>= {t.top5_mass}), "
+            f"mean KL {g.mean_kl:.4f} (<= {t.mean_kl}); greedy agreement {g.agreement:.3f}, max KL {g.max_kl:.4f}"
+        )
+    verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
+    tokens = f"greedy tokens: {report.agreement}/{len(report.reference_tokens)} agree with the reference"
+    if report.gate:  # free-running tokens part at the first near tie and never meet again: reported, not gated
+        decided = f"by the accuracy gate above; {tokens} (reported, not gated: quantized weights may part at a tie)"
+    else:
+        decided = f"logits {'within' if report.logits_within else 'beyond'} tolerance; {tokens} (all must)"
+    out.print(f"{verdict}: {decided} (report: {folder / VALIDATION_REPORT})")
