@@ -17,7 +17,7 @@ from ..folders import CONVERTED, check_kind
 from ..processing import frame_square, load_audio_processor
 from ..sidefiles import read_json
 from ..vllm_plugin import MEDIA_CONNECTOR, VIDEO_BACKEND, unsupported
-from ..vllm_plugin.video import longest_video, max_video_frames
+from ..vllm_plugin.video import encoder_token_budget, max_video_frames
 
 # The prompt as our reference reads it (BOS, then the text) for tokenizers without a chat template: the messages'
 # text, one after another; the image or video is the encoder's input, never a token in the text. A chat request
@@ -80,10 +80,9 @@ def requested_frames(extra: tuple[str, ...]) -> int | None:
 def longest_video_budget(folder: Path, config, frames: int, extra: tuple[str, ...]) -> list[str]:
     """vLLM takes a request's encoder tokens in one step (no chunked prefill on its encoder-decoder path), so its
     token budget must hold those of the video of at most `frames` frames that has the most (`longest_video`); its
-    own default is sized by the context length (--max-model-len), which is larger unless set small. One token more:
-    vLLM refuses an encoder prompt as long as its encoder cache (it counts an output token on it too). The option
-    where it is needed, else nothing."""
-    tokens = longest_video(config, frames, load_audio_processor(folder, config).hop_length)[1] + 1
+    own default is sized by the context length (--max-model-len), which is larger unless set small
+    (`encoder_token_budget`). The option where it is needed, else nothing."""
+    tokens = encoder_token_budget(config, frames, load_audio_processor(folder, config).hop_length)
     given = option_value(extra, "--max-model-len") or ""
     context = int(given) if given.isdigit() else config.max_position_embeddings  # "32k", "auto": the config's
     return ["--max-num-batched-tokens", str(tokens)] if tokens > context else []

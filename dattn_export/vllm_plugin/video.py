@@ -34,6 +34,13 @@ def longest_video(config, most_frames: int, hop: int) -> tuple[int, int]:
     return frames, tokens(frames)
 
 
+def encoder_token_budget(config, most_frames: int, hop: int) -> int:
+    """The token budget vLLM needs for videos of at most `most_frames` frames: the `longest_video`'s tokens, which it
+    takes in one step, and one more, since vLLM refuses an encoder prompt as long as its encoder cache (it counts an
+    output token on it too)."""
+    return longest_video(config, most_frames, hop)[1] + 1
+
+
 def video_tokens(config, frames: int, mel_frames: int) -> int:
     """A video's encoder tokens: its frames', then its sound track's (`mel_frames` long)."""
     return FRAMES.tokens(config, frames) + AUDIO.tokens(config, mel_frames)

@@ -84,11 +84,11 @@ def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = 
     if long_frames:  # vLLM takes a request's encoder tokens in one step: its budget holds the video's (as serve sets)
         from dattn_export.checkpoints.source import folder_config
         from dattn_export.processing import load_audio_processor
-        from dattn_export.vllm_plugin.video import longest_video
+        from dattn_export.vllm_plugin.video import encoder_token_budget
 
         config, frame_limit = folder_config(folder), long_frames
         hop = load_audio_processor(Path(folder), config).hop_length
-        budget = {"max_num_batched_tokens": longest_video(config, long_frames, hop)[1] + 1}
+        budget = {"max_num_batched_tokens": encoder_token_budget(config, long_frames, hop)}
     llm = LLM(
         folder,
         dtype="float32",
