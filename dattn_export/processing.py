@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProces
 
 from .checkpoints.towers import tower_folder
 from .errors import InputError
-from .modeling.images import prepare_pictures, tower_side
+from .modeling.images import prepare_pictures, squared, tower_side
 from .sidefiles import read_json, reading
 
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -57,6 +57,28 @@ def load_images(paths: list[Path], config, image_processor) -> torch.Tensor:
     """Image files -> (1, images, 3, H, W) pixel values, each prepared as the released code prepares a picture
     (`modeling/images.py`, by mm_image_aspect_ratio; not anyres, whose pictures become tiles)."""
     return prepare_pictures([open_image(path) for path in paths], config.mm_image_aspect_ratio, image_processor)[None]
+
+
+def picture_bytes(pictures: list[Image.Image], rule: str, image_processor) -> torch.Tensor:
+    """(N, 3, H, W) uint8: the pictures as `prepare_pictures` prepares them, before the processor rescales and
+    normalizes them (`normalize_pixels`): a quarter of the bytes, for many frames held or sent at once."""
+    pixels = image_processor(
+        squared(pictures, rule, image_processor), do_rescale=False, do_normalize=False, return_tensors="pt"
+    )["pixel_values"]
+    return pixels.round().to(torch.uint8) if pixels.is_floating_point() else pixels.to(torch.uint8)
+
+
+def normalize_pixels(pixels: torch.Tensor, image_processor) -> torch.Tensor:
+    """`picture_bytes`' pixels as `prepare_pictures` gives them, float32: rescaled (in float64, then float32) and
+    normalized, as the processor computes them (tests/test_vllm.py compares the two)."""
+    scale = image_processor.rescale_factor if image_processor.do_rescale else 1.0
+    x = (pixels.double() * scale).float()
+    if not image_processor.do_normalize:
+        return x
+    mean, std = (torch.tensor(v, dtype=torch.float32, device=x.device)[:, None, None] for v in (
+        image_processor.image_mean, image_processor.image_std
+    ))  # fmt: skip
+    return (x - mean) / std
 
 
 # --- video models -----------------------------------------------------------------------------------------------

@@ -21,7 +21,13 @@ from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import DEMO_PROMPT, write_demo_checkpoint
 from dattn_export.media import Media
 from dattn_export.modeling.images import anyres_tiles, prepare_pictures
-from dattn_export.processing import load_image_processor, load_tokenizer, open_image
+from dattn_export.processing import (
+    load_image_processor,
+    load_tokenizer,
+    normalize_pixels,
+    open_image,
+    picture_bytes,
+)
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.validate import ValidationReport, image_context
@@ -76,6 +82,10 @@ def test_pictures_become_the_released_pixels(tmp_path, processor, rule):
                 expected = expected[0]
             else:
                 got = prepare_pictures([ours], rule, made)
+                # vLLM's frames travel as bytes and are normalized on the workers: the same pixels, bit for bit
+                as_bytes = picture_bytes([ours], rule, made)
+                assert as_bytes.dtype == torch.uint8
+                assert torch.equal(normalize_pixels(as_bytes, made), expected), (name, mode, rule)
             assert got.shape == expected.shape and torch.equal(got, expected), (name, mode, rule)
 
 

@@ -26,7 +26,14 @@ from helpers.cli import run_cli
 from helpers.ray_cpu_shim import RESOURCE as RAY_RANK_RESOURCE
 from helpers.real_checkpoints import free_port
 from helpers.released_images import process_images, with_output_size
-from helpers.vllm_requests import LONG_VIDEO_REQUEST, REQUESTS, long_video, request_image, request_video
+from helpers.vllm_requests import (
+    LONG_VIDEO_REQUEST,
+    REPEATED,
+    REQUESTS,
+    long_video,
+    request_image,
+    request_video,
+)
 from PIL import Image
 
 from dattn_export.checkpoints.source import folder_config, load_model
@@ -104,17 +111,19 @@ def reference(folder: Path, prompt: str | list[int], media: DecodedMedia, steps:
     return tokens, logprobs
 
 
-def vllm_requests(folder: Path, tensor_parallel: int, results: Path, ray_address: str | None = None) -> list[dict]:
+def vllm_requests(
+    folder: Path, tensor_parallel: int, results: Path, ray_address: str | None = None, repeat_gib: float | None = None
+) -> list[dict]:
     """REQUESTS through `vllm.LLM` in a process of its own (helpers/vllm_requests.py): each one's greedy tokens and
-    their log-probabilities; through a Ray cluster's workers when given its address."""
+    their log-probabilities; through a Ray cluster's workers when given its address; REPEATED with a context cache
+    of `repeat_gib`, then each rank's cache statistics."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"[: 2 * tensor_parallel - 1]}
     if ray_address:  # the engine in the driver, where the shim is installed; each node binds its own core
         env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         del env["VLLM_CPU_OMP_THREADS_BIND"]
     command = [sys.executable, HELPERS / "vllm_requests.py", folder, str(tensor_parallel), results]
-    run = subprocess.run(
-        command + [ray_address] * bool(ray_address), capture_output=True, text=True, env=env, timeout=600
-    )
+    command += [ray_address] if ray_address else [] if repeat_gib is None else ["--repeat", str(repeat_gib)]
+    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(results.read_text())
 
@@ -147,6 +156,37 @@ def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     text, seed, _ = REQUESTS[0]
     same, other = (reference(folder, text, request_decoded(folder, s), 1)[1][0] for s in (seed, seed + 7))
     assert abs(same - other) > 10 * LOGPROB_TOLERANCE
+
+
+@pytest.mark.slow
+@vllm_missing
+@pytest.mark.parametrize(
+    "model, tensor_parallel, cache_gib",
+    [
+        ("gemma2-video", 2, 4.0),  # room for both videos' contexts: each computed once, the later questions read it
+        ("mistral-video", 1, 4e-5),  # 43 kB, room for one (28 kB, 21 kB): interleaved questions evict each other's
+    ],
+)
+def test_repeated_videos_reuse_their_context(served, tmp_path, model, tensor_parallel, cache_gib):
+    """Questions on two videos, interleaved and repeated, three in flight (REPEATED): every answer's tokens and
+    log-probabilities as the reference gives them for its own video, so a context read under the other video's key
+    would show, and the cache was read (hits) on every rank. Its memory stays within its setting: contexts that do
+    not fit leave (least recently used first) and are computed again."""
+    folder = served[model]
+    *answers, last = vllm_requests(folder, tensor_parallel, tmp_path / "vllm.json", repeat_gib=cache_gib)
+    for (text, seed, steps), got in zip(REPEATED, answers, strict=True):
+        tokens, logprobs = reference(folder, text, request_decoded(folder, seed), steps)
+        assert got["tokens"] == tokens, (text, got["tokens"], tokens)
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], logprobs)) < LOGPROB_TOLERANCE
+    caches = last["caches"]
+    assert len(caches) == tensor_parallel
+    for cache in caches:
+        assert cache["hits"] + cache["misses"] == len(REPEATED) and cache["hits"] >= 1, cache
+        assert 0 < cache["peak_bytes"] <= cache["limit_bytes"] == int(cache_gib * 2**30), cache
+        if cache_gib > 1:  # both kept: each video computed once (twice at most when its first two share a step)
+            assert cache["contexts"] == 2 and cache["misses"] <= 3 and cache["evictions"] == 0, cache
+        else:
+            assert cache["contexts"] == 1 and cache["evictions"] >= 1, cache
 
 
 @contextmanager
@@ -436,7 +476,8 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
     write_video(long_clip, [frames[0]] * (most + 1), 1, None)
     limit = ("--limit-mm-per-prompt", json.dumps({"video": {"count": 1, "num_frames": most}}))
     # at --max-model-len 256, vLLM's token budget is smaller than the longest video's tokens: serve sizes it
-    with serving(folder, tmp_path / "serve.log", *limit) as chat:
+    # the same video asked again at the end reads its context from the plugin's cache
+    with serving(folder, tmp_path / "serve.log", *limit, "--context-cache-gib", "0.5") as chat:
         text = "what is in the video"
         expected = expected_ids(folder, text, decode_media(Media(video=clip), folder, folder_config(folder)))
         request = video_part(data_url(clip.read_bytes(), "video/quicktime"))
@@ -484,6 +525,22 @@ def test_serve_budgets_the_longest_video(served):
     count_only = ("--max-model-len", "256", "--limit-mm-per-prompt", json.dumps({"video": 1}))  # no frame limit
     assert vllm_serve_command(folder, 1, "127.0.0.1", 8000, count_only)[0][: len(default)] == default
     assert '"max_frames": 7200' in default[default.index("--media-io-kwargs") + 1]
+
+
+@pytest.mark.slow
+@vllm_missing
+def test_serve_sets_the_context_cache(served):
+    """--context-cache-gib reaches the plugin's config through vLLM's --hf-overrides; given beside the user's own
+    --hf-overrides it is refused in one line (vLLM would take only the last)."""
+    from dattn_export.errors import InputError
+    from dattn_export.stages.serve import vllm_serve_command
+
+    folder = served["gemma2-video"]
+    command, _ = vllm_serve_command(folder, 1, "127.0.0.1", 8000, (), context_cache_gib=2.5)
+    assert json.loads(command[command.index("--hf-overrides") + 1]) == {"context_cache_gib": 2.5}
+    assert "--hf-overrides" not in vllm_serve_command(folder, 1, "127.0.0.1", 8000, ())[0]
+    with pytest.raises(InputError, match="context_cache_gib"):
+        vllm_serve_command(folder, 1, "127.0.0.1", 8000, ("--hf-overrides", "{}"), context_cache_gib=1)
 
 
 @pytest.mark.slow

@@ -30,8 +30,21 @@ from .common import examples
 @click.option(
     "--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port the server listens on."
 )
+@click.option(
+    "--context-cache-gib",
+    type=click.FloatRange(min=0),
+    help="Memory per rank for the contexts (K/V of every layer) of images and videos seen before, so that a "
+    "later question on one skips its towers and context stream [plugin default: 4; 0: off].",
+)
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def serve(converted: str, tensor_parallel_size: int, host: str, port: int, vllm_args: tuple[str, ...]):
+def serve(
+    converted: str,
+    tensor_parallel_size: int,
+    host: str,
+    port: int,
+    context_cache_gib: float | None,
+    vllm_args: tuple[str, ...],
+):
     """Serve a converted folder with vLLM (an OpenAI-compatible server): `vllm serve CONVERTED` with our plugin, a chat
     template when the tokenizer has none and, on CPU, the environment vLLM needs. Arguments after CONVERTED that are not
     ours go to `vllm serve`."""
@@ -40,7 +53,7 @@ def serve(converted: str, tensor_parallel_size: int, host: str, port: int, vllm_
     converted = resolve(converted, "serve", CONVERTED)
     from ..stages.serve import vllm_serve_command
 
-    command, env = vllm_serve_command(converted, tensor_parallel_size, host, port, vllm_args)
+    command, env = vllm_serve_command(converted, tensor_parallel_size, host, port, vllm_args, context_cache_gib)
     shown = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
     click.echo(f"running: {' '.join([*shown, shlex.join(command)])}", err=True)  # exactly what runs
     sys.stdout.flush()

@@ -111,10 +111,16 @@ def check_vllm_options(extra: tuple[str, ...]) -> None:
 
 
 def vllm_serve_command(
-    folder: Path, tensor_parallel_size: int, host: str, port: int, extra: tuple[str, ...]
+    folder: Path,
+    tensor_parallel_size: int,
+    host: str,
+    port: int,
+    extra: tuple[str, ...],
+    context_cache_gib: float | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The `vllm serve` command line for a converted folder and the environment it runs in; refuses in one line
-    what vLLM cannot serve."""
+    what vLLM cannot serve. `context_cache_gib`: the plugin's context cache per rank (`vllm_plugin/context_cache.py`),
+    set through vLLM's --hf-overrides."""
     check_kind(folder, "serve", (CONVERTED,))
     config = folder_config(folder)
     if reason := unsupported(config):
@@ -127,6 +133,10 @@ def vllm_serve_command(
     command += ["--tensor-parallel-size", str(tensor_parallel_size), "--host", host, "--port", str(port)]
     if not has_chat_template(folder) and "--chat-template" not in extra:
         command += ["--chat-template", PLAIN_CHAT_TEMPLATE]
+    if context_cache_gib is not None:
+        if option_value(extra, "--hf-overrides") is not None:
+            raise InputError("--hf-overrides", 'given with --context-cache-gib: put "context_cache_gib" in it instead')
+        command += ["--hf-overrides", json.dumps({"context_cache_gib": context_cache_gib})]
     if config.is_video:
         frames = max_video_frames(config, requested_frames(extra))
         if option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads them

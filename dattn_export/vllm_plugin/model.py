@@ -1,11 +1,13 @@
 """D-Attn on vLLM's encoder-decoder path (the one Whisper takes), so vLLM's scheduler, caches and parallel layers
 serve it unchanged:
-  * the encoder output is the request's context stream, computed once per request by `embed_multimodal` with the
-    reference's own `ContextStreams`: an image's visual tokens, or a video's frames then its audio; each token
-    carries its stream's segment id (`streams.py`; 0: masked) in one extra column;
+  * the encoder output is the request's context stream, computed by `embed_multimodal` with the reference's own
+    `ContextStreams`: an image's visual tokens, or a video's frames then its audio; each token carries its stream's
+    segment id (`streams.py`; 0: masked) in one extra column;
   * each layer runs the context stream pointwise (diagonal V2V: a token's output is its own value through o_proj,
     then the MLP) on the request's first step only, and writes the layer's unrotated context K/V into
     cross-attention caches (`context_attn`) that later steps read;
+  * a context seen before (the same video or image) skips both: its K/V come from the plugin's cache
+    (`context_cache.py`);
   * text queries attend to the context keys unrotated (debiased) through those cross-attentions, and to the text
     keys with RoPE through vLLM's usual `Attention` (`text_attn`: causal, sliding window, soft-cap); each segment and
     the text have their own softmax and the outputs are summed (the sum merge of the released models), then o_proj.
@@ -67,8 +69,16 @@ from ..modeling import modeling_dattn
 from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower_side
 from ..modeling.modeling_dattn import o_proj_per_kv_head
 from ..modeling.streams import AUDIO, FRAMES, IMAGE, ContextStream
-from ..processing import audio_features, load_audio_processor, load_image_processor
+from ..processing import audio_features, load_audio_processor, load_image_processor, normalize_pixels, picture_bytes
 from . import ARCHITECTURES, VIDEO_BACKEND, unsupported
+from .context_cache import (
+    DEFAULT_CONTEXT_CACHE_GIB,
+    ByteBoundCache,
+    ContextBatch,
+    ContextCache,
+    digest_keys,
+    media_digest,
+)
 from .video import FRAME_LIMIT_OPTION, longest_sound_track, longest_video, max_video_frames, video_tokens
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # a request's image may hold at most this many pixels (it is resized to the tower's)
@@ -88,6 +98,7 @@ VISION_TOWER, AUDIO_TOWER = "model.mm_vis.vision_model.", "model.mm_aud.encoder.
 # fused kernels where the platform has them)
 SERVING_NORMS = {0.0: RMSNorm, 1.0: GemmaRMSNorm}
 IMAGE_MODEL_UNUSED = ("model.mm_aud.",)  # the audio tower a released image checkpoint carries and never runs
+PROFILING = "dattn_profiling"  # in a video's metadata: the dummy video vLLM profiles and warms up with
 
 
 class DAttnProcessingInfo(BaseProcessingInfo):
@@ -107,6 +118,13 @@ class DAttnProcessingInfo(BaseProcessingInfo):
     @cached_property
     def audio_processor(self):
         return load_audio_processor(Path(self.ctx.model_config.model), self.get_hf_config())
+
+    @cached_property
+    def processed_videos(self) -> ByteBoundCache:
+        """Videos as processed (frames, log-mel chunks, sizes) by digest, within the context cache's size: vLLM
+        keeps no processed media for encoder-decoder models, so a question on a video seen before would process
+        its every frame and its whole sound track again."""
+        return ByteBoundCache(context_cache_bytes(self.get_hf_config()))
 
     def max_frames(self) -> int:
         options = self.ctx.get_mm_config().limit_per_prompt.get("video")
@@ -138,7 +156,8 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
             frames, _ = longest_video(config, self.info.max_frames(), self.info.audio_processor.hop_length)
             video = self._get_dummy_videos(width=size, height=size, num_frames=frames, num_videos=1)[0]
             audio = np.random.default_rng(0).uniform(-0.5, 0.5, longest_sound_track(frames))
-            return {"video": [(video, {"audio": audio.astype(np.float32)})] * mm_counts.get("video", 0)}
+            metadata = {"audio": audio.astype(np.float32), PROFILING: True}
+            return {"video": [(video, metadata)] * mm_counts.get("video", 0)}
         columns, rows = max(config.mm_image_grid_points, key=lambda p: p[0] * p[1]) if config.is_anyres else (1, 1)
         images = self._get_dummy_images(
             width=columns * size,
@@ -166,31 +185,52 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         images = [image.convert("RGB") for image in images]
         config, processor = self.info.get_hf_config(), self.info.image_processor
         if not config.is_anyres:  # prepared as the released code prepares a picture (mm_image_aspect_ratio)
-            return BatchFeature({"pixel_values": prepare_pictures(images, config.mm_image_aspect_ratio, processor)})
+            pixels = prepare_pictures(images, config.mm_image_aspect_ratio, processor)
+            return BatchFeature({"pixel_values": pixels, "digest": image_digests(images)})
         tiles, tilings = zip(*(anyres_tiles(image, processor, config.mm_image_grid_points) for image in images))
-        return BatchFeature({"pixel_values": torch.cat(tiles), "tiling": torch.tensor(tilings)})
+        return BatchFeature(
+            {"pixel_values": torch.cat(tiles), "tiling": torch.tensor(tilings), "digest": image_digests(images)}
+        )
 
     def video_features(self, videos: list[tuple[np.ndarray, dict]]) -> BatchFeature:
-        """Each video's frames (the tower's squares) and log-mel chunks of its sound track (one chunk of zeros
-        without one), with `sizes` [frames, chunks, mel frames]: each video's share of the flat tensors."""
-        config, most, frames, mels, sizes = self.info.get_hf_config(), self.info.max_frames(), [], [], []
+        """Each video's frames (the tower's squares, uint8 until the model normalizes them: a quarter of the memory
+        and of what is sent to the workers) and log-mel chunks of its sound track (one chunk of zeros
+        without one), with `sizes` [frames, chunks, mel frames]: each video's share of the flat tensors, and each
+        video's `digest` (`context_cache`)."""
+        most, processed, digests = self.info.max_frames(), [], []
         for video, metadata in videos:
             if len(video) > most:
                 raise ValueError(
                     f"video of {len(video)} frames: at most {most} are served ({FRAME_LIMIT_OPTION} raises it)"
                 )
-            pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
-            frames.append(prepare_pictures(pictures, config.mm_image_aspect_ratio, self.info.image_processor))
-            samples, extractor = sound_track(metadata), self.info.audio_processor
-            if samples is not None:
-                audio, mel_frames = audio_features(samples, extractor)
-            if samples is None or mel_frames < config.mel_frames_per_audio_token:  # no sound track, or too short a one
-                audio, mel_frames = torch.zeros(1, extractor.feature_size, extractor.nb_max_frames), 0
-            mels.append(audio)
-            sizes.append([len(pictures), len(audio), mel_frames])
+            samples = sound_track(metadata)
+            digests.append(digest := media_digest(np.asarray(video), samples))
+            key = bytes(digest.tolist())
+            if (item := self.info.processed_videos.get(key)) is None:
+                item = self.process_video(video, samples)
+                if not metadata.get(PROFILING):  # vLLM's start-up video (the longest) is never asked about
+                    self.info.processed_videos.put(key, item, item[0].nbytes + item[1].nbytes)
+            processed.append(item)
+        frames, mels, sizes = zip(*processed)
         return BatchFeature(
-            {"frame_pixels": torch.cat(frames), "audio_mels": torch.cat(mels), "sizes": torch.tensor(sizes)}
+            {
+                "frame_pixels": torch.cat(frames),
+                "audio_mels": torch.cat(mels),
+                "sizes": torch.tensor(sizes),
+                "digest": torch.stack(digests),
+            }
         )
+
+    def process_video(self, video: np.ndarray, samples: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """A video's frames as bytes (F, 3, side, side), its log-mel chunks and its [frames, chunks, mel frames]."""
+        config, extractor = self.info.get_hf_config(), self.info.audio_processor
+        pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
+        frames = picture_bytes(pictures, config.mm_image_aspect_ratio, self.info.image_processor)
+        if samples is not None:
+            audio, mel_frames = audio_features(samples, extractor)
+        if samples is None or mel_frames < config.mel_frames_per_audio_token:  # no sound track, or too short a one
+            audio, mel_frames = torch.zeros(1, extractor.feature_size, extractor.nb_max_frames), 0
+        return frames, audio, [len(pictures), len(audio), mel_frames]
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs) -> Mapping[str, MultiModalFieldConfig]:
         if "sizes" in hf_inputs:
@@ -199,14 +239,16 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
                 "frame_pixels": MultiModalFieldConfig.flat_from_sizes("video", frames),
                 "audio_mels": MultiModalFieldConfig.flat_from_sizes("video", chunks),
                 "sizes": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
+                "digest": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
             }
+        digest = {"digest": MultiModalFieldConfig.batched("image", keep_on_cpu=True)}
         if "tiling" not in hf_inputs:
-            return {"pixel_values": MultiModalFieldConfig.batched("image")}
+            return {"pixel_values": MultiModalFieldConfig.batched("image")} | digest
         per_image = 1 + hf_inputs["tiling"].prod(-1)  # the thumbnail and the tiles
         return {
             "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", per_image),
             "tiling": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
-        }
+        } | digest
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptReplacement]:
         config = self.info.get_hf_config()
@@ -223,6 +265,16 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
             return [0] * self.info.visual_tokens(size.width, size.height)
 
         return [PromptReplacement(modality="image", target=[0], replacement=placeholders)]
+
+
+def context_cache_bytes(config) -> int:
+    """The context cache's size per rank (`--hf-overrides '{"context_cache_gib": N}'`), in bytes."""
+    return int(float(getattr(config, "context_cache_gib", DEFAULT_CONTEXT_CACHE_GIB)) * 2**30)
+
+
+def image_digests(images: list[Image.Image]) -> torch.Tensor:
+    """Each picture's `media_digest`: its pixels as decoded (RGB)."""
+    return torch.stack([media_digest(np.asarray(image)) for image in images])
 
 
 def sound_track(metadata: Mapping[str, object]) -> np.ndarray | None:
@@ -403,21 +455,24 @@ class DAttnAttention(nn.Module):
     def kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv_proj(x)[0].chunk(2, dim=-1)
 
+    def context_stream(self, x_context: torch.Tensor, need_out: bool) -> tuple[torch.Tensor, ...]:
+        """New context tokens' K, V and (unless it is never read: the last layer's) output."""
+        context_k, context_v = (t.contiguous() for t in self.kv(x_context))
+        return context_k, context_v, self.value_o_proj(context_v)[0] if need_out else None
+
     def forward(
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        x_context: torch.Tensor | None,
-        segment: torch.Tensor | None,
-        need_context_out: bool,
+        context_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         rows_without_context: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> torch.Tensor:
+        """The text's attention output; `context_kv`: the K, V and segments of the contexts of the step's requests
+        in their first step, which go into the cross-attention caches."""
         q, (k, v) = self.q_proj(x)[0], self.kv(x)
-        context_k, context_values, context_out = None, [None] * len(self.segments.reads), None
-        if x_context is not None:  # the request's first step: its context K/V go into the cross-attention caches
-            context_k, context_v = (t.contiguous() for t in self.kv(x_context))
-            if need_context_out:  # the last layer's context output is never read
-                context_out = self.value_o_proj(context_v)[0]
+        context_k, context_values = None, [None] * len(self.segments.reads)
+        if context_kv is not None:
+            context_k, context_v, segment = context_kv
             context_values = self.segments.values(context_v, segment)
         # T2V takes the queries unrotated (debiased), before the rotary op rotates q and k in place
         reads = [attn(q, context_k, values) for attn, values in zip(self.context_attn.values(), context_values)]
@@ -425,7 +480,7 @@ class DAttnAttention(nn.Module):
         if rows_without_context is not None:
             context = context.masked_fill(rows_without_context[:, None], 0)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.text_attn(q, k, v) + context)[0], context_out
+        return self.o_proj(self.text_attn(q, k, v) + context)[0]
 
 
 class DAttnMLP(nn.Module):
@@ -451,6 +506,7 @@ class DAttnMLP(nn.Module):
 class DAttnDecoderLayer(nn.Module, modeling_dattn.LayerNorms):
     def __init__(self, config, layer_idx: int, vllm_config: VllmConfig, prefix: str):
         super().__init__()
+        self.layer_idx = layer_idx
         self.self_attn = DAttnAttention(config, layer_idx, vllm_config, f"{prefix}.self_attn")
         self.mlp = DAttnMLP(config, vllm_config, f"{prefix}.mlp")
         self.init_norms(config, SERVING_NORMS[config.family.norm_offset])
@@ -459,14 +515,21 @@ class DAttnDecoderLayer(nn.Module, modeling_dattn.LayerNorms):
         self,
         positions: torch.Tensor,
         h: torch.Tensor,
+        contexts: ContextBatch | None,
         h_context: torch.Tensor | None,
-        segment: torch.Tensor | None,
         need_context: bool,
         rows_without_context: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x, x_context = self.input_layernorm(h), None if h_context is None else self.input_layernorm(h_context)
-        attn_out, context_out = self.self_attn(positions, x, x_context, segment, need_context, rows_without_context)
-        h_context = None if context_out is None else self.residual_mlp(h_context, context_out)
+        """The text's hidden states and the new contexts' (`h_context`: None past the last layer that needs them,
+        or when every context of the step is cached, its K/V read from `contexts`)."""
+        context_kv = None
+        if contexts is not None:
+            new_k = new_v = None
+            if h_context is not None:
+                new_k, new_v, out = self.self_attn.context_stream(self.input_layernorm(h_context), need_context)
+                h_context = None if out is None else self.residual_mlp(h_context, out)
+            context_kv = (*contexts.layer_kv(self.layer_idx, new_k, new_v), contexts.segment)
+        attn_out = self.self_attn(positions, self.input_layernorm(h), context_kv, rows_without_context)
         return self.residual_mlp(h, attn_out), h_context
 
 
@@ -537,17 +600,15 @@ class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
         x = self.embed_tokens(input_ids)
         return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        context: torch.Tensor | None,
-        segment: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, contexts: ContextBatch | None) -> torch.Tensor:
+        """`contexts`: those of the step's requests in their first step, the new ones run through every layer."""
         h = self.embed_input_ids(input_ids)
         missing = rows_without_context(self.layers[0].self_attn.context_attn_name, len(h))
+        h_context = None if contexts is None else contexts.stream
         for i, layer in enumerate(self.layers):
-            h, context = layer(positions, h, context, segment, i + 1 < len(self.layers), missing)
+            h, h_context = layer(positions, h, contexts, h_context, i + 1 < len(self.layers), missing)
+        if contexts is not None:
+            contexts.finish()
         return self.norm(h)
 
 
@@ -566,6 +627,9 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.logits_softcap)
+        self.context_cache = ContextCache(context_cache_bytes(config))
+        if config.is_video:  # frames arrive as bytes, normalized here as the processor would have
+            self.image_processor = load_image_processor(Path(vllm_config.model_config.model), config)
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
@@ -573,21 +637,35 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
 
     def embed_multimodal(self, **inputs) -> list[torch.Tensor]:
         """Each request's context, (tokens, hidden + 1): the tokens the cross-attention caches are built from, and
-        in the last column each token's segment (`streams.py`; 0: masked)."""
+        in the last column each token's segment (`streams.py`; 0: masked); a marker for a context cached on this
+        rank (`context_cache`), whose towers do not run."""
+        keys = digest_keys(inputs["digest"])
         if "sizes" in inputs:
-            return [self.video_stream(*item) for item in per_item(inputs, ("frame_pixels", "audio_mels", "sizes"))]
+            videos = per_item(inputs, ("frame_pixels", "audio_mels", "sizes"))
+            return self.context_cache.hand_over(keys, lambda new: [self.video_stream(*videos[i]) for i in new])
         if "tiling" not in inputs:  # the batch's images through the tower at once
-            pixels = torch.stack([image for (image,) in per_item(inputs, ("pixel_values",))])
-            return [with_segment(stream, IMAGE.segment) for stream in self.model.embed_images(pixels[:, None])]
-        streams = []
-        for pixels, (columns, rows) in per_item(inputs, ("pixel_values", "tiling")):
-            tiles = pixels[1:].unflatten(0, (rows, columns))
-            streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], IMAGE.segment))
-        return streams
+            images = [image for (image,) in per_item(inputs, ("pixel_values",))]
+
+            def image_streams(new: list[int]) -> list[torch.Tensor]:
+                pixels = torch.stack([images[i] for i in new])
+                return [with_segment(stream, IMAGE.segment) for stream in self.model.embed_images(pixels[:, None])]
+
+            return self.context_cache.hand_over(keys, image_streams)
+        tiled = per_item(inputs, ("pixel_values", "tiling"))
+
+        def anyres_streams(new: list[int]) -> list[torch.Tensor]:
+            streams = []
+            for pixels, (columns, rows) in (tiled[i] for i in new):
+                tiles = pixels[1:].unflatten(0, (rows, columns))
+                streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], IMAGE.segment))
+            return streams
+
+        return self.context_cache.hand_over(keys, anyres_streams)
 
     def video_stream(self, frames: torch.Tensor, mels: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        """One video's frames stream then its audio stream (none without a sound track)."""
-        frame_tokens, mask = self.model.embed_video([frames])
+        """One video's frames (uint8) stream then its audio stream (none without a sound track)."""
+        pixels = normalize_pixels(frames, self.image_processor).to(self.model.dtype)
+        frame_tokens, mask = self.model.embed_video([pixels])
         streams = [with_segment(frame_tokens, FRAMES.segment * mask)]
         mel_frames = int(sizes[2])
         if mel_frames:
@@ -601,10 +679,8 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, encoder_outputs: list[torch.Tensor] | None = None, **_
     ) -> torch.Tensor:
-        if not encoder_outputs:
-            return self.model(input_ids, positions, None, None)
-        context = torch.cat(encoder_outputs)
-        return self.model(input_ids, positions, context[:, :-1].contiguous(), context[:, -1].round().long())
+        contexts = self.context_cache.contexts(encoder_outputs) if encoder_outputs else None
+        return self.model(input_ids, positions, contexts)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)

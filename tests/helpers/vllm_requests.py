@@ -2,7 +2,8 @@
 in its own process): `python vllm_requests.py FOLDER TENSOR_PARALLEL OUT.json [RAY_ADDRESS | --long-video FRAMES]`
 writes each request's greedy tokens and their log-probabilities; with a Ray cluster's address, the workers are Ray
 actors placed by vLLM's Ray executor (on CPU through `ray_cpu_shim`), and the nodes they ran on are written too;
-with --long-video, one request on a video that long."""
+with --long-video, one request on a video that long; with --repeat GIB, REPEATED (questions on two videos, asked
+again and again) with a context cache of GIB, and each rank's cache statistics written last."""
 
 import json
 import os
@@ -55,6 +56,18 @@ def long_video(frames: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 LONG_VIDEO_REQUEST = ("what happens in the long video", 5)  # (prompt, tokens to generate)
+# questions on two videos (seed 2's has a sound track, seed 1's none), interleaved and repeated: with three in
+# flight, the first step holds two new requests on one video; later ones find their video's context cached (or
+# evicted, with a cache too small for both)
+REPEATED = [
+    ("what is in this video", 2, 6),
+    ("and in this one", 1, 5),
+    ("who speaks first", 2, 7),
+    ("what color is the sky", 1, 4),
+    ("what happens at the end", 2, 5),
+    ("is anyone there", 1, 6),
+    ("what is in this video", 2, 3),
+]
 
 
 def request_media(video_model: bool, seed: int) -> dict:
@@ -64,8 +77,16 @@ def request_media(video_model: bool, seed: int) -> dict:
     return {"image": request_image(seed)}
 
 
-def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = None, long_frames: int = 0) -> None:
-    """REQUESTS, or with `long_frames` one request on a `long_video` of that many frames."""
+def main(
+    folder: str,
+    tensor_parallel: int,
+    out: str,
+    ray_address: str | None = None,
+    long_frames: int = 0,
+    repeat_gib: float | None = None,
+) -> None:
+    """REQUESTS, or with `long_frames` one request on a `long_video` of that many frames, or with `repeat_gib`
+    REPEATED with a context cache of that size."""
     from vllm import LLM, SamplingParams
 
     if ray_address:
@@ -80,6 +101,8 @@ def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = 
 
     video_model = json.loads(open(os.path.join(folder, "config.json")).read()).get("mm_input_type") == "video"
 
+    if repeat_gib is not None:  # the statistics are read by a function sent to the workers, which vLLM pickles
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     frame_limit, budget = MAX_FRAMES, {}
     if long_frames:  # vLLM takes a request's encoder tokens in one step: its budget holds the video's (as serve sets)
         from dattn_export.checkpoints.source import folder_config
@@ -99,12 +122,13 @@ def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = 
         distributed_executor_backend="ray" if ray_address else None,
         # a video model's encoder sequence is as long as the longest video taken: 8 frames, the requests' at most
         limit_mm_per_prompt={"video": {"count": 1, "num_frames": frame_limit}} if video_model else None,
+        hf_overrides=None if repeat_gib is None else {"context_cache_gib": repeat_gib},
         **budget,
     )
-    requests = REQUESTS
+    requests = REQUESTS if repeat_gib is None else REPEATED
     prompts = [
         prompt_of(text) | ({} if seed is None else {"multi_modal_data": request_media(video_model, seed)})
-        for text, seed, _ in REQUESTS
+        for text, seed, _ in requests
     ]
     if long_frames:
         frames, samples = long_video(long_frames)
@@ -121,6 +145,8 @@ def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = 
         )
     if ray_address:  # which node each worker ran on, and the model it built (the plugin's, loaded there)
         results.append({"workers": llm.collective_rpc(ray_worker)})
+    if repeat_gib is not None:
+        results.append({"caches": llm.collective_rpc(context_cache_stats)})
     with open(out, "w") as f:
         json.dump(results, f)
     # the engine (and its Ray workers) shut down before Ray, and Ray before the interpreter: left to the exit, the
@@ -129,6 +155,10 @@ def main(folder: str, tensor_parallel: int, out: str, ray_address: str | None = 
     llm.llm_engine.engine_core.shutdown()
     if ray_address:
         ray.shutdown()
+
+
+def context_cache_stats(worker) -> dict:
+    return worker.model_runner.get_model().context_cache.stats()
 
 
 def ray_worker(worker) -> dict:
@@ -145,5 +175,7 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if "--long-video" in sys.argv:  # FOLDER TENSOR_PARALLEL OUT.json --long-video FRAMES
         main(sys.argv[1], int(sys.argv[2]), sys.argv[3], long_frames=int(sys.argv[sys.argv.index("--long-video") + 1]))
+    elif "--repeat" in sys.argv:  # FOLDER TENSOR_PARALLEL OUT.json --repeat GIB
+        main(sys.argv[1], int(sys.argv[2]), sys.argv[3], repeat_gib=float(sys.argv[sys.argv.index("--repeat") + 1]))
     else:
         main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
