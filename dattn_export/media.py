@@ -21,7 +21,7 @@ from .processing import (
     load_audio_processor,
     load_frame_folder,
     load_image_processor,
-    load_video_frames,
+    load_video,
     media_duration,
     open_image,
     time_ranges,
@@ -82,17 +82,13 @@ def decode_media(media: Media, folder: Path, config) -> DecodedMedia:
     """Every file read and decoded before any model work, so that a bad one is the first and only message; video
     frames resized to the tower's square as they are decoded (`frame_square`)."""
     square = frame_square(folder, config) if media.video or media.frames else None
-    frames = (
-        load_video_frames(media.video, square=square)
-        if media.video
-        else load_frame_folder(media.frames, square)
-        if media.frames
-        else None
-    )
+    frames = samples = None
+    if media.video:  # with its own sound track (when it has one) unless an audio file is given
+        frames, samples = load_video(media.video, square=square, sound=not media.audio)
+    elif media.frames:
+        frames = load_frame_folder(media.frames, square)
     if media.audio:
         samples = load_audio(media.audio)
-    else:  # the video's own sound track, when it has one
-        samples = load_audio(media.video, missing_ok=True) if media.video else None
     duration = media_duration(media.video) if media.video else None
     return DecodedMedia([open_image(p) for p in media.images], frames, samples, duration)
 

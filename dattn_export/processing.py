@@ -4,6 +4,7 @@ the released code (bytedance/vidi `dataset/vid_utils.py`, `img_utils.py`); files
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -84,6 +85,7 @@ def normalize_pixels(pixels: torch.Tensor, image_processor) -> torch.Tensor:
 # --- video models -----------------------------------------------------------------------------------------------
 
 VIDEO_FPS = 1.0  # frames kept per second of video (load_video's default)
+PREPARING_AHEAD = 4  # decoded frames waiting for their conversion to RGB and resize, at most
 AUDIO_RATE = 16000  # Hz, one channel (load_audio, as Whisper)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
 
@@ -96,33 +98,55 @@ def open_media(path: Path | BinaryIO):
         raise InputError(path, f"cannot be decoded ({str(e).strip()})") from None
 
 
-def load_video_frames(
-    path: Path | BinaryIO, fps: float = VIDEO_FPS, limit: int | None = None, square: int | None = None
-) -> list[Image.Image]:
-    """Every round(average rate / fps)-th frame from the first, as RGB images turned upright as the stream's display
-    matrix says (decord's `VideoReader.get_batch` at load_video's frame indices); at most `limit` of them; with
-    `square`, each resized to the tower's square as it is decoded (`tower_square`), so that an hour never holds its
-    full-size frames."""
-    with open_media(path) as container:
+def load_video(
+    path: Path | BinaryIO,
+    fps: float = VIDEO_FPS,
+    limit: int | None = None,
+    square: int | None = None,
+    sound: bool = True,
+) -> tuple[list[Image.Image], np.ndarray | None]:
+    """A video file's frames and sound track in one pass over its packets, as the ffmpeg command line decodes (the
+    file read once, however long the video):
+    - frames: every round(average rate / fps)-th from the first, RGB, turned upright as the stream's display matrix
+      says (decord's `VideoReader.get_batch` at load_video's frame indices); with `square`, each resized to the
+      tower's square as it is decoded (`tower_square`), so that an hour never holds its full-size frames;
+    - the sound track (with `sound`): `load_audio`'s samples of its first audio stream, None without one.
+    Decoding stops at `limit` frames (the caller then refuses the video; the sound track ends there)."""
+    prepare = upright if square is None else lambda frame: tower_square(upright(frame), square)
+    # kept frames are converted and resized on a thread of their own while decoding goes on (both release the GIL),
+    # at most PREPARING_AHEAD of them waiting, so that a video whose every frame is kept holds few at full size
+    with open_media(path) as container, ThreadPoolExecutor(1) as preparing:
         if not container.streams.video:
             raise InputError(path, "has no video stream")
-        stream = container.streams.video[0]
-        if not stream.average_rate:
+        video = container.streams.video[0]
+        if not video.average_rate:
             raise InputError(path, "has no frame rate: cannot sample frames per second")
-        stream.thread_type = "AUTO"  # frame and slice threads, as the ffmpeg command line decodes
-        step, frames = max(1, round(float(stream.average_rate) / fps)), []
-        try:
-            for i, decoded in enumerate(container.decode(stream)):
-                if i % step == 0:
-                    frame = upright(decoded)
-                    frames.append(frame if square is None else tower_square(frame, square))
-                if len(frames) == limit:
-                    break
-        except av.FFmpegError as e:
-            raise InputError(path, f"cannot be decoded as video ({str(e).strip()})") from None
+        video.thread_type = "AUTO"  # frame and slice threads, as the ffmpeg command line decodes
+        track = SoundTrack(container.streams.audio[0]) if sound and container.streams.audio else None
+        step, pending, index = max(1, round(float(video.average_rate) / fps)), [], 0
+        for packet in container.demux(video, *([track.stream] if track else [])):
+            kind = packet.stream.type
+            try:
+                decoded = packet.decode()  # a last, empty packet per stream flushes its decoder
+            except av.FFmpegError as e:
+                raise InputError(path, f"cannot be decoded as {kind} ({str(e).strip()})") from None
+            for frame in decoded:
+                if kind == "audio":
+                    track.push(frame)
+                    continue
+                if index % step == 0:
+                    pending.append(preparing.submit(prepare, frame))
+                    if len(pending) > PREPARING_AHEAD:
+                        pending[-PREPARING_AHEAD - 1].result()
+                    if len(pending) == limit:
+                        break
+                index += 1
+            if len(pending) == limit:
+                break
+        frames = [frame.result() for frame in pending]
     if not frames:
         raise InputError(path, "holds no video frames")
-    return frames
+    return frames, None if track is None else track.samples(path)
 
 
 # a display matrix's counter-clockwise quarter turns; decord turns frames by the matrix's angle and ignores its flips
@@ -131,7 +155,7 @@ QUARTER_TURNS = {1: Image.Transpose.ROTATE_90, 2: Image.Transpose.ROTATE_180, 3:
 
 def upright(frame: av.VideoFrame) -> Image.Image:
     """A decoded frame as RGB, turned as its display matrix says (a phone's portrait video is stored sideways)."""
-    image = frame.to_image().convert("RGB")
+    image = frame.to_image()  # RGB
     turn = QUARTER_TURNS.get(round(frame.rotation / 90) % 4)
     return image if turn is None else image.transpose(turn)
 
@@ -193,49 +217,65 @@ def tower_square(frame: Image.Image, size: int) -> Image.Image:
     return frame.resize((size, size), resample=Image.BICUBIC)
 
 
-def load_audio(path: Path | BinaryIO, rate: int = AUDIO_RATE, missing_ok: bool = False) -> np.ndarray | None:
-    """The first audio stream as one channel of float samples at `rate`, through 16-bit: what load_audio's
-    `ffmpeg -i FILE -f s16le -ac 1 -ar RATE -` gives, / 32768. The same filters as that command (its end cut at the
-    stream's duration, as an mp4's edit list says, then one conversion of layout, rate and format), so the samples
-    are the command's to the bit. None for a file without a sound track when `missing_ok`."""
+def load_audio(path: Path | BinaryIO, missing_ok: bool = False) -> np.ndarray | None:
+    """A media file's sound track (its first audio stream): `SoundTrack`'s samples. None for a file without one
+    when `missing_ok`."""
     with open_media(path) as container:
         if not container.streams.audio:
             if missing_ok:
                 return None
             raise InputError(path, "has no audio stream")
-        stream, graph = container.streams.audio[0], av.filter.Graph()
-        chain = [graph.add_abuffer(template=stream)]
-        if stream.duration:
-            end = round(stream.duration * stream.time_base * stream.codec_context.sample_rate)
-            chain.append(graph.add("atrim", f"end_sample={end}"))
-        chain.append(graph.add("aformat", f"sample_fmts=s16:sample_rates={rate}:channel_layouts=mono"))
-        chain.append(graph.add("abuffersink"))
-        for source, sink in zip(chain, chain[1:]):
-            source.link_to(sink)
-        graph.configure()
-        pieces = []
+        track = SoundTrack(container.streams.audio[0])
         try:
-            for frame in container.decode(stream):
-                chain[0].push(frame)
-                pieces += pulled(chain[-1])
-            chain[0].push(None)
-            pieces += pulled(chain[-1])
+            for frame in container.decode(track.stream):
+                track.push(frame)
         except av.FFmpegError as e:
             raise InputError(path, f"cannot be decoded as audio ({str(e).strip()})") from None
-    samples = np.concatenate(pieces) if pieces else np.zeros(0, np.int16)
-    if not samples.size:
-        raise InputError(path, "holds no audio samples")
-    return samples.astype(np.float32) / 32768.0
+    return track.samples(path)
 
 
-def pulled(sink) -> list[np.ndarray]:
-    """The samples a filter graph's sink holds now."""
-    pieces = []
-    while True:
-        try:
-            pieces.append(sink.pull().to_ndarray().reshape(-1))
-        except (av.BlockingIOError, av.EOFError):
-            return pieces
+class SoundTrack:
+    """An audio stream's decoded frames as one channel of float samples at AUDIO_RATE, through 16-bit: what
+    load_audio's `ffmpeg -i FILE -f s16le -ac 1 -ar 16000 -` gives, / 32768. The same filters as that command (its
+    end cut at the stream's duration, as an mp4's edit list says, then one conversion of layout, rate and format),
+    so the samples are the command's to the bit."""
+
+    DRAIN_EVERY = 64
+
+    def __init__(self, stream: av.audio.stream.AudioStream):
+        self.stream = stream
+        self.graph = graph = av.filter.Graph()  # kept: its filters do not keep it alive
+        self.chain = [graph.add_abuffer(template=stream)]
+        if stream.duration:
+            end = round(stream.duration * stream.time_base * stream.codec_context.sample_rate)
+            self.chain.append(graph.add("atrim", f"end_sample={end}"))
+        self.chain.append(graph.add("aformat", f"sample_fmts=s16:sample_rates={AUDIO_RATE}:channel_layouts=mono"))
+        self.chain.append(graph.add("abuffersink"))
+        for source, sink in zip(self.chain, self.chain[1:]):
+            source.link_to(sink)
+        graph.configure()
+        self.pieces: list[np.ndarray] = []
+        self.pushed = 0
+
+    def push(self, frame: av.AudioFrame | None) -> None:
+        """A decoded frame through the filters (None: the end of the stream). What they give out is drained every
+        DRAIN_EVERY frames, not after each: a sink with nothing to give raises, and raising once a frame was a
+        measurable part of the sound track's time."""
+        self.chain[0].push(frame)
+        self.pushed += 1
+        if frame is None or self.pushed % self.DRAIN_EVERY == 0:
+            while True:
+                try:
+                    self.pieces.append(self.chain[-1].pull().to_ndarray().reshape(-1))
+                except (av.BlockingIOError, av.EOFError):
+                    return
+
+    def samples(self, path: Path | BinaryIO) -> np.ndarray:
+        self.push(None)
+        samples = np.concatenate(self.pieces) if self.pieces else np.zeros(0, np.int16)
+        if not samples.size:
+            raise InputError(path, "holds no audio samples")
+        return samples.astype(np.float32) / 32768.0
 
 
 def load_audio_processor(folder: Path, config) -> WhisperFeatureExtractor:

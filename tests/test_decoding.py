@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from dattn_export.processing import AUDIO_RATE, load_audio, load_video_frames, media_duration
+from dattn_export.processing import AUDIO_RATE, load_audio, load_video, media_duration
 
 decord = pytest.importorskip("decord", reason="decord, the released decoder, is in the test extra")
 imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg", reason="the ffmpeg command line is in the test extra")
@@ -82,7 +82,7 @@ def ffprobe_duration(path) -> float:
 
 def assert_frames_equal(path):
     expected = released_frames(path)
-    ours = np.stack([np.asarray(frame) for frame in load_video_frames(path)])
+    ours = np.stack([np.asarray(frame) for frame in load_video(path)[0]])
     assert ours.shape == expected.shape and np.array_equal(ours, expected)
     return ours
 
@@ -93,12 +93,13 @@ def test_frames_and_samples_are_the_released_decoder_s(tmp_path, name):
     frames = assert_frames_equal(path)
     assert len(frames) == 5 and frames.std() > 10  # 5 s at 1 frame/s, and pictures, not a blank
     assert abs(media_duration(path) - ffprobe_duration(path)) <= 0.005  # the time ranges' length
+    _, sound = load_video(path)  # the sound track in the frames' pass, and alone (as an --audio file is read)
     if FILES[name][3] is None:
-        assert load_audio(path, missing_ok=True) is None
+        assert sound is None and load_audio(path, missing_ok=True) is None
         return
     expected = released_samples(path)
     assert len(expected) == 5 * AUDIO_RATE or name.startswith("avi")  # mp3's padding: the command keeps it too
-    assert np.array_equal(load_audio(path), expected)
+    assert np.array_equal(sound, expected) and np.array_equal(load_audio(path), expected)
 
 
 @pytest.mark.parametrize("rotation", list(ROTATIONS))
@@ -108,4 +109,4 @@ def test_a_phone_s_portrait_video_is_turned_as_decord_turns_it(tmp_path, rotatio
     ffmpeg(*ROTATIONS[rotation], "-i", stored, "-c", "copy", turned)
     frames = assert_frames_equal(turned)
     assert (frames.shape[1:3] == (160, 90)) == (rotation != "rotate 180")  # a quarter turn stands it upright
-    assert not np.array_equal(frames, np.stack([np.asarray(frame) for frame in load_video_frames(stored)]))
+    assert not np.array_equal(frames, np.stack([np.asarray(frame) for frame in load_video(stored)[0]]))

@@ -138,12 +138,13 @@ class ContextCache(ByteBoundCache):
         1, the last column each token's segment) of the items not cached, each distinct one once; a cached item's
         output is a (1, 1) marker. Each output is remembered with its key for `contexts`."""
         cached = [None if key is None else self.get(key) for key in keys]
-        first: dict[bytes | int, int] = {}  # an item not cached, by its key: the first item with that key
+        names = [i if key is None else key for i, key in enumerate(keys)]  # an item without a key is its own
+        first: dict[bytes | int, int] = {}  # an item not cached, by its name: the first item with that name
         for i, entry in enumerate(cached):
             if entry is None:
-                first.setdefault(i if keys[i] is None else keys[i], i)
+                first.setdefault(names[i], i)
         computed = dict(zip(first.values(), compute(list(first.values())) if first else [], strict=True))
-        streams = {i: computed[first[i if keys[i] is None else keys[i]]] for i, e in enumerate(cached) if e is None}
+        streams = {i: computed[first[names[i]]] for i, entry in enumerate(cached) if entry is None}
         self.handed = {number: item for number, item in self.handed.items() if item[0]() is not None}
         outputs = []
         for i, (key, entry) in enumerate(zip(keys, cached)):

@@ -20,7 +20,7 @@ from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
 from vllm.multimodal.video import VIDEO_LOADER_REGISTRY, VideoLoader
 
 from ..errors import InputError
-from ..processing import VIDEO_FPS, load_audio, load_video_frames
+from ..processing import VIDEO_FPS, load_video
 from . import MEDIA_CONNECTOR, VIDEO_BACKEND
 
 # a request's media that cannot be fetched or decoded: the URL refused, unresolvable or timed out; a picture that
@@ -71,8 +71,7 @@ class DAttnVideoLoader(VideoLoader):
         refuses the video)."""
         try:
             limit = None if max_frames is None else max_frames + 1
-            frames = load_video_frames(io.BytesIO(data), limit=limit, square=frame_size)
-            audio = load_audio(io.BytesIO(data), missing_ok=True)
+            frames, audio = load_video(io.BytesIO(data), limit=limit, square=frame_size)
         except InputError as e:
             raise ValueError(f"the request's video {e.problem}") from None
         metadata = {"fps": VIDEO_FPS, "total_num_frames": len(frames), "audio": audio}

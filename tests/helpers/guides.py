@@ -11,6 +11,7 @@ from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_RUN = ("# needs ", "# run by ")  # a block's first line that says why the tests do not run it
+BLOCK_TIMEOUT_S = 600  # a block that does not end (a server started without "# needs ...") fails, not hangs the run
 
 
 def bash_blocks(page: Path) -> list[str]:
@@ -26,14 +27,15 @@ def run_block(block: str, cwd: Path, log: Path | None = None) -> subprocess.Comp
     """One block through `bash -e`, this environment's commands first on PATH; with `log`, each command's output kept
     there (COMMAND_NUMBER.out / .err)."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    run = dict(cwd=cwd, capture_output=True, text=True, env=env, timeout=BLOCK_TIMEOUT_S)
     if log is None:
-        result = subprocess.run(["bash", "-e", "-c", block], cwd=cwd, capture_output=True, text=True, env=env)
+        result = subprocess.run(["bash", "-e", "-c", block], **run)
         assert result.returncode == 0, f"{block}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
         return result
     log.mkdir(parents=True, exist_ok=True)
     commands = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
     for number, command in enumerate(commands):
-        result = subprocess.run(["bash", "-e", "-c", command], cwd=cwd, capture_output=True, text=True, env=env)
+        result = subprocess.run(["bash", "-e", "-c", command], **run)
         (log / f"{number}.out").write_text(result.stdout)
         (log / f"{number}.err").write_text(result.stderr)
         assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"

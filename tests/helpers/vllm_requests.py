@@ -2,8 +2,9 @@
 in its own process): `python vllm_requests.py FOLDER TENSOR_PARALLEL OUT.json [RAY_ADDRESS | --long-video FRAMES]`
 writes each request's greedy tokens and their log-probabilities; with a Ray cluster's address, the workers are Ray
 actors placed by vLLM's Ray executor (on CPU through `ray_cpu_shim`), and the nodes they ran on are written too;
-with --long-video, one request on a video that long; with --repeat GIB, REPEATED (questions on two videos, asked
-again and again) with a context cache of GIB, and each rank's cache statistics written last."""
+with --long-video, one request on a video that long; with --repeat GIB, a context cache of GIB and, after REQUESTS,
+REPEATED (questions on two videos, asked again and again) in the same engine, its cache emptied first, and each
+rank's cache statistics written last."""
 
 import json
 import os
@@ -85,9 +86,9 @@ def main(
     long_frames: int = 0,
     repeat_gib: float | None = None,
 ) -> None:
-    """REQUESTS, or with `long_frames` one request on a `long_video` of that many frames, or with `repeat_gib`
-    REPEATED with a context cache of that size."""
-    from vllm import LLM, SamplingParams
+    """REQUESTS, or with `long_frames` one request on a `long_video` of that many frames; with `repeat_gib`, a
+    context cache of that size and then REPEATED."""
+    from vllm import LLM
 
     if ray_address:
         import ray
@@ -125,28 +126,16 @@ def main(
         hf_overrides=None if repeat_gib is None else {"context_cache_gib": repeat_gib},
         **budget,
     )
-    requests = REQUESTS if repeat_gib is None else REPEATED
-    prompts = [
-        prompt_of(text) | ({} if seed is None else {"multi_modal_data": request_media(video_model, seed)})
-        for text, seed, _ in requests
-    ]
+    requests = REQUESTS
     if long_frames:
-        frames, samples = long_video(long_frames)
         text, steps = LONG_VIDEO_REQUEST
-        requests = [(text, None, steps)]
-        prompts = [prompt_of(text) | {"multi_modal_data": {"video": (frames, {"audio": samples})}}]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for *_, n in requests]
-    results = []
-    for output in llm.generate(prompts, params):
-        completion = output.outputs[0]
-        chosen = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
-        results.append(
-            {"prompt_ids": output.prompt_token_ids, "tokens": list(completion.token_ids), "logprobs": chosen}
-        )
+        requests = [(text, "long", steps)]
+    results = answers(llm, video_model, requests, long_frames)
+    if repeat_gib is not None:  # REPEATED as a fresh engine's cache sees it, then each rank's statistics
+        llm.collective_rpc(empty_context_cache)
+        results += answers(llm, video_model, REPEATED) + [{"caches": llm.collective_rpc(context_cache_stats)}]
     if ray_address:  # which node each worker ran on, and the model it built (the plugin's, loaded there)
         results.append({"workers": llm.collective_rpc(ray_worker)})
-    if repeat_gib is not None:
-        results.append({"caches": llm.collective_rpc(context_cache_stats)})
     with open(out, "w") as f:
         json.dump(results, f)
     # the engine (and its Ray workers) shut down before Ray, and Ray before the interpreter: left to the exit, the
@@ -157,8 +146,39 @@ def main(
         ray.shutdown()
 
 
+def answers(llm, video_model: bool, requests: list, long_frames: int = 0) -> list[dict]:
+    """Each request's prompt ids, greedy tokens and their log-probabilities; a request's media seed "long": a
+    `long_video` of `long_frames` frames."""
+    from vllm import SamplingParams
+
+    prompts = []
+    for text, seed, _ in requests:
+        if seed == "long":
+            frames, samples = long_video(long_frames)
+            media = {"multi_modal_data": {"video": (frames, {"audio": samples})}}
+        else:
+            media = {} if seed is None else {"multi_modal_data": request_media(video_model, seed)}
+        prompts.append(prompt_of(text) | media)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for *_, n in requests]
+    results = []
+    for output in llm.generate(prompts, params):
+        completion = output.outputs[0]
+        chosen = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        results.append(
+            {"prompt_ids": output.prompt_token_ids, "tokens": list(completion.token_ids), "logprobs": chosen}
+        )
+    return results
+
+
 def context_cache_stats(worker) -> dict:
     return worker.model_runner.get_model().context_cache.stats()
+
+
+def empty_context_cache(worker) -> None:
+    from dattn_export.vllm_plugin.context_cache import ContextCache
+
+    model = worker.model_runner.get_model()
+    model.context_cache = ContextCache(model.context_cache.limit_bytes)
 
 
 def ray_worker(worker) -> dict:
