@@ -4,6 +4,9 @@ import pytest
 import torch
 from helpers.builders import build_model, images, left_padded_batch, transformers_llm
 
+from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
+from dattn_export.presets import tiny_config
+
 ATOL = 1e-5
 
 
@@ -187,3 +190,19 @@ def test_mmca_visual_stream_is_attention_within_each_image(family):
         next_layer = m.layers[1]
         expected_k = next_layer.self_attn.heads(next_layer.self_attn.k_proj, next_layer.input_layernorm(h1))
     torch.testing.assert_close(together[1][0], expected_k, atol=ATOL, rtol=0)
+
+
+def test_model_runs_on_the_device_of_its_weights(family):
+    """Every tensor the model makes for itself (masks, positions) is made on its weights' device: on the meta
+    device, as on a GPU, one made on the CPU fails the forward (the GPU check found `forward` making its masks on
+    the CPU). A prompt over an image, then a step with the text cache and the image's K/V."""
+    config = tiny_config(family)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.model_type](config).eval()
+        ids = torch.randint(3, config.vocab_size, (1, 6))
+        size = config.vision_config["image_size"]
+        pixels = torch.rand(1, 1, 3, size, size)
+    with torch.no_grad():
+        first = model(ids, pixels)
+        step = model(ids[:, :1], past_key_values=first.cache, context_key_values=first.context_key_values)
+    assert step.logits.device.type == "meta" and step.logits.shape == (1, 1, config.vocab_size)

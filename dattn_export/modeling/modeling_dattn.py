@@ -560,7 +560,7 @@ class ContextStreams:
         for sample in frames:
             parts = sample.split(FRAMES.parts_per_run)
             index = torch.arange(len(sample), device=sample.device).split(FRAMES.parts_per_run)
-            num_frames = torch.tensor(len(sample))
+            num_frames = torch.tensor(len(sample), device=sample.device)
             samples.append(torch.cat([self.frame_stream(*p, num_frames, side)[0] for p in zip(parts, index)]))
         return self.context_stream(samples, [f.abs().sum() != 0 for f in frames])
 
@@ -598,7 +598,10 @@ class ContextStreams:
             parts = sample.split(self.audio_chunks_per_run())
             starts = range(0, len(sample), self.audio_chunks_per_run())
             streams = [
-                self.audio_stream(part, torch.tensor(start), torch.tensor(length)) for part, start in zip(parts, starts)
+                self.audio_stream(
+                    part, torch.tensor(start, device=part.device), torch.tensor(length, device=part.device)
+                )
+                for part, start in zip(parts, starts)
             ]
             samples.append(torch.cat([x[0, within[0] == 1] for x, within in streams]))
         return self.context_stream(samples, [m.abs().sum() != 0 for m in mels])
@@ -697,7 +700,11 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
         diagonal V2V a token's K/V depend on that token alone, so long streams (videos) run through the layers in
         chunks written into the caches: memory beyond the caches stays that of one chunk."""
         batch, num_context = context_embeds.shape[:2]
-        valid = torch.ones(batch, num_context, dtype=torch.bool) if context_mask is None else context_mask.bool()
+        valid = (
+            torch.ones(batch, num_context, dtype=torch.bool, device=context_embeds.device)
+            if context_mask is None
+            else context_mask.bool()
+        )
         positions = torch.arange(num_context, device=context_embeds.device).expand(batch, -1)
         if self.config.v2v_per_image:  # each image is its own sequence
             positions = positions % self.config.tokens_per_image
@@ -744,9 +751,13 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
         num_past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
         num_context = 0 if context_key_values is None else context_key_values[0][0].shape[2]
         text_valid = (
-            torch.ones(batch, num_past + num_new, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            torch.ones(batch, num_past + num_new, dtype=torch.bool, device=h.device)
+            if attention_mask is None
+            else attention_mask.bool()
         )
-        context_valid = torch.ones(batch, num_context, dtype=torch.bool) if context_mask is None else context_mask
+        context_valid = (
+            torch.ones(batch, num_context, dtype=torch.bool, device=h.device) if context_mask is None else context_mask
+        )
         # Debiased: text positions count text tokens only. Otherwise the visual tokens come first.
         offset = 0 if self.config.use_debias else num_context
         if position_ids is None:

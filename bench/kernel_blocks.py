@@ -1,0 +1,98 @@
+"""The Triton kernel's speed on a GPU by tile shape, warps and pipeline stages, against PyTorch's SDPA on the same
+attention written conventionally (K/V expanded to the query heads, the causal mask over [context ; text]).
+
+For each case (Vidi-7B's and Vidi1.5-9B's attention shapes, fp16, prefill of 256 queries and a decode step after
+2048 text tokens, 16k and 64k context tokens) it times every configuration, prints a row as each finishes and the
+best per case with its ratio to SDPA, and writes kernel_blocks.json under --out (each row as soon as it is timed,
+so a run cut short keeps what it measured). Needs a CUDA GPU.
+
+    python bench/kernel_blocks.py --out bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from dattn_export.plugins.contract import Attributes
+from dattn_export.plugins.triton_kernel import launch
+
+SHAPES = {  # query heads, KV heads, head dim, softcap, window
+    "Vidi-7B (Mistral)": (32, 8, 128, 0.0, 0),
+    "Vidi1.5-9B (Gemma 2)": (16, 8, 256, 50.0, 4096),
+}
+CASES = [  # phase, queries, past text tokens, context tokens
+    ("prefill", 256, 0, 16384),
+    ("prefill", 256, 0, 65536),
+    ("decode", 1, 2048, 65536),
+]
+PREFILL_BLOCKS = [(16, 64), (64, 64), (64, 128), (128, 64), (128, 32)]
+DECODE_BLOCKS = [(16, 16), (16, 64), (16, 128), (16, 256)]
+WARPS_STAGES = [(4, 2), (4, 3), (8, 2), (8, 3)]
+
+
+def case_inputs(shape, queries, past, context):
+    heads, kv_heads, dim, _, _ = shape
+    rand = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16)  # noqa: E731
+    keys = past + queries
+    q, k, v = rand(1, heads, queries, dim), rand(1, kv_heads, keys, dim), rand(1, kv_heads, keys, dim)
+    k_vis, v_vis = rand(1, kv_heads, context, dim), rand(1, kv_heads, context, dim)
+    key_mask = torch.ones(1, keys, dtype=torch.bool, device="cuda")
+    context_mask = torch.ones(1, context, dtype=torch.bool, device="cuda")
+    return q, k, v, key_mask, q, k_vis, v_vis, context_mask
+
+
+def sdpa_ms(inputs, shape, past, context) -> float:
+    q, k, v, _, _, k_vis, v_vis, _ = inputs
+    heads, kv_heads, dim = shape[:3]
+    queries = q.shape[2]
+    all_k = torch.cat([k_vis, k], 2).repeat_interleave(heads // kv_heads, 1)
+    all_v = torch.cat([v_vis, v], 2).repeat_interleave(heads // kv_heads, 1)
+    slots = torch.arange(context + past + queries, device="cuda")
+    mask = slots[None, :] <= (context + past + torch.arange(queries, device="cuda"))[:, None]
+    return do_bench(lambda: F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, scale=dim**-0.5))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows, best = [], {}
+    for (name, shape), (phase, queries, past, context) in itertools.product(SHAPES.items(), CASES):
+        inputs = case_inputs(shape, queries, past, context)
+        attributes = Attributes(shape[2] ** -0.5, softcap=shape[3], window=shape[4])
+        baseline = sdpa_ms(inputs, shape, past, context)
+        blocks = PREFILL_BLOCKS if phase == "prefill" else DECODE_BLOCKS
+        for (block_m, block_n), (warps, stages) in itertools.product(blocks, WARPS_STAGES):
+            config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                ms = do_bench(lambda: launch(*inputs, attributes, **config))  # noqa: B023
+            except Exception as error:  # noqa: BLE001 - a tile too large for shared memory is a result
+                ms, note = None, str(error).splitlines()[0][:80]
+            else:
+                note = ""
+            row = dict(attention=name, phase=phase, context=context, **config, ms=ms, sdpa_ms=baseline, note=note)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (args.out / "kernel_blocks.json").write_text(json.dumps(rows, indent=1))
+            key = (name, phase, context)
+            if ms is not None and (key not in best or ms < best[key]["ms"]):
+                best[key] = row
+    print("\n| attention | phase | context | best (m, n, warps, stages) | ms | SDPA ms | SDPA/ours |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for (name, phase, context), row in best.items():
+        tiles = f"{row['block_m']}, {row['block_n']}, {row['num_warps']}, {row['num_stages']}"
+        print(f"| {name} | {phase} | {context} | {tiles} | {row['ms']:.3g} | {row['sdpa_ms']:.3g} | "
+              f"{row['sdpa_ms'] / row['ms']:.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
