@@ -114,15 +114,7 @@ def ort_steps(graphs, prompt: np.ndarray, context: tuple) -> list[float]:
 
 def genai_steps(genai, prompt: np.ndarray, context: tuple) -> list[float]:
     """genai's decode steps, timed one by one after the prompt's prefill."""
-    og = genai.og
-    params = og.GeneratorParams(genai.model)
-    params.set_search_options(max_length=PROMPT_TOKENS + STEPS + 1, do_sample=False)
-    generator = og.Generator(genai.model, params)
-    caches, mask = context
-    generator.set_model_input("context_attention_mask", mask.view(np.int64))
-    for name, cache in zip(genai.graphs.context_names, caches, strict=True):
-        generator.set_model_input(name, np.ascontiguousarray(cache))
-    generator.append_tokens(prompt.astype(np.int32))
+    generator, _inputs = genai.start(prompt, context, STEPS + 1)
     generator.generate_next_token()
     steps = []
     for _ in range(STEPS):

@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from .errors import InputError
-from .modeling.images import anyres_tiles, prepare_pictures
+from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
 from .processing import (
     AUDIO_RATE,
     audio_features,
@@ -114,12 +113,12 @@ def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, fl
     return streams
 
 
-def video_inputs(folder: Path, config, media: DecodedMedia) -> tuple[torch.Tensor | None, tuple | None]:
-    """A video model's tower inputs: frames (F, 3, H, W), prepared as pictures are, and audio (log-mel 30 s chunks,
-    its length in mel frames), each None when absent."""
+def video_inputs(folder: Path, config, media: DecodedMedia) -> tuple[PreparedFrames | None, tuple | None]:
+    """A video model's tower inputs: frames (F, 3, H, W), prepared as pictures are a part at a time as the tower
+    reads them, and audio (log-mel 30 s chunks, its length in mel frames), each None when absent."""
     pixels = audio = None
     if media.frames:
-        pixels = prepare_pictures(media.frames, config.mm_image_aspect_ratio, load_image_processor(folder, config))
+        pixels = PreparedFrames(media.frames, config.mm_image_aspect_ratio, load_image_processor(folder, config))
     if media.samples is not None:
         audio = audio_features(media.samples, load_audio_processor(folder, config))
     return pixels, audio
@@ -130,9 +129,7 @@ def graph_context(graphs, folder: Path, config, media: DecodedMedia) -> tuple[li
     frames and audio, an anyres image, images (each prepared as the released code prepares it), or none."""
     if config.is_video:
         pixels, audio = video_inputs(folder, config, media)
-        return graphs.encode_video(
-            None if pixels is None else pixels.numpy(), None if audio is None else (audio[0].numpy(), audio[1])
-        )
+        return graphs.encode_video(pixels, None if audio is None else (audio[0].numpy(), audio[1]))
     if not media.images:
         return graphs.no_context(1)
     processor = load_image_processor(folder, config)

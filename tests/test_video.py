@@ -334,6 +334,33 @@ def test_video_for_an_image_model_is_one_line(tmp_path):
     assert result.returncode == 2 and "is video or audio, but the model is an image model" in result.stderr
 
 
+def test_frames_are_prepared_a_part_at_a_time(tmp_path, monkeypatch):
+    """The tower reads a video's float pixels one part of frames at a time (an hour of 384 px squares is 6.4 GB of
+    them at once): the processor never sees more than a part, and the K/V are those of every frame prepared at once."""
+    folder = write_demo_checkpoint(tmp_path / "video", "gemma2", video=True)
+    model = load_model(folder)
+    processor = load_image_processor(folder, model.config)
+    pictures = [Image.new("RGB", (28, 28), color) for color in COLORS[:5]]
+    seen = []
+
+    class Recording:  # the real processor, its batch sizes written down
+        size = processor.size
+
+        def __call__(self, images, **kwargs):
+            seen.append(len(images))
+            return processor(images, **kwargs)
+
+    monkeypatch.setattr(FRAMES, "parts_per_run", 2)
+    with torch.no_grad():
+        got = model.model.encode_frames(pictures, Recording())
+        expected = model.model.encode_video([prepare_pictures(pictures, "resize", processor)])
+    assert max(seen) == 2 and sum(seen) == 5
+    assert torch.equal(got[1], expected[1])
+    for kv, expected_kv in zip(got[0], expected[0], strict=True):
+        for t, e in zip(kv, expected_kv, strict=True):
+            torch.testing.assert_close(t, e, atol=1e-5, rtol=0)
+
+
 def test_long_streams_run_in_chunks(monkeypatch, family):
     """Frames, audio chunks and context tokens go through in chunks (memory beyond the caches stays one chunk's):
     the same K/V as all at once."""

@@ -57,6 +57,28 @@ def prepare_pictures(pictures: list[Image.Image], rule: str, processor) -> torch
     return processor(squared(pictures, rule, processor), return_tensors="pt")["pixel_values"]
 
 
+class PreparedFrames:
+    """A video's frames (RGB PIL images at the tower's square) read as their pixel values (N, 3, H, W), each slice
+    prepared when it is read: the tower takes a part of the frames a run, so a long video never holds every frame's
+    float pixels at once (an hour at 1 frame/s of 384 px squares is 6.4 GB of them). Reads as the model and the
+    runtimes read frames: `len`, `shape`, slices."""
+
+    ndim = 4
+
+    def __init__(self, pictures: list[Image.Image], rule: str, processor):
+        self.pictures, self.rule, self.processor = list(pictures), rule, processor
+
+    def __len__(self) -> int:
+        return len(self.pictures)
+
+    def __getitem__(self, frames: slice) -> torch.Tensor:
+        return prepare_pictures(self.pictures[frames], self.rule, self.processor)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self[:1].shape[1:])
+
+
 def anyres_grid(image_size: tuple[int, int], grid_points: list, tile: int) -> tuple[int, int]:
     """The tiling (columns, rows) of `grid_points` whose resolution (tiles of `tile` pixels) keeps most of a
     (width, height) image once it is fitted in, the least padding breaking ties (img_utils.select_best_resolution)."""

@@ -39,7 +39,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder
 from .attention import causal_mask, dattn_op, decomposed_attention, segment_shares
 from .configuration_dattn import CONFIG_CLASSES
 from .families import FAMILIES, Family
-from .images import anyres_grid, anyres_tiles, prepare_pictures
+from .images import PreparedFrames, anyres_grid, anyres_tiles, prepare_pictures
 from .streams import AUDIO, CONTEXT_CHUNK, FRAMES, pooled_side
 
 # one layer's cache: key, value (B, kv_heads, S, head_dim) [, WINGS key, value (B, hidden / head_dim, S, head_dim)]
@@ -556,13 +556,18 @@ class ContextStreams:
         (multimodal.py encode_video_images), `frame_stream` part by part. A sample whose frames are all zero has no
         video."""
         side = self.resized_side(sum(len(f) for f in frames))  # the released budget counts the batch's frames
-        samples = []
-        for sample in frames:
-            parts = sample.split(FRAMES.parts_per_run)
-            index = torch.arange(len(sample), device=sample.device).split(FRAMES.parts_per_run)
-            num_frames = torch.tensor(len(sample), device=sample.device)
-            samples.append(torch.cat([self.frame_stream(*p, num_frames, side)[0] for p in zip(parts, index)]))
-        return self.context_stream(samples, [f.abs().sum() != 0 for f in frames])
+        samples, has_video = [], []
+        for sample in frames:  # a tensor, or images.PreparedFrames: each part prepared as it is read
+            tokens, nonzero = [], False
+            for start in range(0, len(sample), FRAMES.parts_per_run):
+                pixels = sample[start : start + FRAMES.parts_per_run]
+                index = torch.arange(start, start + len(pixels), device=pixels.device)
+                num_frames = torch.tensor(len(sample), device=pixels.device)
+                tokens.append(self.frame_stream(pixels, index, num_frames, side)[0])
+                nonzero = nonzero | (pixels.abs().sum() != 0)
+            samples.append(torch.cat(tokens))
+            has_video.append(nonzero)
+        return self.context_stream(samples, has_video)
 
     def resized_side(self, total_frames: int) -> int | None:
         """Space-to-depth past the resize budget: the pooled side (in tokens) each frame's grid is resized to for a
@@ -665,7 +670,7 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
     def encode_frames(self, frames: list, processor) -> tuple[list[KV], Tensor]:
         """A video model: every layer's K/V for one video's frames (RGB PIL images, one a second) and their mask, each
         frame prepared as a picture is (mm_image_aspect_ratio)."""
-        return self.encode_video([prepare_pictures(frames, self.config.mm_image_aspect_ratio, processor)])
+        return self.encode_video([PreparedFrames(frames, self.config.mm_image_aspect_ratio, processor)])
 
     def encode_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for anyres images, and the visual mask."""

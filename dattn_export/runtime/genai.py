@@ -105,20 +105,28 @@ class GenaiRuntime:
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.model = og.Model(config)
 
-    def generate(
-        self, input_ids: np.ndarray, context: tuple[list[np.ndarray], np.ndarray], max_new_tokens: int
-    ) -> tuple[list[int], list[np.ndarray]]:
-        """One prompt (1, T) over a context (`GraphRuntime.encode_*`'s K/V and mask) -> the greedy tokens and the
-        logits genai chose each from."""
+    def start(self, input_ids: np.ndarray, context: tuple[list[np.ndarray], np.ndarray], max_new_tokens: int):
+        """A greedy generator given the context and the prompt, and the arrays it reads: genai reads their memory
+        without holding them, so the caller keeps them until the generator is done (a temporary mask, freed and
+        reused, gave other tokens now and then)."""
         og = self.og
         params = og.GeneratorParams(self.model)
         params.set_search_options(max_length=input_ids.shape[1] + max_new_tokens, do_sample=False)
         generator = og.Generator(self.model, params)
         caches, mask = context
-        generator.set_model_input("context_attention_mask", mask.astype(np.int64).view(np.int64))  # genai: int64 'l'
-        for name, cache in zip(self.graphs.context_names, caches, strict=True):
-            generator.set_model_input(name, np.ascontiguousarray(cache))
+        inputs = {"context_attention_mask": mask.astype(np.int64).view(np.int64)}  # genai: int64 'l'
+        inputs |= {name: np.ascontiguousarray(c) for name, c in zip(self.graphs.context_names, caches, strict=True)}
+        for name, array in inputs.items():
+            generator.set_model_input(name, array)
         generator.append_tokens(input_ids.astype(np.int32))
+        return generator, inputs
+
+    def generate(
+        self, input_ids: np.ndarray, context: tuple[list[np.ndarray], np.ndarray], max_new_tokens: int
+    ) -> tuple[list[int], list[np.ndarray]]:
+        """One prompt (1, T) over a context (`GraphRuntime.encode_*`'s K/V and mask) -> the greedy tokens and the
+        logits genai chose each from."""
+        generator, _inputs = self.start(input_ids, context, max_new_tokens)
         tokens, logits = [], []
         while not generator.is_done() and len(tokens) < max_new_tokens:
             logits.append(np.array(generator.get_logits())[0, -1])

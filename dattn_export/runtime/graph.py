@@ -12,6 +12,7 @@ import numpy as np
 
 from ..artifacts import DTYPES, OnnxManifest
 from ..errors import InputError
+from ..modeling.images import PreparedFrames
 from ..modeling.streams import AUDIO, CONTEXT_CHUNK, FRAMES, pooled_side
 
 NUMPY_DTYPES = {d.onnx: d.numpy for d in DTYPES.values()}  # graph values' ONNX types
@@ -85,9 +86,13 @@ class GraphRuntime:
         return caches
 
     def encode_video(
-        self, frames: np.ndarray | None, audio: tuple[np.ndarray, int] | None, pool_frames: int | None = None
+        self,
+        frames: np.ndarray | PreparedFrames | None,
+        audio: tuple[np.ndarray, int] | None,
+        pool_frames: int | None = None,
     ) -> tuple[list[np.ndarray], np.ndarray]:
-        """A video model's context: its frames (F, 3, H, W) and audio (log-mel 30 s chunks (C, bins, frames) and
+        """A video model's context: its frames (F, 3, H, W; an array, or read a part at a time by slices as
+        images.PreparedFrames is) and audio (log-mel 30 s chunks (C, bins, frames) and
         its length in mel frames), either may be None, -> every layer's K/V over [frames ; audio] and the (1, V + A)
         mask giving each key its stream's segment. Built part by part (`parts_per_run` frames, then 30 s audio
         chunks, a run): memory beyond the caches does not grow with the length. `pool_frames`: the frames the
@@ -126,7 +131,7 @@ class GraphRuntime:
         caches = [np.concatenate([padded(c, 2) for c in parts]) for parts in zip(*(kv for kv, _ in contexts))]
         return caches, np.concatenate([padded(mask, 1) for _, mask in contexts])
 
-    def frame_parts(self, frames: np.ndarray, pool_frames: int) -> Iterator[np.ndarray]:
+    def frame_parts(self, frames: np.ndarray | PreparedFrames, pool_frames: int) -> Iterator[np.ndarray]:
         """One video's stream tokens, FRAMES.parts_per_run frames a run: (1, n * tokens per frame, hidden) each; a
         space-to-depth pool's graph is told each frame's pooled side (`pooled_grid`'s length)."""
         model = self.manifest.model
@@ -135,7 +140,7 @@ class GraphRuntime:
             raise InputError("frames", f"of shape {list(frames.shape)}: vision.onnx takes [frames, 3, {size}, {size}]")
         side = {"pooled_grid": np.arange(pooled_side(model.patch_grid + 1, model.pool_size, pool_frames))}
         for start in range(0, len(frames), FRAMES.parts_per_run):
-            pixels = frames[start : start + FRAMES.parts_per_run].astype(self.dtype)
+            pixels = np.asarray(frames[start : start + FRAMES.parts_per_run], dtype=self.dtype)
             index = np.arange(start, start + len(pixels), dtype=np.int64)
             feeds = {"pixel_values": pixels, "frame_index": index, "num_frames": np.array(len(frames))}
             (embeds,) = self._run("vision", feeds | (side if model.pool_rule == "space-to-depth" else {}))
