@@ -8,7 +8,8 @@ import torch
 from helpers.cli import run_cli
 
 from dattn_export.checkpoints.source import load_model
-from dattn_export.demo_model import DEMO_PROMPT, write_demo_checkpoint
+from dattn_export.demo_model import DEMO_PROMPT, DEMO_VIDEO_PROMPT, write_demo_checkpoint, write_video
+from dattn_export.media import Media, decode_media, encode_media, graph_context
 from dattn_export.modeling.families import DEFAULT_FAMILY
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
 from dattn_export.runtime.genai import GenaiRuntime
@@ -45,6 +46,31 @@ def test_genai_generates_the_reference_tokens(pipeline, tmp_path, family):
             assert np.abs(np.stack(logits) - expected.numpy()).max() <= 1e-4
             reference = model.generate(ids, max_new_tokens=20, context_key_values=visual, context_mask=context_mask)
             assert tokens == reference[0].tolist()
+
+
+@pytest.mark.slow
+def test_genai_answers_about_a_video_as_the_reference(tmp_path):
+    """A video model (frames and sound track, a softmax per stream): over the context our graphs computed from a
+    video file, genai's greedy tokens and their logits equal the reference's on the same file (<= 1e-4), two
+    prompts, each asked twice (genai once read a freed array now and then, and answered otherwise)."""
+    checkpoint = write_demo_checkpoint(tmp_path / "ckpt", "gemma2", video=True)
+    export_onnx(checkpoint, tmp_path / "onnx")
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 256, (48, 64, 3), np.uint8) for _ in range(16)]
+    write_video(tmp_path / "clip.mov", frames, 2, (rng.standard_normal(16000 * 8) * 3000).astype(np.int16))
+    runtime, model = GenaiRuntime(tmp_path / "onnx"), load_model(checkpoint)
+    decoded = decode_media(Media(video=tmp_path / "clip.mov"), checkpoint, model.config)
+    context = graph_context(runtime.graphs, tmp_path / "onnx", model.config, decoded)
+    tokenizer = load_tokenizer(checkpoint, model.config)
+    with torch.no_grad():
+        streams = encode_media(model, checkpoint, decoded, {})
+        for prompt in [DEMO_VIDEO_PROMPT, PROMPTS[1]] * 2:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            tokens, logits = runtime.generate(ids.numpy(), context, 12)
+            full = torch.cat([ids, torch.tensor([tokens])], dim=1)[:, :-1]
+            expected = model(full, **streams).logits[0, ids.shape[1] - 1 :]
+            assert tokens == expected.argmax(-1).tolist()
+            assert np.abs(np.stack(logits) - expected.numpy()).max() <= 1e-4
 
 
 @pytest.mark.slow

@@ -110,6 +110,43 @@ def test_kernel_with_context_segments(dtype, shape, merge, shuffled):
         assert (expected.float() - one_segment.float()).abs().max() > 10 * TOLERANCE[dtype]
 
 
+# (dtype, queries, past, segment lengths, merge): decode steps and a short prefill; one, two and three segments
+SPLIT_CASES = [
+    (torch.float32, 1, 23, [70], "alpha"),
+    (torch.float16, 1, 40, [150, 150], "sum"),
+    (torch.float32, 3, 5, [37], "sum"),
+    (torch.float16, 1, 30, [16, 16, 17], "sum"),
+    (torch.float32, 1, 4, [0], "alpha"),
+]
+
+
+@pytest.mark.parametrize("dtype, queries, past, lengths, merge", SPLIT_CASES)
+def test_split_keys_merge_to_the_reference(monkeypatch, dtype, queries, past, lengths, merge):
+    """Split keys (flash-decoding, a decode step's default past 2048 context keys): each program takes one share of
+    the context keys (the first also the text keys); merged, the reference's output. The shares partition the keys:
+    the text slot is seen by the first share alone, and the context shares' log-sum-exps add up to the unsplit
+    kernel's S_V."""
+    from dattn_export.plugins import triton_kernel
+
+    args = list(problem(dtype, 2, 8, 2, queries, past, sum(lengths), 64, seed=sum(lengths)))
+    args[7] = context_segments(2, lengths, None).to(DEVICE) if merge == "sum" else args[7]
+    attributes = Attributes(0.125, softcap=30.0, merge=merge, num_contexts=len(lengths) if merge == "sum" else 1)
+    shares = []
+    merge_shares = triton_kernel.merged_shares
+    monkeypatch.setattr(triton_kernel, "merged_shares", lambda *a: shares.append(a) or merge_shares(*a))
+    got = launch(*args, attributes, splits=5, block_n=16)
+    expected = contract.reference(tuple(args), attributes)
+    magnitude = max(1.0, expected.float().abs().max().item())
+    assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * magnitude
+    ((partial, partial_lse, _),) = shares
+    assert partial.shape[:2] == (5, len(lengths) + 1 if merge == "sum" else 2)
+    assert torch.isfinite(partial_lse[0, 0]).all() and torch.isneginf(partial_lse[1:, 0]).all()
+    if merge == "alpha":
+        _, lse_v, _ = launch(*args, attributes, return_lse=True)
+        split_v = torch.logsumexp(partial_lse[:, 1], 0).view(lse_v.shape)
+        torch.testing.assert_close(split_v, lse_v, atol=1e-4, rtol=0)
+
+
 def test_kernel_without_causality():
     """causal=False: MMCA's attention within an image (every real key visible, no visual segment)."""
     args = problem(torch.float32, 3, 4, 2, 16, 0, 0, 32, seed=8)

@@ -13,6 +13,9 @@ merge sum:   each is normalised by its own sum and the outputs are added.
 Grouped-query attention reads kv head h // G; logits and accumulation are fp32 whatever the input dtype.
 Optionally writes the per-query log-sum-exp of each segment (S_V, S_T): sigmoid(S_V - S_T) is the
 attention mass on the image.
+Split keys (SPLITS > 1, a decode step over a long context): a third grid axis splits the context keys into shares,
+the first share also taking the text keys; each program writes each slot's (text; each context segment, or all of
+them) normalized output and log-sum-exp, and `merged_shares` merges them (flash-decoding).
 
 The same kernel runs under TRITON_INTERPRET=1 on CPU tensors (the tests), compiles to PTX for sm_80/sm_90
 without a GPU (the TensorRT plugin's ahead-of-time implementation), and backs a torch.library op on CUDA.
@@ -68,6 +71,7 @@ def _segment(
     K,
     V,
     MASK,
+    first_key,
     num_keys,
     stride_kn,
     mask_b,
@@ -85,12 +89,13 @@ def _segment(
     UPCAST: tl.constexpr,
     SEGMENT: tl.constexpr,
 ):
-    """Stream the keys of one segment (K, V at the kv head, MASK at the batch row: the keys whose mask is SEGMENT,
-    or any non-zero one when SEGMENT is 0) through a fresh running state; returns it (max, sum, accumulator)."""
+    """Stream the keys [first_key, num_keys) of one segment (K, V at the kv head, MASK at the batch row: the keys
+    whose mask is SEGMENT, or any non-zero one when SEGMENT is 0) through a fresh running state; returns it (max,
+    sum, accumulator)."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, num_keys, BLOCK_N):
+    for start in range(first_key, num_keys, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < num_keys
         segment = tl.load(MASK + mask_b + offs_n, mask=in_range, other=0)
@@ -130,6 +135,16 @@ def _lse_union(m_a, l_a, m_b, l_b):
 
 
 @triton.jit
+def _store_share(PARTIAL, PARTIAL_LSE, slot, SLOTS: tl.constexpr, pid_bh, num_queries, offs_m, offs_d, rows,
+                 HEAD_DIM: tl.constexpr, m, l, acc):  # fmt: skip
+    """One slot's state over this program's share of the keys: its normalized output and log-sum-exp (fp32;
+    PARTIAL (splits, SLOTS, B * Hq, T, D), PARTIAL_LSE (splits, SLOTS, B * Hq, T))."""
+    row = ((tl.program_id(2) * SLOTS + slot) * tl.num_programs(1) + pid_bh) * num_queries + offs_m
+    tl.store(PARTIAL + row[:, None] * HEAD_DIM + offs_d[None, :], _normalized(l, acc), mask=rows[:, None])
+    tl.store(PARTIAL_LSE + row, m + tl.log(l), mask=rows)
+
+
+@triton.jit
 def dattn_kernel(
     Q,
     K,
@@ -155,6 +170,8 @@ def dattn_kernel(
     stride_vn,
     OUT,
     LSE,
+    PARTIAL,
+    PARTIAL_LSE,
     scale: tl.constexpr,
     softcap: tl.constexpr,
     window: tl.constexpr,  # per node: constants (AOT takes ints only)
@@ -168,6 +185,7 @@ def dattn_kernel(
     UPCAST: tl.constexpr,
     CAUSAL: tl.constexpr,
     NUM_CONTEXTS: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // num_heads, pid_bh % num_heads
@@ -181,12 +199,22 @@ def dattn_kernel(
     if UPCAST:
         q, q_vis = q.to(tl.float32), q_vis.to(tl.float32)
     text_slot = num_keys - num_queries + offs_m  # the queries are the last text slots
+    text_end, context_start, context_end = num_keys, 0, num_context
+    SLOTS: tl.constexpr = NUM_CONTEXTS + 1 if MERGE_SUM else 2  # text, then each context segment (sum) or all
+    if SPLITS > 1:  # split keys: this program takes one share of the context keys, the first also the text keys
+        share = tl.cdiv(tl.cdiv(num_context, SPLITS), BLOCK_N) * BLOCK_N
+        context_start = tl.program_id(2) * share
+        context_end = tl.minimum(num_context, context_start + share)
+        text_end = tl.where(tl.program_id(2) == 0, num_keys, 0)
 
     m_t, l_t, acc_t = _segment(
         q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_kb + kv_head * stride_kh,
-        KEY_MASK, num_keys, stride_kn, b * num_keys, text_slot, 0, scale, softcap, window, offs_d,
+        KEY_MASK, 0, text_end, stride_kn, b * num_keys, text_slot, 0, scale, softcap, window, offs_d,
         HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL, UPCAST, 0,
     )  # fmt: skip
+    if SPLITS > 1:
+        _store_share(PARTIAL, PARTIAL_LSE, 0, SLOTS, pid_bh, num_queries, offs_m, offs_d, rows, HEAD_DIM,
+                     m_t, l_t, acc_t)  # fmt: skip
     # context keys: slots [0, V) before the text when causal, so the queries sit at V + their text slot
     K_context, V_context = KV + b * stride_vb + kv_head * stride_vh, VV + b * stride_vb + kv_head * stride_vh
     if MERGE_SUM:  # one softmax per segment, added
@@ -195,22 +223,31 @@ def dattn_kernel(
         l_v = tl.zeros([BLOCK_M], tl.float32)
         for segment in tl.static_range(1, NUM_CONTEXTS + 1):
             m_s, l_s, acc_s = _segment(
-                q_vis, K_context, V_context, VIS_MASK, num_context, stride_vn, b * num_context, num_context + text_slot,
-                0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL_CONTEXT, UPCAST, segment,
+                q_vis, K_context, V_context, VIS_MASK, context_start, context_end, stride_vn, b * num_context,
+                num_context + text_slot, 0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP,
+                CAUSAL_CONTEXT, UPCAST, segment,
             )  # fmt: skip
+            if SPLITS > 1:
+                _store_share(PARTIAL, PARTIAL_LSE, segment, SLOTS, pid_bh, num_queries, offs_m, offs_d, rows,
+                             HEAD_DIM, m_s, l_s, acc_s)  # fmt: skip
             out += _normalized(l_s, acc_s)
             m_v, l_v = _lse_union(m_v, l_v, m_s, l_s)
     else:  # one softmax over [context ; text]: rescale both running states to their common max
         m_v, l_v, acc_v = _segment(
-            q_vis, K_context, V_context, VIS_MASK, num_context, stride_vn, b * num_context, num_context + text_slot,
-            0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL_CONTEXT, UPCAST, 0,
+            q_vis, K_context, V_context, VIS_MASK, context_start, context_end, stride_vn, b * num_context,
+            num_context + text_slot, 0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP,
+            CAUSAL_CONTEXT, UPCAST, 0,
         )  # fmt: skip
+        if SPLITS > 1:
+            _store_share(PARTIAL, PARTIAL_LSE, 1, SLOTS, pid_bh, num_queries, offs_m, offs_d, rows, HEAD_DIM,
+                         m_v, l_v, acc_v)  # fmt: skip
         m = tl.maximum(m_v, m_t)
         m = tl.where(m == float("-inf"), 0.0, m)
         w_v, w_t = tl.exp2((m_v - m) * LOG2E_), tl.exp2((m_t - m) * LOG2E_)
         total = l_v * w_v + l_t * w_t
         out = (acc_v * w_v[:, None] + acc_t * w_t[:, None]) / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(OUT + q_offsets, out.to(OUT.dtype.element_ty), mask=rows[:, None])
+    if SPLITS == 1:  # with split keys, `launch` merges the shares
+        tl.store(OUT + q_offsets, out.to(OUT.dtype.element_ty), mask=rows[:, None])
     if WRITE_LSE:  # LSE: (2, B, Hq, T) fp32, S_V (all context keys) then S_T; -inf for a segment with nothing visible
         lse_offsets = pid_bh * num_queries + offs_m
         tl.store(LSE + lse_offsets, m_v + tl.log(l_v), mask=rows)
@@ -221,6 +258,24 @@ def launch_grid(q_shape, cdiv=lambda a, b: -(-a // b), block_m: int = BLOCK_M):
     """(grid_x, grid_y): query blocks x (batch * heads). `cdiv` works on ints or TensorRT shape expressions."""
     batch, heads, queries, _ = q_shape
     return cdiv(queries, block_m), batch * heads
+
+
+def key_splits(num_queries: int, num_context: int) -> int:
+    """The shares a decode step's context keys are split into (flash-decoding): unsplit, one program per query head
+    streams the whole context while most of the GPU's multiprocessors wait (bench/kernel_blocks.py)."""
+    return 1 if num_queries > BLOCK_M else max(1, min(64, num_context // 2048))
+
+
+def merged_shares(partial, partial_lse, merge_sum: bool):
+    """The output from the split programs' shares (`_store_share`): each slot's shares weighted by their
+    log-sum-exp, then the slots added (sum merge) or weighted by theirs (alpha: one softmax over all keys)."""
+    import torch
+
+    total = torch.logsumexp(partial_lse, 0)  # (slots, B * Hq, T); -inf where a slot saw no key
+    slots = (torch.exp(partial_lse - total).nan_to_num(0.0)[..., None] * partial).sum(0)
+    if merge_sum:
+        return slots.sum(0)
+    return (torch.softmax(total, 0).nan_to_num(0.0)[..., None] * slots).sum(0)
 
 
 def int_arguments(q_shape, k_shape, k_vis_shape) -> list:
@@ -279,13 +334,15 @@ def launch(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
+    splits: int | None = None,
 ):
     """Run the kernel (on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1). Same result as the contract's
-    reference; with `return_lse`, also (S_V, S_T), each (B, Hq, T) fp32. The tile sizes, warps and pipeline stages
-    change the speed only (by default `tiles`)."""
+    reference; with `return_lse`, also (S_V, S_T), each (B, Hq, T) fp32. The tile sizes, warps, pipeline stages and
+    the context keys' split into shares change the speed only (by default `tiles` and `key_splits`)."""
     import torch
 
     batch, heads, queries, head_dim = q.shape
+    splits = 1 if return_lse else splits or key_splits(queries, k_vis.shape[2])
     chosen = tiles(queries, head_dim)
     block_m, block_n = block_m or chosen["block_m"], block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
@@ -297,7 +354,12 @@ def launch(
     # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot (loads are exact): there, and only there,
     # bf16 tiles are upcast to fp32 first (exact; accumulation is fp32 either way)
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    dattn_kernel[launch_grid(q.shape, block_m=block_m)](
+    slots = attributes.num_contexts + 1 if attributes.merge == "sum" else 2
+    partial = partial_lse = None
+    if splits > 1:
+        partial = torch.empty((splits, slots, batch * heads, queries, head_dim), dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(partial.shape[:-1], dtype=torch.float32, device=q.device)
+    dattn_kernel[(*launch_grid(q.shape, block_m=block_m), splits)](
         q,
         k,
         v,
@@ -309,10 +371,14 @@ def launch(
         *int_arguments(q.shape, k.shape, k_vis.shape),
         out,
         lse,
-        **constants(attributes, head_dim, block_m, block_n, WRITE_LSE=return_lse, UPCAST=upcast),
+        partial,
+        partial_lse,
+        **constants(attributes, head_dim, block_m, block_n, WRITE_LSE=return_lse, UPCAST=upcast, SPLITS=splits),
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if splits > 1:
+        out = merged_shares(partial, partial_lse, attributes.merge == "sum").view(q.shape).to(q.dtype)
     return (out, lse[0], lse[1]) if return_lse else out
 
 
@@ -328,7 +394,7 @@ def compile_ptx(
 ):
     """The kernel for one node's attributes compiled for sm_`arch`, without a GPU: (name, PTX, metadata).
     Parameters, as TensorRT's ahead-of-time plugins pass them: the 8 input pointers, the INT_ARGS, the output
-    pointer (the LSE pointer is compiled away)."""
+    pointer (the LSE and split-key pointers are compiled away: the plugin does not split keys)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -343,7 +409,8 @@ def compile_ptx(
         "VV": element,
         "VIS_MASK": "i32",  # segment ids: int32, what TensorRT carries without quantization
     }
-    fixed = dict(LSE=None, **constants(attributes, head_dim, block_m, block_n, WRITE_LSE=False, UPCAST=False))
+    fixed = dict(LSE=None, PARTIAL=None, PARTIAL_LSE=None)
+    fixed |= constants(attributes, head_dim, block_m, block_n, WRITE_LSE=False, UPCAST=False, SPLITS=1)
     signature = {name: f"*{kind}" for name, kind in pointers.items()}
     signature.update(dict.fromkeys(INT_ARGS, "i32"))
     signature["OUT"] = f"*{element}"
