@@ -15,14 +15,16 @@ import argparse
 import itertools
 import json
 import os
+import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 from triton.testing import do_bench
 
 from dattn_export.plugins.contract import Attributes
 from dattn_export.plugins.triton_kernel import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "gpu_check"))
+from gpu_check import conventional_case  # noqa: E402  the inputs and their SDPA twin, as the GPU check times them
 
 SHAPES = {  # query heads, KV heads, head dim, softcap, window
     "Vidi-7B (Mistral)": (32, 8, 128, 0.0, 0),
@@ -38,28 +40,6 @@ DECODE_BLOCKS = [(16, 16), (16, 64), (16, 128), (16, 256)]
 WARPS_STAGES = [(4, 2), (4, 3), (8, 2), (8, 3)]
 
 
-def case_inputs(shape, queries, past, context):
-    heads, kv_heads, dim, _, _ = shape
-    rand = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16)  # noqa: E731
-    keys = past + queries
-    q, k, v = rand(1, heads, queries, dim), rand(1, kv_heads, keys, dim), rand(1, kv_heads, keys, dim)
-    k_vis, v_vis = rand(1, kv_heads, context, dim), rand(1, kv_heads, context, dim)
-    key_mask = torch.ones(1, keys, dtype=torch.bool, device="cuda")
-    context_mask = torch.ones(1, context, dtype=torch.bool, device="cuda")
-    return q, k, v, key_mask, q, k_vis, v_vis, context_mask
-
-
-def sdpa_ms(inputs, shape, past, context) -> float:
-    q, k, v, _, _, k_vis, v_vis, _ = inputs
-    heads, kv_heads, dim = shape[:3]
-    queries = q.shape[2]
-    all_k = torch.cat([k_vis, k], 2).repeat_interleave(heads // kv_heads, 1)
-    all_v = torch.cat([v_vis, v], 2).repeat_interleave(heads // kv_heads, 1)
-    slots = torch.arange(context + past + queries, device="cuda")
-    mask = slots[None, :] <= (context + past + torch.arange(queries, device="cuda"))[:, None]
-    return do_bench(lambda: F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, scale=dim**-0.5))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
@@ -67,9 +47,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows, best = [], {}
     for (name, shape), (phase, queries, past, context) in itertools.product(SHAPES.items(), CASES):
-        inputs = case_inputs(shape, queries, past, context)
-        attributes = Attributes(shape[2] ** -0.5, softcap=shape[3], window=shape[4])
-        baseline = sdpa_ms(inputs, shape, past, context)
+        heads, kv_heads, dim, softcap, window = shape
+        inputs, sdpa_call = conventional_case(heads, kv_heads, dim, queries, past, context, "cuda", dim**-0.5)
+        attributes = Attributes(dim**-0.5, softcap=softcap, window=window)
+        baseline = do_bench(sdpa_call)
         blocks = PREFILL_BLOCKS if phase == "prefill" else DECODE_BLOCKS
         for (block_m, block_n), (warps, stages) in itertools.product(blocks, WARPS_STAGES):
             config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)

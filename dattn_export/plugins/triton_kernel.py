@@ -185,6 +185,7 @@ def dattn_kernel(
     UPCAST: tl.constexpr,
     CAUSAL: tl.constexpr,
     NUM_CONTEXTS: tl.constexpr,
+    SLOTS: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -200,7 +201,6 @@ def dattn_kernel(
         q, q_vis = q.to(tl.float32), q_vis.to(tl.float32)
     text_slot = num_keys - num_queries + offs_m  # the queries are the last text slots
     text_end, context_start, context_end = num_keys, 0, num_context
-    SLOTS: tl.constexpr = NUM_CONTEXTS + 1 if MERGE_SUM else 2  # text, then each context segment (sum) or all
     if SPLITS > 1:  # split keys: this program takes one share of the context keys, the first also the text keys
         share = tl.cdiv(tl.cdiv(num_context, SPLITS), BLOCK_N) * BLOCK_N
         context_start = tl.program_id(2) * share
@@ -303,6 +303,8 @@ def constants(attributes: Attributes, head_dim: int, block_m: int, block_n: int,
         CAUSAL_CONTEXT=bool(attributes.causal_context),
         CAUSAL=bool(attributes.causal),
         NUM_CONTEXTS=attributes.num_contexts,
+        # split keys: the states each share writes, the text's then each context segment's (sum) or all of theirs
+        SLOTS=attributes.num_contexts + 1 if attributes.merge == "sum" else 2,
         **flags,
     )
 
@@ -354,10 +356,11 @@ def launch(
     # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot (loads are exact): there, and only there,
     # bf16 tiles are upcast to fp32 first (exact; accumulation is fp32 either way)
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    slots = attributes.num_contexts + 1 if attributes.merge == "sum" else 2
+    fixed = constants(attributes, head_dim, block_m, block_n, WRITE_LSE=return_lse, UPCAST=upcast, SPLITS=splits)
     partial = partial_lse = None
     if splits > 1:
-        partial = torch.empty((splits, slots, batch * heads, queries, head_dim), dtype=torch.float32, device=q.device)
+        shape = (splits, fixed["SLOTS"], batch * heads, queries, head_dim)
+        partial = torch.empty(shape, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(partial.shape[:-1], dtype=torch.float32, device=q.device)
     dattn_kernel[(*launch_grid(q.shape, block_m=block_m), splits)](
         q,
@@ -373,7 +376,7 @@ def launch(
         lse,
         partial,
         partial_lse,
-        **constants(attributes, head_dim, block_m, block_n, WRITE_LSE=return_lse, UPCAST=upcast, SPLITS=splits),
+        **fixed,
         num_warps=num_warps,
         num_stages=num_stages,
     )

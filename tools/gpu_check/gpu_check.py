@@ -249,12 +249,30 @@ def timed(fn, repeats: int, device: str) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def speed_rows(sizes: Sizes, device: str) -> list[dict]:
-    """The kernel against SDPA on the equivalent conventional attention: the queries over [context ; text] keys with
-    the matching causal mask, K/V expanded to the query heads as SDPA takes them."""
+def conventional_case(heads: int, kv_heads: int, dim: int, queries: int, past: int, context: int, device: str,
+                      scale: float):  # fmt: skip
+    """Random fp16 inputs of the op (`queries` after `past` text tokens, over `context` context keys) and a call of
+    SDPA on the equivalent conventional attention: the queries over [context ; text] keys with the matching causal
+    mask, K/V expanded to the query heads as SDPA takes them (bench/kernel_blocks.py times the same)."""
     import torch
     import torch.nn.functional as F
 
+    keys = past + queries
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float16)  # noqa: E731
+    q, k, v = rand(1, heads, queries, dim), rand(1, kv_heads, keys, dim), rand(1, kv_heads, keys, dim)
+    k_vis, v_vis = rand(1, kv_heads, context, dim), rand(1, kv_heads, context, dim)
+    key_mask = torch.ones(1, keys, dtype=torch.bool, device=device)
+    context_mask = torch.ones(1, context, dtype=torch.bool, device=device)
+    all_k = torch.cat([k_vis, k], 2).repeat_interleave(heads // kv_heads, 1)
+    all_v = torch.cat([v_vis, v], 2).repeat_interleave(heads // kv_heads, 1)
+    slots = torch.arange(context + keys, device=device)
+    mask = slots[None, :] <= (context + past + torch.arange(queries, device=device))[:, None]
+    inputs = (q, k, v, key_mask, q, k_vis, v_vis, context_mask)
+    return inputs, lambda: F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, scale=scale)
+
+
+def speed_rows(sizes: Sizes, device: str) -> list[dict]:
+    """The kernel against SDPA on the equivalent conventional attention (`conventional_case`)."""
     from dattn_export.plugins.contract import Attributes
     from dattn_export.plugins.triton_kernel import launch
 
@@ -262,21 +280,10 @@ def speed_rows(sizes: Sizes, device: str) -> list[dict]:
     rows = []
     for context in sizes.contexts:
         for phase, queries, past in (("prefill", sizes.prefill_queries, 0), ("decode", 1, sizes.decode_past)):
-            keys = past + queries
-            rand = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float16)  # noqa: E731
-            q, k, v = rand(1, heads, queries, dim), rand(1, kv_heads, keys, dim), rand(1, kv_heads, keys, dim)
-            k_vis, v_vis = rand(1, kv_heads, context, dim), rand(1, kv_heads, context, dim)
-            key_mask = torch.ones(1, keys, dtype=torch.bool, device=device)
-            context_mask = torch.ones(1, context, dtype=torch.bool, device=device)
+            inputs, sdpa_call = conventional_case(heads, kv_heads, dim, queries, past, context, device, scale)
             attributes = Attributes(scale)
-            ours = timed(lambda: launch(q, k, v, key_mask, q, k_vis, v_vis, context_mask, attributes),
-                         sizes.timing_repeats, device)  # fmt: skip
-            all_k = torch.cat([k_vis, k], 2).repeat_interleave(heads // kv_heads, 1)
-            all_v = torch.cat([v_vis, v], 2).repeat_interleave(heads // kv_heads, 1)
-            slots = torch.arange(context + keys, device=device)
-            mask = slots[None, :] <= (context + past + torch.arange(queries, device=device))[:, None]
-            sdpa = timed(lambda: F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, scale=scale),
-                         sizes.timing_repeats, device)  # fmt: skip
+            ours = timed(lambda: launch(*inputs, attributes), sizes.timing_repeats, device)  # noqa: B023
+            sdpa = timed(sdpa_call, sizes.timing_repeats, device)
             rows.append(dict(attention=name, context=context, phase=phase, queries=queries, past=past,
                              dattn_ms=ours, sdpa_ms=sdpa, speedup=sdpa / ours))  # fmt: skip
     return rows
