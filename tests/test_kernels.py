@@ -122,29 +122,55 @@ SPLIT_CASES = [
 
 @pytest.mark.parametrize("dtype, queries, past, lengths, merge", SPLIT_CASES)
 def test_split_keys_merge_to_the_reference(monkeypatch, dtype, queries, past, lengths, merge):
-    """Split keys (flash-decoding, a decode step's default past 2048 context keys): each program takes one share of
-    the context keys (the first also the text keys); merged, the reference's output. The shares partition the keys:
-    the text slot is seen by the first share alone, and the context shares' log-sum-exps add up to the unsplit
-    kernel's S_V."""
+    """Split keys (flash-decoding, a decode step's default): each program takes one share of the text keys and one of
+    the context keys; merged, the reference's output. The shares partition the keys: a share past the text holds no
+    text key, and the shares' log-sum-exps add up to the unsplit kernel's S_T (and S_V for alpha)."""
     from dattn_export.plugins import triton_kernel
 
     args = list(problem(dtype, 2, 8, 2, queries, past, sum(lengths), 64, seed=sum(lengths)))
     args[7] = context_segments(2, lengths, None).to(DEVICE) if merge == "sum" else args[7]
     attributes = Attributes(0.125, softcap=30.0, merge=merge, num_contexts=len(lengths) if merge == "sum" else 1)
     shares = []
-    merge_shares = triton_kernel.merged_shares
-    monkeypatch.setattr(triton_kernel, "merged_shares", lambda *a: shares.append(a) or merge_shares(*a))
+    merge_shares = triton_kernel.merge_shares
+    monkeypatch.setattr(triton_kernel, "merge_shares", lambda *a: shares.append(a) or merge_shares(*a))
     got = launch(*args, attributes, splits=5, block_n=16)
     expected = contract.reference(tuple(args), attributes)
     magnitude = max(1.0, expected.float().abs().max().item())
     assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * magnitude
-    ((partial, partial_lse, _),) = shares
+    ((partial, partial_lse, _, _),) = shares
     assert partial.shape[:2] == (5, len(lengths) + 1 if merge == "sum" else 2)
-    assert torch.isfinite(partial_lse[0, 0]).all() and torch.isneginf(partial_lse[1:, 0]).all()
+    text_shares = -(-(queries + past) // 16)  # shares of one 16-key tile each
+    # the last query sees every text key: each share within the text holds some, each past it none
+    assert (
+        torch.isfinite(partial_lse[:text_shares, 0, :, -1]).all() and torch.isneginf(partial_lse[text_shares:, 0]).all()
+    )
+    _, lse_v, lse_t = launch(*args, attributes, return_lse=True)
+    torch.testing.assert_close(torch.logsumexp(partial_lse[:, 0], 0).view(lse_t.shape), lse_t, atol=1e-4, rtol=0)
     if merge == "alpha":
-        _, lse_v, _ = launch(*args, attributes, return_lse=True)
         split_v = torch.logsumexp(partial_lse[:, 1], 0).view(lse_v.shape)
         torch.testing.assert_close(split_v, lse_v, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("merge_sum", [False, True])
+def test_merging_shares_is_the_log_sum_exp_weighting(merge_sum):
+    """The merge kernel against the formula written out: each slot's shares weighted by exp(lse - logsumexp), the
+    slots added (sum) or weighted by the softmax of their totals (alpha); shares and a whole slot that saw no key
+    (-inf) weigh nothing."""
+    from dattn_export.plugins.triton_kernel import merge_shares
+
+    generator = torch.Generator().manual_seed(11)
+    partial = torch.randn(6, 3, 4, 2, 32, generator=generator)  # splits, slots, B * Hq, T, D
+    partial_lse = torch.randn(partial.shape[:-1], generator=generator) * 4
+    partial_lse[1:, 0] = float("-inf")  # the text slot: the first share alone
+    partial_lse[:, 2, 1] = float("-inf")  # one row's last slot saw no key
+    partial_lse[3, 1] = float("-inf")
+    out = torch.empty(2, 2, 2, 32)
+    merge_shares(partial.to(DEVICE), partial_lse.to(DEVICE), out := out.to(DEVICE), merge_sum)
+    total = torch.logsumexp(partial_lse, 0)
+    slots = (torch.exp(partial_lse - total).nan_to_num(0.0)[..., None] * partial).sum(0)
+    weights = torch.ones_like(total) if merge_sum else torch.softmax(total, 0)
+    expected = (weights[..., None] * slots).sum(0).view(out.shape)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_without_causality():

@@ -50,7 +50,7 @@ def test_plugin_signature_follows_tensorrt_plugin_rules():
 
 
 def test_launch_grid_and_scalar_arguments():
-    assert launch_grid((3, 8, 17, 64)) == (2, 24)
+    assert launch_grid((3, 8, 17, 64), (3, 2, 40, 64)) == (5, 6)  # 17 queries x 4 heads of a kv head: 68 rows
     # the strides the kernel gets equal those of contiguous tensors of these shapes
     q, k, kv = torch.empty(3, 8, 17, 64), torch.empty(3, 2, 40, 64), torch.empty(3, 2, 576, 64)
     expected = [8, 4, 17, 40, 576, *q.stride()[:3], *k.stride()[:3], *kv.stride()[:3]]

@@ -74,7 +74,7 @@ def register() -> None:
         name, ptx, metadata = compile_ptx(dtype_names[q.dtype], head_dim, attributes)
         q_shape, k_shape, k_vis_shape = (list(t.shape_expr) for t in (q, k, k_vis))
         params = trtp.KernelLaunchParams()
-        params.grid_x, params.grid_y = launch_grid(q_shape, cdiv=trtp.cdiv)
+        params.grid_x, params.grid_y = launch_grid(q_shape, k_shape, cdiv=trtp.cdiv)
         params.block_x = metadata.num_warps * 32
         params.shared_mem = metadata.shared
         arguments = int_arguments(q_shape, k_shape, k_vis_shape)

@@ -1,7 +1,8 @@
 """The DecomposedAttention op (`contract.py`) as one Triton kernel.
 
-Flash-attention style: a program owns BLOCK_M queries of one query head and streams key segments in
-BLOCK_N tiles, never materialising the logits:
+Flash-attention style: a program owns BLOCK_M rows, (query, head) pairs of one kv head's query heads (grouped-query
+attention: the group reads each K/V tile once), and streams key segments in BLOCK_N tiles, never
+materialising the logits:
   * text keys with the rotated queries `q`, causal by slot, optionally windowed;
   * context keys with the unrotated queries `q_vis` (all visible, or causal by slot when `CAUSAL_CONTEXT`): one
     pass over all of them (alpha), or one pass per context segment (sum), each pass loading only the tiles that
@@ -10,12 +11,12 @@ Each segment keeps a running max, sum and accumulator; at the end
 merge alpha: both are rescaled to their common max and normalised by the common sum: exactly one softmax over
              [context ; text] (the shared running max/sum, merged once instead of per tile);
 merge sum:   each is normalised by its own sum and the outputs are added.
-Grouped-query attention reads kv head h // G; logits and accumulation are fp32 whatever the input dtype.
+Logits and accumulation are fp32 whatever the input dtype.
 Optionally writes the per-query log-sum-exp of each segment (S_V, S_T): sigmoid(S_V - S_T) is the
 attention mass on the image.
-Split keys (SPLITS > 1, a decode step over a long context): a third grid axis splits the context keys into shares,
-the first share also taking the text keys; each program writes each slot's (text; each context segment, or all of
-them) normalized output and log-sum-exp, and `merged_shares` merges them (flash-decoding).
+Split keys (SPLITS > 1, a decode step): a third grid axis splits the text keys and the context keys into shares,
+one of each per program; each program writes each slot's (text; each context segment, or all of them) normalized
+output and log-sum-exp, and `merge_shares_kernel` merges them (flash-decoding).
 
 The same kernel runs under TRITON_INTERPRET=1 on CPU tensors (the tests), compiles to PTX for sm_80/sm_90
 without a GPU (the TensorRT plugin's ahead-of-time implementation), and backs a torch.library op on CUDA.
@@ -135,13 +136,21 @@ def _lse_union(m_a, l_a, m_b, l_b):
 
 
 @triton.jit
-def _store_share(PARTIAL, PARTIAL_LSE, slot, SLOTS: tl.constexpr, pid_bh, num_queries, offs_m, offs_d, rows,
+def _store_share(PARTIAL, PARTIAL_LSE, slot, SLOTS: tl.constexpr, out_row, num_rows, offs_d, rows,
                  HEAD_DIM: tl.constexpr, m, l, acc):  # fmt: skip
     """One slot's state over this program's share of the keys: its normalized output and log-sum-exp (fp32;
     PARTIAL (splits, SLOTS, B * Hq, T, D), PARTIAL_LSE (splits, SLOTS, B * Hq, T))."""
-    row = ((tl.program_id(2) * SLOTS + slot) * tl.num_programs(1) + pid_bh) * num_queries + offs_m
+    row = (tl.program_id(2) * SLOTS + slot) * num_rows + out_row
     tl.store(PARTIAL + row[:, None] * HEAD_DIM + offs_d[None, :], _normalized(l, acc), mask=rows[:, None])
     tl.store(PARTIAL_LSE + row, m + tl.log(l), mask=rows)
+
+
+@triton.jit
+def _share(num_keys, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of this program's share of `num_keys` keys, in whole tiles."""
+    share = tl.cdiv(tl.cdiv(num_keys, SPLITS), BLOCK_N) * BLOCK_N
+    start = tl.program_id(2) * share
+    return start, tl.minimum(num_keys, start + share)
 
 
 @triton.jit
@@ -188,32 +197,34 @@ def dattn_kernel(
     SLOTS: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // num_heads, pid_bh % num_heads
-    kv_head = h // group
+    # a program's rows are (query, head) pairs of one kv head's group, the group's heads side by side: they read the
+    # same K/V tiles, so a decode step (one query) fills a tile's rows with the group instead of padding
+    pid_m, pid_bk = tl.program_id(0), tl.program_id(1)
+    b, kv_head = pid_bk // (num_heads // group), pid_bk % (num_heads // group)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    query, h = offs_m // group, kv_head * group + offs_m % group
     offs_d = tl.arange(0, HEAD_DIM)
-    q_offsets = b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
-    rows = offs_m < num_queries
+    q_offsets = b * stride_qb + h[:, None] * stride_qh + query[:, None] * stride_qt + offs_d[None, :]
+    rows = offs_m < num_queries * group
+    num_rows = tl.num_programs(1) * group * num_queries  # B * Hq * T
+    out_row = (b * num_heads + h) * num_queries + query  # the row's place in (B, Hq, T)
     q = tl.load(Q + q_offsets, mask=rows[:, None], other=0.0)
     q_vis = tl.load(QV + q_offsets, mask=rows[:, None], other=0.0)
     if UPCAST:
         q, q_vis = q.to(tl.float32), q_vis.to(tl.float32)
-    text_slot = num_keys - num_queries + offs_m  # the queries are the last text slots
-    text_end, context_start, context_end = num_keys, 0, num_context
-    if SPLITS > 1:  # split keys: this program takes one share of the context keys, the first also the text keys
-        share = tl.cdiv(tl.cdiv(num_context, SPLITS), BLOCK_N) * BLOCK_N
-        context_start = tl.program_id(2) * share
-        context_end = tl.minimum(num_context, context_start + share)
-        text_end = tl.where(tl.program_id(2) == 0, num_keys, 0)
+    text_slot = num_keys - num_queries + query  # the queries are the last text slots
+    text_start, text_end, context_start, context_end = 0, num_keys, 0, num_context
+    if SPLITS > 1:  # split keys: this program takes one share of the text keys and one of the context keys
+        text_start, text_end = _share(num_keys, SPLITS, BLOCK_N)
+        context_start, context_end = _share(num_context, SPLITS, BLOCK_N)
 
     m_t, l_t, acc_t = _segment(
         q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_kb + kv_head * stride_kh,
-        KEY_MASK, 0, text_end, stride_kn, b * num_keys, text_slot, 0, scale, softcap, window, offs_d,
+        KEY_MASK, text_start, text_end, stride_kn, b * num_keys, text_slot, 0, scale, softcap, window, offs_d,
         HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL, UPCAST, 0,
     )  # fmt: skip
     if SPLITS > 1:
-        _store_share(PARTIAL, PARTIAL_LSE, 0, SLOTS, pid_bh, num_queries, offs_m, offs_d, rows, HEAD_DIM,
+        _store_share(PARTIAL, PARTIAL_LSE, 0, SLOTS, out_row, num_rows, offs_d, rows, HEAD_DIM,
                      m_t, l_t, acc_t)  # fmt: skip
     # context keys: slots [0, V) before the text when causal, so the queries sit at V + their text slot
     K_context, V_context = KV + b * stride_vb + kv_head * stride_vh, VV + b * stride_vb + kv_head * stride_vh
@@ -228,7 +239,7 @@ def dattn_kernel(
                 CAUSAL_CONTEXT, UPCAST, segment,
             )  # fmt: skip
             if SPLITS > 1:
-                _store_share(PARTIAL, PARTIAL_LSE, segment, SLOTS, pid_bh, num_queries, offs_m, offs_d, rows,
+                _store_share(PARTIAL, PARTIAL_LSE, segment, SLOTS, out_row, num_rows, offs_d, rows,
                              HEAD_DIM, m_s, l_s, acc_s)  # fmt: skip
             out += _normalized(l_s, acc_s)
             m_v, l_v = _lse_union(m_v, l_v, m_s, l_s)
@@ -239,7 +250,7 @@ def dattn_kernel(
             CAUSAL_CONTEXT, UPCAST, 0,
         )  # fmt: skip
         if SPLITS > 1:
-            _store_share(PARTIAL, PARTIAL_LSE, 1, SLOTS, pid_bh, num_queries, offs_m, offs_d, rows, HEAD_DIM,
+            _store_share(PARTIAL, PARTIAL_LSE, 1, SLOTS, out_row, num_rows, offs_d, rows, HEAD_DIM,
                          m_v, l_v, acc_v)  # fmt: skip
         m = tl.maximum(m_v, m_t)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -249,33 +260,64 @@ def dattn_kernel(
     if SPLITS == 1:  # with split keys, `launch` merges the shares
         tl.store(OUT + q_offsets, out.to(OUT.dtype.element_ty), mask=rows[:, None])
     if WRITE_LSE:  # LSE: (2, B, Hq, T) fp32, S_V (all context keys) then S_T; -inf for a segment with nothing visible
-        lse_offsets = pid_bh * num_queries + offs_m
-        tl.store(LSE + lse_offsets, m_v + tl.log(l_v), mask=rows)
-        tl.store(LSE + tl.num_programs(1) * num_queries + lse_offsets, m_t + tl.log(l_t), mask=rows)
+        tl.store(LSE + out_row, m_v + tl.log(l_v), mask=rows)
+        tl.store(LSE + num_rows + out_row, m_t + tl.log(l_t), mask=rows)
 
 
-def launch_grid(q_shape, cdiv=lambda a, b: -(-a // b), block_m: int = BLOCK_M):
-    """(grid_x, grid_y): query blocks x (batch * heads). `cdiv` works on ints or TensorRT shape expressions."""
+def launch_grid(q_shape, k_shape, cdiv=lambda a, b: -(-a // b), block_m: int = BLOCK_M):
+    """(grid_x, grid_y): blocks of the (query, head) rows of one kv head's group x (batch * kv heads). `cdiv` works
+    on ints or TensorRT shape expressions."""
     batch, heads, queries, _ = q_shape
-    return cdiv(queries, block_m), batch * heads
+    kv_heads = k_shape[1]
+    return cdiv(queries * heads, block_m * kv_heads), batch * kv_heads
 
 
-def key_splits(num_queries: int, num_context: int) -> int:
-    """The shares a decode step's context keys are split into (flash-decoding): unsplit, one program per query head
-    streams the whole context while most of the GPU's multiprocessors wait (bench/kernel_blocks.py)."""
-    return 1 if num_queries > BLOCK_M else max(1, min(64, num_context // 2048))
+def key_splits(num_queries: int, num_keys: int) -> int:
+    """The shares a decode step's keys (text and context) are split into (flash-decoding): unsplit, one program per
+    kv head streams every key while most of the GPU's multiprocessors wait. Shares of about 1024 keys, at most 32:
+    the fastest `bench/kernel_blocks.py --splits` measured on an H200 from 2k to 64k context tokens (more shares
+    cost more in the merge than they save)."""
+    return 1 if num_queries > BLOCK_M else max(1, min(32, num_keys // 1024))
 
 
-def merged_shares(partial, partial_lse, merge_sum: bool):
-    """The output from the split programs' shares (`_store_share`): each slot's shares weighted by their
-    log-sum-exp, then the slots added (sum merge) or weighted by theirs (alpha: one softmax over all keys)."""
-    import torch
+@triton.jit
+def merge_shares_kernel(PARTIAL, PARTIAL_LSE, OUT, num_rows, splits, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        MERGE_SUM: tl.constexpr):  # fmt: skip
+    """One output row (of B * Hq * T) from the split programs' shares (`_store_share`): each slot's shares weighted
+    by their log-sum-exps, then the slots added (sum merge) or, for alpha, all shares of both slots weighted alike
+    (one softmax over all keys). A share or slot that saw no key (log-sum-exp -inf) weighs nothing."""
+    row = tl.program_id(0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    out = tl.zeros([HEAD_DIM], tl.float32)
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for slot in tl.static_range(SLOTS):
+        for share in range(splits):
+            index = (share * SLOTS + slot) * num_rows + row
+            lse = tl.load(PARTIAL_LSE + index + tl.arange(0, 1))
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            keep, weight = tl.exp2((m - m_safe) * LOG2E_), tl.exp2((lse - m_safe) * LOG2E_)
+            l = l * keep + weight
+            acc = acc * keep + weight * tl.load(PARTIAL + index * HEAD_DIM + offs_d)
+            m = m_new
+        if MERGE_SUM:
+            out += acc / tl.where(l == 0.0, 1.0, l)
+            m = tl.full([1], float("-inf"), tl.float32)
+            l = tl.zeros([1], tl.float32)
+            acc = tl.zeros([HEAD_DIM], tl.float32)
+    if not MERGE_SUM:
+        out = acc / tl.where(l == 0.0, 1.0, l)
+    tl.store(OUT + row * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty))
 
-    total = torch.logsumexp(partial_lse, 0)  # (slots, B * Hq, T); -inf where a slot saw no key
-    slots = (torch.exp(partial_lse - total).nan_to_num(0.0)[..., None] * partial).sum(0)
-    if merge_sum:
-        return slots.sum(0)
-    return (torch.softmax(total, 0).nan_to_num(0.0)[..., None] * slots).sum(0)
+
+def merge_shares(partial, partial_lse, out, merge_sum: bool) -> None:
+    """`out` (contiguous B, Hq, T, D) from the shares: PARTIAL (splits, SLOTS, B * Hq, T, D) and its log-sum-exps."""
+    splits, slots = partial.shape[:2]
+    num_rows = out.numel() // out.shape[-1]
+    merge_shares_kernel[(num_rows,)](partial, partial_lse, out, num_rows, splits, SLOTS=slots,
+                                     HEAD_DIM=out.shape[-1], MERGE_SUM=merge_sum, num_warps=2)  # fmt: skip
 
 
 def int_arguments(q_shape, k_shape, k_vis_shape) -> list:
@@ -344,7 +386,7 @@ def launch(
     import torch
 
     batch, heads, queries, head_dim = q.shape
-    splits = 1 if return_lse else splits or key_splits(queries, k_vis.shape[2])
+    splits = 1 if return_lse else splits or key_splits(queries, k.shape[2] + k_vis.shape[2])
     chosen = tiles(queries, head_dim)
     block_m, block_n = block_m or chosen["block_m"], block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
@@ -362,7 +404,7 @@ def launch(
         shape = (splits, fixed["SLOTS"], batch * heads, queries, head_dim)
         partial = torch.empty(shape, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(partial.shape[:-1], dtype=torch.float32, device=q.device)
-    dattn_kernel[(*launch_grid(q.shape, block_m=block_m), splits)](
+    dattn_kernel[(*launch_grid(q.shape, k.shape, block_m=block_m), splits)](
         q,
         k,
         v,
@@ -381,7 +423,7 @@ def launch(
         num_stages=num_stages,
     )
     if splits > 1:
-        out = merged_shares(partial, partial_lse, attributes.merge == "sum").view(q.shape).to(q.dtype)
+        merge_shares(partial, partial_lse, out, attributes.merge == "sum")
     return (out, lse[0], lse[1]) if return_lse else out
 
 
