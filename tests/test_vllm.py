@@ -176,17 +176,18 @@ def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     [
         ("gemma2-video", 2, 4.0),  # room for both videos' contexts: each computed once, the later questions read it
         ("mistral-video", 1, 4e-5),  # 43 kB, room for one (28 kB, 21 kB): interleaved questions evict each other's
+        ("gemma2-anyres", 1, 4.0),  # pictures: their pixel values (thumbnail and tiles) processed once as well
     ],
 )
-def test_video_models_equal_reference_and_reuse_their_context(served, tmp_path, model, tensor_parallel, cache_gib):
-    """One engine per video model, each family at one tensor-parallel size:
+def test_repeated_media_equal_reference_and_reuse_their_context(served, tmp_path, model, tensor_parallel, cache_gib):
+    """One engine per model, each video family at one tensor-parallel size, and an anyres picture model:
     - REQUESTS: their own frame counts and sound tracks (three with one, two without), the frames and the audio each
       under their own softmax (one softmax over both misses the tolerance by 3000x); every token and log-probability
       as the reference's;
-    - then, the context cache emptied, REPEATED: questions on two videos, interleaved and repeated, three in flight.
-      Every answer as the reference gives it for its own video, so a context read under the other video's key would
-      show, and the cache was read (hits) on every rank. Its memory stays within its setting: contexts that do not
-      fit leave (least recently used first) and are computed again."""
+    - then, the context cache emptied, REPEATED: questions on two videos (pictures), interleaved and repeated, three
+      in flight. Every answer as the reference gives it for its own medium, so a context or processed pixels read
+      under the other's key would show, and the cache was read (hits) on every rank. Its memory stays within its
+      setting: contexts that do not fit leave (least recently used first) and are computed again."""
     folder = served[model]
     answers = vllm_requests(folder, tensor_parallel, tmp_path / "vllm.json", repeat_gib=cache_gib)
     *repeated, last = answers[len(REQUESTS) :]
@@ -603,6 +604,40 @@ def test_video_loader_keeps_the_sound_track_and_others_are_refused(tmp_path):
     _, metadata = VIDEO_LOADER_REGISTRY.load("opencv").load_bytes(data, num_frames=4)
     with pytest.raises(ValueError, match="video_backend"):
         sound_track(metadata)
+
+
+@vllm_missing
+def test_video_loader_keeps_decoded_files_within_its_setting(tmp_path, monkeypatch):
+    """With `cache_gib` (which `serve` sets), the loader decodes a file once: the same bytes with the same settings
+    give the same arrays again, read-only, and the file's digest, which keys the processor's work; other settings or
+    another file are decoded on their own; past the setting the least recently used file leaves; at 0 nothing is
+    kept."""
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+
+    import dattn_export.vllm_plugin.media as media
+
+    files = []
+    for seed in (4, 5):
+        frames, samples = request_video(seed)
+        sound = None if samples is None else (samples * 32768).astype(np.int16)  # seed 5's video has none
+        write_video(path := tmp_path / f"clip{seed}.mov", list(frames), 1, sound)
+        files.append(path.read_bytes())
+    loader = VIDEO_LOADER_REGISTRY.load("dattn")
+    monkeypatch.setattr(media.DAttnVideoLoader, "decoded", media.ByteBoundCache(0))  # a cache of its own
+    first, metadata = loader.load_bytes(files[0], frame_size=32, cache_gib=1)
+    again, metadata_again = loader.load_bytes(files[0], frame_size=32, cache_gib=1)
+    assert again is first and metadata_again["audio"] is metadata["audio"] and not first.flags.writeable
+    assert bytes(metadata[media.FILE_DIGEST].tolist()) == bytes(metadata_again[media.FILE_DIGEST].tolist())
+    other_size, other_metadata = loader.load_bytes(files[0], frame_size=16, cache_gib=1)
+    assert other_size.shape[1:3] == (16, 16)
+    assert not torch.equal(other_metadata[media.FILE_DIGEST], metadata[media.FILE_DIGEST])
+    one_file = (first.nbytes + metadata["audio"].nbytes) / 2**30  # room for one such file, no more
+    first, _ = loader.load_bytes(files[0], frame_size=32, cache_gib=one_file)
+    assert loader.load_bytes(files[0], frame_size=32, cache_gib=one_file)[0] is first
+    loader.load_bytes(files[1], frame_size=32, cache_gib=one_file)
+    assert loader.load_bytes(files[0], frame_size=32, cache_gib=one_file)[0] is not first
+    assert media.DAttnVideoLoader.decoded.evictions == 2
+    assert loader.load_bytes(files[0], frame_size=32)[0] is not loader.load_bytes(files[0], frame_size=32)[0]
 
 
 @pytest.mark.slow

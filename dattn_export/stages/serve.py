@@ -16,7 +16,7 @@ from ..extras import require
 from ..folders import CONVERTED, check_kind
 from ..processing import frame_square, load_audio_processor
 from ..sidefiles import read_json
-from ..vllm_plugin import MEDIA_CONNECTOR, VIDEO_BACKEND, unsupported
+from ..vllm_plugin import DEFAULT_CONTEXT_CACHE_GIB, MEDIA_CONNECTOR, VIDEO_BACKEND, unsupported
 from ..vllm_plugin.video import encoder_token_budget, max_video_frames
 
 # The prompt as our reference reads it (BOS, then the text) for tokenizers without a chat template: the messages'
@@ -140,7 +140,8 @@ def vllm_serve_command(
     if config.is_video:
         frames = max_video_frames(config, requested_frames(extra))
         if option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads them
-            loader = {"video_backend": VIDEO_BACKEND}
+            cache_gib = DEFAULT_CONTEXT_CACHE_GIB if context_cache_gib is None else context_cache_gib
+            loader = {"video_backend": VIDEO_BACKEND, "cache_gib": cache_gib}  # decoded videos kept, by file content
             if square := frame_square(folder, config):
                 loader["frame_size"] = square
             command += ["--media-io-kwargs", json.dumps({"video": loader | {"max_frames": frames}})]

@@ -12,6 +12,8 @@ from ..modeling.families import FAMILIES
 ARCHITECTURES = tuple(family.model_class_name for family in FAMILIES.values())
 VIDEO_BACKEND = "dattn"  # the name our video loader (`media.py`) has among vLLM's video backends
 MEDIA_CONNECTOR = "dattn"  # and our media connector among vLLM's (VLLM_MEDIA_CONNECTOR)
+# per rank, the contexts of media seen before (`context_cache.py`); the server's processed and decoded media as much
+DEFAULT_CONTEXT_CACHE_GIB = 4.0
 
 
 def unsupported(config) -> str | None:

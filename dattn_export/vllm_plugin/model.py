@@ -24,8 +24,8 @@ are the reference model's own modules, replicated on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from functools import cached_property
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import cached_property, partial
 from pathlib import Path
 
 import numpy as np
@@ -70,15 +70,15 @@ from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower
 from ..modeling.modeling_dattn import o_proj_per_kv_head
 from ..modeling.streams import AUDIO, FRAMES, IMAGE, ContextStream
 from ..processing import audio_features, load_audio_processor, load_image_processor, normalize_pixels, picture_bytes
-from . import ARCHITECTURES, VIDEO_BACKEND, unsupported
+from . import ARCHITECTURES, DEFAULT_CONTEXT_CACHE_GIB, VIDEO_BACKEND, unsupported
 from .context_cache import (
-    DEFAULT_CONTEXT_CACHE_GIB,
     ByteBoundCache,
     ContextBatch,
     ContextCache,
     digest_keys,
     media_digest,
 )
+from .media import FILE_DIGEST
 from .video import FRAME_LIMIT_OPTION, longest_sound_track, longest_video, max_video_frames, video_tokens
 
 MAX_IMAGE_PIXELS = 64 * 2**20  # a request's image may hold at most this many pixels (it is resized to the tower's)
@@ -120,11 +120,21 @@ class DAttnProcessingInfo(BaseProcessingInfo):
         return load_audio_processor(Path(self.ctx.model_config.model), self.get_hf_config())
 
     @cached_property
-    def processed_videos(self) -> ByteBoundCache:
-        """Videos as processed (frames, log-mel chunks, sizes) by digest, within the context cache's size: vLLM
-        keeps no processed media for encoder-decoder models, so a question on a video seen before would process
-        its every frame and its whole sound track again."""
+    def processed_media(self) -> ByteBoundCache:
+        """Pictures and videos as processed (pixel values, tiles; frames, log-mel chunks) by digest, within the
+        context cache's size: vLLM keeps no processed media for encoder-decoder models, so a question on a picture
+        seen before would resize and normalize it again (15 ms of a 672-pixel one here, half a later question's
+        time), one on a video would process its every frame and its whole sound track."""
         return ByteBoundCache(context_cache_bytes(self.get_hf_config()))
+
+    def processed(self, digest: torch.Tensor, process: Callable[[], tuple[torch.Tensor, ...]], keep: bool = True):
+        """`process()`'s tensors for the medium of `digest`, from the cache when it was processed before."""
+        key = bytes(digest.tolist())
+        if (item := self.processed_media.get(key)) is None:
+            item = process()
+            if keep:
+                self.processed_media.put(key, item, sum(t.nbytes for t in item if isinstance(t, torch.Tensor)))
+        return item
 
     def max_frames(self) -> int:
         options = self.ctx.get_mm_config().limit_per_prompt.get("video")
@@ -183,14 +193,20 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise ValueError(f"image of {image.width}x{image.height} pixels: at most {MAX_IMAGE_PIXELS} are taken")
         images = [image.convert("RGB") for image in images]
+        digests = image_digests(images)
+        processed = [self.info.processed(d, partial(self.process_image, i)) for d, i in zip(digests, images)]
+        if not self.info.get_hf_config().is_anyres:
+            return BatchFeature({"pixel_values": torch.cat([pixels for (pixels,) in processed]), "digest": digests})
+        tiles, tilings = zip(*processed)
+        return BatchFeature({"pixel_values": torch.cat(tiles), "tiling": torch.tensor(tilings), "digest": digests})
+
+    def process_image(self, image: Image.Image) -> tuple:
+        """A picture's pixel values as the released code prepares one (mm_image_aspect_ratio): (1, 3, H, W); an
+        anyres model's, its thumbnail and tiles, and its tiling (columns, rows)."""
         config, processor = self.info.get_hf_config(), self.info.image_processor
-        if not config.is_anyres:  # prepared as the released code prepares a picture (mm_image_aspect_ratio)
-            pixels = prepare_pictures(images, config.mm_image_aspect_ratio, processor)
-            return BatchFeature({"pixel_values": pixels, "digest": image_digests(images)})
-        tiles, tilings = zip(*(anyres_tiles(image, processor, config.mm_image_grid_points) for image in images))
-        return BatchFeature(
-            {"pixel_values": torch.cat(tiles), "tiling": torch.tensor(tilings), "digest": image_digests(images)}
-        )
+        if not config.is_anyres:
+            return (prepare_pictures([image], config.mm_image_aspect_ratio, processor),)
+        return anyres_tiles(image, processor, config.mm_image_grid_points)
 
     def video_features(self, videos: list[tuple[np.ndarray, dict]]) -> BatchFeature:
         """Each video's frames (the tower's squares, uint8 until the model normalizes them: a quarter of the memory
@@ -204,13 +220,12 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
                     f"video of {len(video)} frames: at most {most} are served ({FRAME_LIMIT_OPTION} raises it)"
                 )
             samples = sound_track(metadata)
-            digests.append(digest := media_digest(np.asarray(video), samples))
-            key = bytes(digest.tolist())
-            if (item := self.info.processed_videos.get(key)) is None:
-                item = self.process_video(video, samples)
-                if not metadata.get(PROFILING):  # vLLM's start-up video (the longest) is never asked about
-                    self.info.processed_videos.put(key, item, item[0].nbytes + item[1].nbytes)
-            processed.append(item)
+            # a file's digest names its decoded frames and sound as well as their own does, and costs nothing here
+            digest = metadata.get(FILE_DIGEST)
+            digests.append(digest := media_digest(np.asarray(video), samples) if digest is None else digest)
+            # vLLM's start-up video (the longest) is never asked about
+            process = partial(self.process_video, video, samples)
+            processed.append(self.info.processed(digest, process, keep=not metadata.get(PROFILING)))
         frames, mels, sizes = zip(*processed)
         return BatchFeature(
             {

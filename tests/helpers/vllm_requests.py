@@ -57,8 +57,8 @@ def long_video(frames: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 LONG_VIDEO_REQUEST = ("what happens in the long video", 5)  # (prompt, tokens to generate)
-# questions on two videos (seed 2's has a sound track, seed 1's none), interleaved and repeated: with three in
-# flight, the first step holds two new requests on one video; later ones find their video's context cached (or
+# questions on two videos (seed 2's has a sound track, seed 1's none) or two pictures, interleaved and repeated: with
+# three in flight, the first step holds two new requests on one; later ones find their medium's context cached (or
 # evicted, with a cache too small for both)
 REPEATED = [
     ("what is in this video", 2, 6),
