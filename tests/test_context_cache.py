@@ -3,6 +3,8 @@ bytes pass the limit, a context larger than the whole cache is not kept, one ste
 however many requests carry it, and a step's K/V are those of each request's own context, fresh or cached. The
 engine runs in test_vllm.py::test_repeated_media_equal_reference_and_reuse_their_context."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,32 @@ def test_least_recently_used_leaves_first_and_what_cannot_fit_is_not_kept():
     cache.put(b"huge", "H", 101)
     assert b"huge" not in cache.entries and cache.nbytes == 80
     assert cache.get(b"b") is None and (cache.hits, cache.misses) == (1, 1) and cache.peak_bytes == 80
+
+
+def test_threads_sharing_a_cache_keep_its_accounts():
+    """Four threads looking up and storing in one small cache (a server's media loads run on a thread pool): no
+    lookup fails, every value found is its key's, and the bytes it holds add up within the limit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = ByteBoundCache(limit_bytes=300)
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(5000):
+            key = bytes([int(rng.integers(8))])
+            if (value := cache.get(key)) is None:
+                cache.put(key, key * 2, 100)
+            else:
+                assert value == key * 2
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes: a race shows in a run, not by chance
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(work, range(4)))  # re-raises a thread's error
+    finally:
+        sys.setswitchinterval(interval)
+    assert cache.nbytes == 100 * len(cache.entries) <= 300 and cache.hits + cache.misses == 20000
 
 
 def test_the_digest_is_of_the_content_and_its_shape():

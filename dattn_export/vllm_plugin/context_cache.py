@@ -19,6 +19,7 @@ tensor-parallel collectives need.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -75,34 +76,38 @@ class Context:
 
 class ByteBoundCache:
     """Values by key, the least recently used out first past `limit_bytes`; a value larger than the whole cache is
-    not kept. `hits` / `misses` count lookups, `evictions` the values that left to make room."""
+    not kept. `hits` / `misses` count lookups, `evictions` the values that left to make room. Lookups and stores
+    may come from several threads (vLLM loads a server's media on a thread pool)."""
 
     def __init__(self, limit_bytes: int):
         self.limit_bytes = limit_bytes
         self.entries: OrderedDict[bytes, tuple[object, int]] = OrderedDict()
         self.nbytes = self.peak_bytes = self.hits = self.misses = self.evictions = 0
+        self.lock = threading.Lock()
 
     def get(self, key: bytes):
-        found = self.entries.get(key)
-        if found is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self.entries.move_to_end(key)
-        return found[0]
+        with self.lock:
+            found = self.entries.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self.entries.move_to_end(key)
+            return found[0]
 
     def fits(self, key: bytes, size: int) -> bool:
         return key not in self.entries and size <= self.limit_bytes
 
     def put(self, key: bytes, value, size: int) -> None:
-        if not self.fits(key, size):
-            return
-        while self.nbytes + size > self.limit_bytes:
-            self.nbytes -= self.entries.popitem(last=False)[1][1]
-            self.evictions += 1
-        self.entries[key] = (value, size)
-        self.nbytes += size
-        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        with self.lock:
+            if not self.fits(key, size):
+                return
+            while self.nbytes + size > self.limit_bytes:
+                self.nbytes -= self.entries.popitem(last=False)[1][1]
+                self.evictions += 1
+            self.entries[key] = (value, size)
+            self.nbytes += size
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
 
 
 class ContextCache(ByteBoundCache):
