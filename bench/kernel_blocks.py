@@ -43,6 +43,7 @@ PREFILL_BLOCKS = [(16, 64), (64, 64), (64, 128), (128, 64), (128, 32)]
 DECODE_BLOCKS = [(16, 16), (16, 64), (16, 128), (16, 256)]
 WARPS_STAGES = [(4, 2), (4, 3), (8, 2), (8, 3)]
 SPLIT_CONTEXTS = [2048, 8192, 16384, 32768, 65536]
+DECODE_PAST = 2048  # text tokens before a decode step
 SPLITS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 SPLIT_BLOCKS = {128: [128, 256], 256: [64, 128]}  # key tiles by head dim
 
@@ -90,7 +91,7 @@ def time_splits(out: Path) -> None:
 
     rows = []
     for (name, (heads, kv_heads, dim, softcap, window)), context in itertools.product(SHAPES.items(), SPLIT_CONTEXTS):
-        inputs, sdpa_call = conventional_case(heads, kv_heads, dim, 1, 2048, context, "cuda", dim**-0.5)
+        inputs, sdpa_call = conventional_case(heads, kv_heads, dim, 1, DECODE_PAST, context, "cuda", dim**-0.5)
         attributes = Attributes(dim**-0.5, softcap=softcap, window=window)
         baseline = do_bench(sdpa_call)
         slots = constants(attributes, dim, 16, 16, WRITE_LSE=False, UPCAST=False, SPLITS=2)["SLOTS"]
@@ -101,7 +102,7 @@ def time_splits(out: Path) -> None:
             merged = torch.empty(1, heads, 1, dim, device="cuda", dtype=torch.float16)
             merge_ms = do_bench(lambda: merge_shares(partial, lse, merged, False)) if splits > 1 else 0.0  # noqa: B023
             row = dict(attention=name, context=context, splits=splits, block_n=block_n,
-                       default=key_splits(1, context), ms=ms, merge_ms=merge_ms, sdpa_ms=baseline,
+                       default=key_splits(1, DECODE_PAST + 1 + context), ms=ms, merge_ms=merge_ms, sdpa_ms=baseline,
                        sdpa_over_ours=baseline / ms)  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)

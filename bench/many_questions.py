@@ -123,47 +123,24 @@ def serve_run(folder: Path, video: Path, frames: int, count: int, cache_gib: flo
     """One `dattn-export serve` on loopback: `count` questions about `video` -> seconds (a video model's server
     refuses a chat request without its video, so there is no text-only column here)."""
     import socket
-    import urllib.request
+
+    from vllm_parallel import served
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     limit = json.dumps({"video": {"count": 1, "num_frames": frames}})
-    command = [sys.executable, "-m", "dattn_export", "serve", str(folder), "--port", str(port), "--dtype", "float32",
-               "--enforce-eager", "--max-model-len", "512", "--limit-mm-per-prompt", limit,
-               "--allowed-local-media-path", str(video.parent), "--context-cache-gib", str(cache_gib)]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}/v1"
-
-    def post(path: str, body: dict) -> dict:
-        request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=600) as reply:
-            return json.loads(reply.read())
-
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not come up: {log}")
-            try:
-                with urllib.request.urlopen(url + "/models", timeout=5) as reply:
-                    model = json.loads(reply.read())["data"][0]["id"]
-                break
-            except OSError:
-                time.sleep(2)
+    options = ("--limit-mm-per-prompt", limit, "--allowed-local-media-path", str(video.parent),
+               "--context-cache-gib", str(cache_gib))  # fmt: skip
+    with served(folder, port, *options, kv_cache_gib="4", log=log) as (client, model):
         seconds = []
         media = {"type": "video_url", "video_url": {"url": video.resolve().as_uri()}}
         for question in questions(count, False):
-            content = [{"type": "text", "text": question}, media]
-            body = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=1, temperature=0)
             start = time.perf_counter()
-            post("/chat/completions", body)
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": [
+                {"type": "text", "text": question}, media]}], max_tokens=1, temperature=0)  # fmt: skip
             seconds.append(time.perf_counter() - start)
         return {"video": seconds}
-    finally:
-        server.terminate()
-        server.wait(timeout=120)
 
 
 def vllm_rows(work: Path, family: str, checkpoint: Path, targets: list[int], questions: int, serve: bool) -> list:

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -47,28 +48,37 @@ def data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def vllm_rows(folder: Path, tensor_parallel: int, port: int) -> list[dict]:
+@contextmanager
+def served(folder: Path, port: int, *options: str, kv_cache_gib: str = "2", log: Path | None = None):
+    """`dattn-export serve FOLDER` on loopback in fp32 (eager, at most 512 tokens a request) until the block ends,
+    its output to `log`: an OpenAI client of it and the served model's name."""
     from openai import OpenAI
 
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dattn_export", "serve", str(folder), "-tp", str(tensor_parallel), "--port", str(port)]
-        + ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "16"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")},
-    )
+    command = [sys.executable, "-m", "dattn_export", "serve", str(folder), "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "512", "--enforce-eager", *options]  # fmt: skip
+    output = subprocess.DEVNULL if log is None else log.open("w")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", kv_cache_gib)}
+    server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
     try:
         start = time.monotonic()
         while True:
             if server.poll() is not None:
-                sys.exit(f"vllm serve at tensor parallel {tensor_parallel} exited")
+                sys.exit(f"dattn-export serve {' '.join(options)} exited" + (f": {log}" if log else ""))
             try:
                 model = client.models.list().data[0].id
                 break
             except Exception:
                 time.sleep(2)
-        print(f"vLLM TP={tensor_parallel}: up in {time.monotonic() - start:.0f} s", flush=True)
+        print(f"dattn-export serve {' '.join(options)}: up in {time.monotonic() - start:.0f} s", flush=True)
+        yield client, model
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
+def vllm_rows(folder: Path, tensor_parallel: int, port: int) -> list[dict]:
+    with served(folder, port, "-tp", str(tensor_parallel), "--max-num-seqs", "16") as (client, model):
 
         def ask(url: str) -> int:
             content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url}}]
@@ -91,9 +101,6 @@ def vllm_rows(folder: Path, tensor_parallel: int, port: int) -> list[dict]:
                 wall = time.perf_counter() - start
             rows.append(row(f"vLLM TP={tensor_parallel}", concurrent, tokens, wall))
         return rows
-    finally:
-        server.terminate()
-        server.wait(timeout=120)
 
 
 def ort_rows(onnx_folder: Path, converted: Path) -> list[dict]:
