@@ -116,7 +116,7 @@ def test_a_phone_s_portrait_video_is_turned_as_decord_turns_it(tmp_path, rotatio
 @pytest.mark.parametrize("name", ["mp4, h264 + stereo AAC 44.1 kHz", "mkv, h264 + flac", "variable frame rate"])
 def test_frames_neither_kept_nor_referenced_are_not_decoded(tmp_path, name, monkeypatch):
     """The decoder skips the B-frames that are not kept (no other frame is decoded from them): fewer frames come out
-    of it than the file holds, in one pass, and the kept ones are decord's (every h264 file above decodes so)."""
+    of it than the file holds, in one pass, and the kept ones are decord's."""
     path = make(tmp_path, name)
     passes, decoded = [], []
     decode, keeps = processing.decode_video, processing.FramePicker.keeps
