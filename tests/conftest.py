@@ -7,8 +7,17 @@ if not os.path.exists("/dev/nvidiactl"):
 
 import pytest
 import torch
+from hypothesis import settings
 
 torch.set_num_threads(2)
+
+
+def pytest_configure(config):
+    """Property tests (test_mutations.py) try 250 examples each in the full run, 60 in the fast tier (-m "not slow");
+    derandomized, so the same ones every run."""
+    settings.register_profile("full", max_examples=250)
+    settings.register_profile("fast", max_examples=60)
+    settings.load_profile("fast" if config.getoption("markexpr") == "not slow" else "full")
 
 
 @pytest.fixture(params=["mistral", "gemma2"])

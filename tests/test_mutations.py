@@ -21,8 +21,7 @@ from safetensors import SafetensorError, safe_open
 from dattn_export.cli import main
 from dattn_export.stages.convert import convert
 
-SETTINGS = settings(
-    max_examples=250,
+SETTINGS = settings(  # max_examples: the loaded profile's (conftest.py: the full run's or the fast tier's)
     deadline=None,
     derandomize=True,  # the same examples every run
     database=None,
