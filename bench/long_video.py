@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -139,7 +138,8 @@ def vllm_run(converted: Path, video: Path, mode: str, tensor_parallel: int, fram
     token ids."""
     from dattn_export.stages.serve import cpu_environment
 
-    out, log = work / f"{video.stem}-{mode}-tp{tensor_parallel}.json", work / f"{video.stem}-{mode}.log"
+    run_name = f"{video.stem}-{mode}-tp{tensor_parallel}"
+    out, log = work / f"{run_name}.json", work / f"{run_name}.log"
     if mode == "offline":
         command = [sys.executable, __file__, "--vllm-engine", converted, video, str(tensor_parallel), out]
         env = {**os.environ, **cpu_environment(tensor_parallel)}
@@ -149,13 +149,10 @@ def vllm_run(converted: Path, video: Path, mode: str, tensor_parallel: int, fram
         return json.loads(out.read_text())
     from vllm_parallel import served
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     limit = json.dumps({"video": {"count": 1, "num_frames": frames}})
     options = ("-tp", str(tensor_parallel), "--limit-mm-per-prompt", limit,
                "--allowed-local-media-path", str(video.resolve().parent))  # fmt: skip
-    with served(converted, port, *options, kv_cache_gib="4", log=log) as (client, model):
+    with served(converted, None, *options, kv_cache_gib="4", log=log) as (client, model):
         media = {"type": "video_url", "video_url": {"url": video.resolve().as_uri()}}
         message = {"role": "user", "content": [{"type": "text", "text": PROMPT}, media]}
         start = time.perf_counter()

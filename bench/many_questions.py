@@ -122,17 +122,12 @@ def vllm_engine_run(folder: Path, video: Path, count: int, cache_gib: float, out
 def serve_run(folder: Path, video: Path, frames: int, count: int, cache_gib: float, log: Path) -> dict:
     """One `dattn-export serve` on loopback: `count` questions about `video` -> seconds (a video model's server
     refuses a chat request without its video, so there is no text-only column here)."""
-    import socket
-
     from vllm_parallel import served
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     limit = json.dumps({"video": {"count": 1, "num_frames": frames}})
     options = ("--limit-mm-per-prompt", limit, "--allowed-local-media-path", str(video.parent),
                "--context-cache-gib", str(cache_gib))  # fmt: skip
-    with served(folder, port, *options, kv_cache_gib="4", log=log) as (client, model):
+    with served(folder, None, *options, kv_cache_gib="4", log=log) as (client, model):
         seconds = []
         media = {"type": "video_url", "video_url": {"url": video.resolve().as_uri()}}
         for question in questions(count, False):

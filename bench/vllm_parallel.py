@@ -20,6 +20,7 @@ import argparse
 import base64
 import io
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,11 +50,15 @@ def data_url(image: Image.Image) -> str:
 
 
 @contextmanager
-def served(folder: Path, port: int, *options: str, kv_cache_gib: str = "2", log: Path | None = None):
+def served(folder: Path, port: int | None, *options: str, kv_cache_gib: str = "2", log: Path | None = None):
     """`dattn-export serve FOLDER` on loopback in fp32 (eager, at most 512 tokens a request) until the block ends,
-    its output to `log`: an OpenAI client of it and the served model's name."""
+    on `port` (None: a free one), its output to `log`: an OpenAI client of it and the served model's name."""
     from openai import OpenAI
 
+    if port is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
     command = [sys.executable, "-m", "dattn_export", "serve", str(folder), "--port", str(port), "--dtype", "float32",
                "--max-model-len", "512", "--enforce-eager", *options]  # fmt: skip
     output = subprocess.DEVNULL if log is None else log.open("w")
