@@ -299,7 +299,7 @@ def run_model(name: str, work: Path, commands: list[str], rounds: int) -> list[d
         if layout == "bin":
             shutil.rmtree(checkpoint)
     converted = root / "converted"
-    media_args = ["--video", media["video"]] if config.is_video else ["--image", media["image"]]
+    media_args = [f"--{config.modality}", media[config.modality]]
 
     def run(command: str, *args, output: Path | None = None) -> None:
         if command in commands:

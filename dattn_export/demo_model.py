@@ -22,7 +22,9 @@ from .processing import AUDIO_RATE, IMAGE_PROCESSORS, default_audio_processor
 
 DEMO_PROMPT = "USER: Describe the image in one sentence.\nASSISTANT:"
 DEMO_VIDEO_PROMPT = "USER: What happens in the video, and what do you hear?\nASSISTANT:"
+DEMO_PROMPTS = {"image": DEMO_PROMPT, "video": DEMO_VIDEO_PROMPT}  # by what the model takes (its modality)
 DEMO_VIDEO_FPS = 2  # the file's rate: generate takes one frame a second
+TOWER_FOLDER_SUFFIX = {"image": "", "video": "-video"}  # a video model's tower: smaller frames
 SHARD_BYTES = 256 * 1024  # small, so the demo checkpoint has several shards like a real one
 
 CORPUS = [
@@ -103,7 +105,7 @@ def write_towers(folder: Path, config) -> tuple[Path, Path]:
     """The tower folders a released checkpoint names (config and preprocessor, as the tower's Hub folder has them;
     their weights are in the checkpoint): (vision tower, audio tower)."""
     kind = "clip" if config.vision_config["model_type"] == "clip_vision_model" else "siglip"
-    vision = folder / f"tiny-{kind}{'-video' if config.is_video else ''}"  # video frames are smaller
+    vision = folder / f"tiny-{kind}{TOWER_FOLDER_SUFFIX[config.modality]}"
     audio = folder / "tiny-whisper"
     size, processor = config.vision_config["image_size"], IMAGE_PROCESSORS[config.vision_config["model_type"]]
     if kind == "clip":  # CLIP resizes the shortest edge, then crops the centre

@@ -129,32 +129,18 @@ def graph_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
     config = model.config
     heads = {"key": config.num_key_value_heads, "value": config.num_key_value_heads}
     heads |= {"wings_key": config.wings_heads, "wings_value": config.wings_heads}
-    size, per_image = config.vision_config["image_size"], config.tokens_per_image
-    batch, images, seq, past, total, visual = (
-        Dim(n) for n in ("batch", "images", "sequence", "past_sequence", "total_sequence", "context_sequence")
+    batch, seq, past, total, visual = (
+        Dim(n) for n in ("batch", "sequence", "past_sequence", "total_sequence", "context_sequence")
     )
-    b, t, p, n_img = 2, 3, 4, 2
-    v = n_img * per_image
+    b, t, p = 2, 3, 4
+    v = 2 * config.tokens_per_image  # two images' tokens
     parts = [part for i in range(config.num_hidden_layers) for part in config.cache_parts(i)]
 
     def caches(prefix: str, length: int, axis: Dim) -> dict[str, tuple[torch.Tensor, Axes]]:
         examples = (torch.randn(b, heads[part], length, config.head_dim, dtype=dtype) for part in parts)
         return {name: (x, {0: batch, 2: axis}) for name, x in zip(kv_names(prefix, config), examples, strict=True)}
 
-    if config.is_video:
-        streams = video_specs(model, dtype)
-    elif config.is_anyres:
-        streams = {"vision": anyres_spec(model, dtype)}
-    else:
-        pixels = torch.randn(b, n_img, 3, size, size, dtype=dtype)
-        streams = {
-            "vision": GraphSpec(
-                VisionGraph(model),
-                {"pixel_values": (pixels, {0: batch, 1: images})},
-                ["context_embeds", "context_attention_mask"],
-                (None,),
-            )
-        }
+    streams = {stream.graph: STREAM_GRAPHS[stream.name](model, dtype) for stream in config.streams}
     visual_inputs = {
         "context_embeds": (torch.randn(b, v, config.hidden_size, dtype=dtype), {0: batch, 1: visual}),
         "context_attention_mask": (torch.ones(b, v, dtype=torch.int64), {0: batch, 1: visual}),
@@ -180,6 +166,14 @@ def graph_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
     }
 
 
+def image_spec(model, dtype: torch.dtype) -> GraphSpec:
+    """An image model's vision graph: a batch of samples' images, each sample as many."""
+    size = model.config.vision_config["image_size"]
+    pixels = torch.randn(2, 2, 3, size, size, dtype=dtype)
+    inputs = {"pixel_values": (pixels, {0: Dim("batch"), 1: Dim("images")})}
+    return GraphSpec(VisionGraph(model), inputs, ["context_embeds", "context_attention_mask"], (None,))
+
+
 def anyres_spec(model, dtype: torch.dtype) -> GraphSpec:
     """An anyres model's vision graph: one image's thumbnail and its tiles, rows x columns of them."""
     size = model.config.vision_config["image_size"]
@@ -190,12 +184,10 @@ def anyres_spec(model, dtype: torch.dtype) -> GraphSpec:
     return stream_spec(model, "anyres_stream", inputs, ["context_embeds"])
 
 
-def video_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
-    """A video model's stream graphs: frames and audio, each taking part of one sample's stream."""
+def frames_spec(model, dtype: torch.dtype) -> GraphSpec:
+    """A video model's frames graph: part of one video's frames."""
     config = model.config
-    size, audio = config.vision_config["image_size"], config.audio_config
-    chunk_frames = 2 * audio["max_source_positions"]  # Whisper's 30 s of log-mel frames
-    frames, chunks = Dim("frames"), Dim("chunks")
+    size, frames = config.vision_config["image_size"], Dim("frames")
     frame_inputs = {
         "pixel_values": (torch.randn(3, 3, size, size, dtype=dtype), {0: frames}),
         "frame_index": (torch.arange(2, 5), {0: frames}),
@@ -203,15 +195,21 @@ def video_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
     }
     if config.mm_pool_rule == "space-to-depth":  # the pooled side, for any video length: its values are not read
         frame_inputs["pooled_grid"] = (torch.arange(config.patch_grid + 2), {0: Dim("pooled_side")})
-        vision = GraphSpec(FramesGraph(model), frame_inputs, ["context_embeds"], (len(frame_inputs),))
-    else:
-        vision = stream_spec(model, "frame_stream", frame_inputs, ["context_embeds"])
-    audio_inputs = {
-        "input_features": (torch.randn(2, audio["num_mel_bins"], chunk_frames, dtype=dtype), {0: chunks}),
+        return GraphSpec(FramesGraph(model), frame_inputs, ["context_embeds"], (len(frame_inputs),))
+    return stream_spec(model, "frame_stream", frame_inputs, ["context_embeds"])
+
+
+def audio_spec(model, dtype: torch.dtype) -> GraphSpec:
+    """A video model's audio graph: part of one sample's log-mel 30 s chunks."""
+    audio = model.config.audio_config
+    chunk_frames = 2 * audio["max_source_positions"]  # Whisper's 30 s of log-mel frames
+    inputs = {
+        "input_features": (torch.randn(2, audio["num_mel_bins"], chunk_frames, dtype=dtype), {0: Dim("chunks")}),
         "first_chunk": (torch.tensor(1), None),
         "mel_frames": (torch.tensor(3 * chunk_frames), None),
     }
-    return {
-        "vision": vision,
-        "audio": stream_spec(model, "audio_stream", audio_inputs, ["audio_embeds", "audio_attention_mask"]),
-    }
+    return stream_spec(model, "audio_stream", inputs, ["audio_embeds", "audio_attention_mask"])
+
+
+# each stream's graph, by stream (`streams.py`)
+STREAM_GRAPHS = {"image": image_spec, "tiles": anyres_spec, "frames": frames_spec, "audio": audio_spec}

@@ -28,6 +28,9 @@ from .processing import (
 from .ui import stage
 
 MEDIA_MARKERS = ("<image>", "<video>")  # where a prompt says its picture or video sits (text, not special tokens)
+MEDIA_OPTIONS = {"images": "--image", "video": "--video", "frames": "--frames", "audio": "--audio"}  # Media's fields
+MEDIA_KINDS = {"images": "an image", "video": "video or audio", "frames": "video or audio", "audio": "video or audio"}
+MODEL_KINDS = {"image": "an image model", "video": "a video model"}  # by modality
 
 
 @dataclass
@@ -43,23 +46,27 @@ class Media:
     def check(self, config, prompt: str = "") -> None:
         """What the model cannot take, one line each; `prompt`: one that names media (`<image>`, `<video>`) comes
         with them."""
+        takes = [kind for kind in MEDIA_OPTIONS if any(kind in stream.media for stream in config.streams)]
+        options = " or ".join(", ".join(MEDIA_OPTIONS[kind] for kind in takes).rsplit(", ", 1))
         if marker := next((m for m in MEDIA_MARKERS if m in prompt), None):
             if not (self.images or self.video or self.frames or self.audio):
-                given = "--video, --frames or --audio" if config.is_video else "--image"
                 raise InputError(
                     "--prompt",
-                    f"names {marker} but no media was given: pass it with {given} (or drop {marker} to ask about "
+                    f"names {marker} but no media was given: pass it with {options} (or drop {marker} to ask about "
                     "the text alone)",
                 )
-        if config.is_video and self.images:
-            raise InputError(self.images[0], "is an image, but the model is a video model: pass --video or --frames")
-        given = self.video or self.frames or self.audio
-        if not config.is_video and given:
-            raise InputError(given, "is video or audio, but the model is an image model: pass --image")
+        if given := next((kind for kind in MEDIA_OPTIONS if getattr(self, kind) and kind not in takes), None):
+            path = self.images[0] if given == "images" else getattr(self, given)
+            raise InputError(
+                path, f"is {MEDIA_KINDS[given]}, but the model is {MODEL_KINDS[config.modality]}: pass {options}"
+            )
         if self.video and self.frames:
             raise InputError(self.frames, "and --video both give frames: pass one")
-        if config.is_anyres and len(self.images) > 1:
-            raise InputError(self.images[1], "is a second image: an anyres model takes one image a prompt")
+        for stream in config.streams:
+            if stream.pictures is not None and len(self.images) > stream.pictures:
+                raise InputError(
+                    self.images[stream.pictures], f"is an image too many: the model takes {stream.pictures} a prompt"
+                )
 
 
 @dataclass
@@ -93,24 +100,23 @@ def decode_media(media: Media, folder: Path, config) -> DecodedMedia:
 
 
 def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, float]) -> dict:
-    """The context streams' K/V and masks for `model.generate`: pictures (the model prepares them as the released
-    code does), or a video model's frames and audio."""
-    streams, config = {}, model.config
+    """The context's K/V and segment ids for `model.generate` (none without media): pictures (the model prepares
+    them as the released code does), or a video model's frames and audio, joined as every backend joins them."""
+    contexts, config = [], model.config
     if media.images:
-        what = "the image's thumbnail and tiles" if config.is_anyres else f"{len(media.images)} image(s)"
-        with stage(f"encode {what}: visual K/V for every layer", seconds):
-            processor = load_image_processor(folder, config)
-            streams["context_key_values"], streams["context_mask"] = model.model.encode_pictures(
-                media.images, processor
-            )
+        with stage(f"encode {len(media.images)} image(s): visual K/V for every layer", seconds):
+            contexts.append(model.model.encode_pictures(media.images, load_image_processor(folder, config)))
     pixels, audio = video_inputs(folder, config, media)
     if pixels is not None:
         with stage(f"encode {len(pixels)} frame(s): visual K/V for every layer", seconds):
-            streams["context_key_values"], streams["context_mask"] = model.model.encode_video([pixels])
+            contexts.append(model.model.encode_video([pixels]))
     if audio is not None:
         with stage(f"encode {len(media.samples) / AUDIO_RATE:.1f} s of audio: audio K/V for every layer", seconds):
-            streams["audio_key_values"], streams["audio_mask"] = model.model.encode_audio([audio[0]], [audio[1]])
-    return streams
+            contexts.append(model.model.encode_audio([audio[0]], [audio[1]]))
+    if not contexts:
+        return {}
+    context_key_values, context_mask = model.model.join_contexts(*contexts)
+    return {"context_key_values": context_key_values, "context_mask": context_mask}
 
 
 def video_inputs(folder: Path, config, media: DecodedMedia) -> tuple[PreparedFrames | None, tuple | None]:
@@ -125,15 +131,31 @@ def video_inputs(folder: Path, config, media: DecodedMedia) -> tuple[PreparedFra
 
 
 def graph_context(graphs, folder: Path, config, media: DecodedMedia) -> tuple[list[np.ndarray], np.ndarray]:
-    """The context our graphs compute for decoded media (`GraphRuntime`'s caches and mask): a video model's
-    frames and audio, an anyres image, images (each prepared as the released code prepares it), or none."""
-    if config.is_video:
-        pixels, audio = video_inputs(folder, config, media)
-        return graphs.encode_video(pixels, None if audio is None else (audio[0].numpy(), audio[1]))
+    """The context our graphs compute for decoded media (`GraphRuntime`'s caches and mask), by the model's first
+    stream: a video model's frames and audio, an anyres image, images (each prepared as the released code prepares
+    it), or none."""
+    return GRAPH_CONTEXTS[config.streams[0].name](graphs, folder, config, media)
+
+
+def video_graph_context(graphs, folder: Path, config, media: DecodedMedia):
+    pixels, audio = video_inputs(folder, config, media)
+    return graphs.encode_video(pixels, None if audio is None else (audio[0].numpy(), audio[1]))
+
+
+def tiles_graph_context(graphs, folder: Path, config, media: DecodedMedia):
     if not media.images:
         return graphs.no_context(1)
-    processor = load_image_processor(folder, config)
-    if config.is_anyres:
-        tiles, (columns, rows) = anyres_tiles(media.images[0], processor, config.mm_image_grid_points)
-        return graphs.encode_anyres(tiles.numpy(), columns, rows)
-    return graphs.encode_images(prepare_pictures(media.images, config.mm_image_aspect_ratio, processor)[None].numpy())
+    tiles, (columns, rows) = anyres_tiles(
+        media.images[0], load_image_processor(folder, config), config.mm_image_grid_points
+    )
+    return graphs.encode_anyres(tiles.numpy(), columns, rows)
+
+
+def images_graph_context(graphs, folder: Path, config, media: DecodedMedia):
+    if not media.images:
+        return graphs.no_context(1)
+    pixels = prepare_pictures(media.images, config.mm_image_aspect_ratio, load_image_processor(folder, config))
+    return graphs.encode_images(pixels[None].numpy())
+
+
+GRAPH_CONTEXTS = {"image": images_graph_context, "tiles": tiles_graph_context, "frames": video_graph_context}

@@ -62,17 +62,19 @@ def test_model_equals_released_forward(family, case):
         frames[1] = torch.zeros_like(frames[1])
     use_video, use_audio = case != "audio only", case != "video only"
     with torch.no_grad():
-        streams, kwargs = [], {}
+        streams, contexts = [], []
         if use_video:
             streams.append(video_stream(model, frames))
-            kwargs["context_key_values"], kwargs["context_mask"] = model.model.encode_video(frames)
+            contexts.append(model.model.encode_video(frames))
         if use_audio:
             streams.append(audio_stream(model, mels, mel_frames))
-            kwargs["audio_key_values"], kwargs["audio_mask"] = model.model.encode_audio(mels, mel_frames)
+            contexts.append(model.model.encode_audio(mels, mel_frames))
         expected = vidi_logits(model, ids, streams)
-        got = model(ids, **kwargs).logits
-    ours = [kwargs[key] for key in ("context_mask", "audio_mask") if key in kwargs]
-    assert all(torch.equal(mask, theirs) for mask, (_, theirs) in zip(ours, streams, strict=True))
+        context, segments = model.model.join_contexts(*contexts)
+        got = model(ids, context_key_values=context, context_mask=segments).logits
+    stream_order = [stream for stream, used in ((FRAMES, use_video), (AUDIO, use_audio)) if used]
+    released = torch.cat([mask.long() * stream.segment for (_, mask), stream in zip(streams, stream_order)], 1)
+    assert torch.equal(segments, released)  # each key's stream, where the released masks place them
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
@@ -121,11 +123,10 @@ def test_incremental_decoding_and_cached_streams(family):
     model = video_model(family)
     ids, frames, mels, mel_frames = inputs()
     with torch.no_grad():
-        visual, context_mask = model.model.encode_video(frames)
-        audio, audio_mask = model.model.encode_audio(mels, mel_frames)
-        streams = dict(
-            context_key_values=visual, context_mask=context_mask, audio_key_values=audio, audio_mask=audio_mask
+        context, segments = model.model.join_contexts(
+            model.model.encode_video(frames), model.model.encode_audio(mels, mel_frames)
         )
+        streams = dict(context_key_values=context, context_mask=segments)
         full = model(ids, **streams).logits
         out, pieces = model(ids[:, :5], **streams), []
         pieces.append(out.logits)
@@ -136,9 +137,10 @@ def test_incremental_decoding_and_cached_streams(family):
             pieces.append(out.logits)
         torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
         second = ids.flip(1)
-        fresh_visual, _ = model.model.encode_video(frames)
-        fresh_audio, _ = model.model.encode_audio(mels, mel_frames)
-        fresh = dict(streams, context_key_values=fresh_visual, audio_key_values=fresh_audio)
+        fresh, _ = model.model.join_contexts(
+            model.model.encode_video(frames), model.model.encode_audio(mels, mel_frames)
+        )
+        fresh = dict(streams, context_key_values=fresh)
         torch.testing.assert_close(model(second, **streams).logits, model(second, **fresh).logits, atol=0, rtol=0)
 
 
@@ -253,17 +255,12 @@ def test_generate_reads_a_video_file(tmp_path, family):
     mels = extractor(chunks, sampling_rate=16000, return_tensors="pt").input_features
     mel_frames = 480000 // 8000 + 160000 // 8000  # a mel frame per hop of the chunk's real samples: 60 + 20
     with torch.no_grad():
-        visual, context_mask = model.model.encode_video([pixels])
-        audio, audio_mask = model.model.encode_audio([mels], [mel_frames])
+        context, segments = model.model.join_contexts(
+            model.model.encode_video([pixels]), model.model.encode_audio([mels], [mel_frames])
+        )
         prompt = load_tokenizer(folder, model.config)("what happens", return_tensors="pt")
         expected = model.generate(
-            prompt["input_ids"],
-            max_new_tokens=6,
-            context_key_values=visual,
-            context_mask=context_mask,
-            audio_key_values=audio,
-            audio_mask=audio_mask,
-            eos_token_id=2,
+            prompt["input_ids"], max_new_tokens=6, context_key_values=context, context_mask=segments, eos_token_id=2
         )
     assert result.generated_ids == expected[0].tolist()
     assert result.visual_tokens == 3 * (4 if family == "mistral" else 16) and result.audio_tokens == 20  # 80 / 2 / 2
@@ -408,7 +405,7 @@ def test_shipped_code_runs_video_and_audio_with_transformers_alone(tmp_path, fam
     process; the model card's video usage runs as written; its logits equal the reference's."""
     folder = write_demo_checkpoint(tmp_path / "video", family, video=True)
     assert run_cli("convert", folder, "-o", tmp_path / "converted").returncode == 0
-    snippet = usage_snippet(str(tmp_path / "converted"), "what happens", video=True)
+    snippet = usage_snippet(str(tmp_path / "converted"), "what happens", "video")
     (tmp_path / "snippet.py").write_text(snippet.removeprefix("```python\n").removesuffix("```"))
     (tmp_path / "remote.py").write_text(REMOTE_CODE)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}

@@ -28,6 +28,7 @@ from helpers.ray_cpu_shim import RESOURCE as RAY_RANK_RESOURCE
 from helpers.real_checkpoints import free_port
 from helpers.released_images import process_images, with_output_size
 from helpers.vllm_requests import (
+    ASKED_AGAIN,
     LONG_VIDEO_REQUEST,
     REPEATED,
     REQUESTS,
@@ -40,6 +41,7 @@ from PIL import Image
 from dattn_export.checkpoints.source import folder_config, load_model
 from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.media import DecodedMedia, Media, decode_media, encode_media
+from dattn_export.modeling.streams import TILES
 from dattn_export.processing import audio_features, load_audio_processor, load_image_processor, load_tokenizer
 from dattn_export.vllm_plugin.video import DEFAULT_MAX_FRAMES, longest_sound_track, max_video_frames
 
@@ -77,7 +79,7 @@ def request_decoded(folder: Path, seed: int | None) -> DecodedMedia:
     """A request's image, or a video model's frames and sound track, as `generate` decodes its files."""
     if seed is None:
         return DecodedMedia([], None, None)
-    if not folder_config(folder).is_video:
+    if folder_config(folder).modality == "image":
         return DecodedMedia([request_image(seed)], None, None)
     frames, samples = request_video(seed)
     return DecodedMedia([], [Image.fromarray(frame) for frame in frames], samples)
@@ -98,7 +100,7 @@ def reference(folder: Path, prompt: str | list[int], media: DecodedMedia, steps:
         ids = torch.tensor([prompt])
     else:
         ids = load_tokenizer(folder, model.config)(prompt, return_tensors="pt")["input_ids"]
-    if media.images and not model.config.is_anyres:  # the pixels the released path makes of the picture
+    if media.images and TILES not in model.config.streams:  # the pixels the released path makes of the picture
         processor = with_output_size(load_image_processor(folder, model.config))
         rule = SimpleNamespace(mm_image_aspect_ratio=model.config.mm_image_aspect_ratio)
         streams = dict(zip(("context_key_values", "context_mask"), model.model.encode_images(
@@ -150,15 +152,14 @@ def assert_equal_reference(folder: Path, requests: list, answers: list[dict]) ->
     "model, tensor_parallel",
     [
         *(("mistral", 1), ("gemma2", 2)),  # each family at TP=1 and TP=2 across the cases, each input kind once
-        *(("gemma2-anyres", 1), ("mistral-clip-pad", 1)),  # videos: test_video_models_equal_reference_and_...
+        ("mistral-clip-pad", 1),  # anyres and videos: test_repeated_media_equal_reference_and_reuse_their_context
         ("qwen2", 2),  # a family with no released model (families.py): q/k/v biases split across ranks
     ],
 )
 def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     """Five requests with their own images (one given as token ids without BOS) and a text-only one, at most three
     in flight: every greedy token and its log-probability as our reference gives them (a text-only request, as
-    the reference's: no visual keys). Each family at TP=1 and at TP=2, each input kind at one of them. Anyres: the
-    images' shapes choose different tilings, so the requests' visual streams differ in length. CLIP, pictures
+    the reference's: no visual keys). Each family at TP=1 and at TP=2. CLIP, pictures
     padded to squares: vLLM's pixels are the released path's for that rule too. Qwen2, whose reference equals
     transformers' Qwen2 (test_families.py), at TP=2."""
     folder = served[model]
@@ -182,7 +183,8 @@ def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
 def test_repeated_media_equal_reference_and_reuse_their_context(served, tmp_path, model, tensor_parallel, cache_gib):
     """One engine per model, each video family at one tensor-parallel size, and an anyres picture model:
     - REQUESTS: their own frame counts and sound tracks (three with one, two without), the frames and the audio each
-      under their own softmax (one softmax over both misses the tolerance by 3000x); every token and log-probability
+      under their own softmax (one softmax over both misses the tolerance by 3000x); anyres pictures whose shapes
+      choose different tilings, so the requests' visual streams differ in length; every token and log-probability
       as the reference's;
     - then, the context cache emptied, REPEATED: questions on two videos (pictures), interleaved and repeated, three
       in flight. Every answer as the reference gives it for its own medium, so a context or processed pixels read
@@ -192,11 +194,11 @@ def test_repeated_media_equal_reference_and_reuse_their_context(served, tmp_path
     answers = vllm_requests(folder, tensor_parallel, tmp_path / "vllm.json", repeat_gib=cache_gib)
     *repeated, last = answers[len(REQUESTS) :]
     assert_equal_reference(folder, REQUESTS, answers[: len(REQUESTS)])
-    assert_equal_reference(folder, REPEATED, repeated)
+    assert_equal_reference(folder, REPEATED + ASKED_AGAIN, repeated)
     caches = last["caches"]
     assert len(caches) == tensor_parallel
     for cache in caches:
-        assert cache["hits"] + cache["misses"] == len(REPEATED) and cache["hits"] >= 1, cache
+        assert cache["hits"] + cache["misses"] == len(REPEATED + ASKED_AGAIN) and cache["hits"] >= 1, cache
         assert 0 < cache["peak_bytes"] <= cache["limit_bytes"] == int(cache_gib * 2**30), cache
         if cache_gib > 1:  # both kept: each video computed once (twice at most when its first two share a step)
             assert cache["contexts"] == 2 and cache["misses"] <= 3 and cache["evictions"] == 0, cache

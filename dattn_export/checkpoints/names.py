@@ -51,7 +51,8 @@ AUDIO_TOWER_NOT_RUN = "carried in the checkpoint, not run: image prompts do not 
 
 
 def audio_tower_role(config) -> str:
-    return "runs the audio stream (a video model)" if config.is_video else AUDIO_TOWER_NOT_RUN
+    runs = any(stream.tower == "mm_aud" for stream in config.streams)
+    return "runs the audio stream (a video model)" if runs else AUDIO_TOWER_NOT_RUN
 
 
 WINGS_MODULE = re.compile(r"^model\.layers\.\d+\.wings_")

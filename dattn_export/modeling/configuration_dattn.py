@@ -13,7 +13,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import CLIPVisionConfig, SiglipVisionConfig, WhisperConfig
 
 from .families import BY_MODEL_TYPE, FAMILIES, Family
-from .streams import STREAMS, ContextStream, frame_tokens
+from .streams import STREAMS, ContextStream, frame_tokens, streams_of
 
 ATTENTION_MODES = ("dattn", "dattn-sum", "sattn", "mmca")
 # how many text keys a sliding window of w shows a query: transformers' masks show w (itself and w - 1 before);
@@ -23,12 +23,6 @@ VISION_CONFIG_CLASSES = {"siglip_vision_model": SiglipVisionConfig, "clip_vision
 INPUT_TYPES = tuple(STREAMS)  # mm_input_type: image | video
 # how a picture becomes the tower's input (images.py): the released img_utils.process_images' rules
 ASPECT_RATIOS = ("resize", "pad", "crop", "anyres")
-# how a video model pools a frame's tower features and its audio features (the released models differ):
-#   conv-interpolate (Vidi_7B): a bias-free conv, stride 1, then bilinear resize to mm_image_pool_size a side;
-#     the audio conv keeps the Whisper width
-#   space-to-depth (Vidi1.5_9B): one zero row and column, then mm_image_pool_size-wide blocks stacked into
-#     channels; the audio conv maps to the LLM width
-POOL_RULES = ("conv-interpolate", "space-to-depth")
 
 
 LLM_SIZES = (
@@ -72,7 +66,7 @@ class DAttnFields:
     mm_audio_pool_size: int | None = None
     mm_time_interval: int | None = None
     mm_std: float = 1.0  # the initial weight of mm_rand_llm_norm
-    mm_pool_rule: str = "space-to-depth"  # video models: one of POOL_RULES
+    mm_pool_rule: str = "space-to-depth"  # video models: one of streams.POOL_RULES
     dattn_mode: str = "dattn"  # one of ATTENTION_MODES (mmca: DeepSpeed-VisualChat's multi-modal causal attention)
     window_rule: str = "transformers"  # one of WINDOW_RULES
     mm_scale_streams: bool = False  # the context streams times sqrt(hidden), as some families scale their text
@@ -133,10 +127,8 @@ class DAttnFields:
                 f"mm_image_aspect_ratio {self.mm_image_aspect_ratio!r} is not one of {ASPECT_RATIOS} (how the released "
                 "code prepares a picture)"
             )
-        if self.is_video:
-            self._check_video()
-        if self.is_anyres and not self.mm_image_grid_points:
-            raise ValueError("mm_image_aspect_ratio 'anyres' needs mm_image_grid_points (the tilings to choose from)")
+        for stream in self.streams:
+            stream.check(self)
         if self.mm_projector_type != "mlp2x_gelu":
             raise ValueError(f"mm_projector_type {self.mm_projector_type!r} is not supported (only 'mlp2x_gelu')")
         if self.vision_config is not None and self.vision_config.get("model_type") not in VISION_CONFIG_CLASSES:
@@ -156,31 +148,6 @@ class DAttnFields:
                 f"wings_layers {self.wings_layers} are not all layers of a {self.num_hidden_layers}-layer model"
             )
 
-    def _check_video(self) -> None:
-        """A video model as the released code builds one: frames and an audio stream, each softmaxed and summed."""
-        needed = ("audio_config", "mm_image_pool_size", "mm_audio_pool_size", "mm_time_interval")
-        missing = [key for key in needed if getattr(self, key) is None]
-        if missing:
-            raise ValueError(f"a video model (mm_input_type 'video') needs {', '.join(missing)}")
-        if self.mm_image_aspect_ratio == "anyres":
-            raise ValueError(
-                "a video model's frames are prepared by resize, pad or crop, not anyres (the released "
-                "video training asserts resize)"
-            )
-        if self.mm_pool_rule not in POOL_RULES:
-            raise ValueError(f"mm_pool_rule must be one of {POOL_RULES}, got {self.mm_pool_rule!r}")
-        if self.dattn_mode != "dattn-sum" or self.wings_rank:
-            raise ValueError("a video model attends to its streams as the released code does: dattn_mode 'dattn-sum'")
-        pool, grid = self.mm_image_pool_size, self.patch_grid
-        if not 1 < pool <= grid:
-            raise ValueError(f"mm_image_pool_size {pool} must lie in [2, {grid}] (the tower's patches a side)")
-        if self.mm_pool_rule == "space-to-depth" and (grid + 1) % pool:
-            raise ValueError(f"mm_image_pool_size {pool} must divide {grid + 1} (the tower's patches a side, plus one)")
-
-    @property
-    def is_video(self) -> bool:
-        return self.mm_input_type == "video"
-
     @property
     def mel_frames_per_audio_token(self) -> int:
         """A video model's log-mel frames per audio token: Whisper's encoder halves them (3000 a 30 s chunk -> 1500
@@ -189,25 +156,19 @@ class DAttnFields:
 
     @property
     def streams(self) -> tuple[ContextStream, ...]:
-        """The context streams text attends to (`streams.py`): frames and audio for a video model, images otherwise."""
-        return STREAMS[self.mm_input_type]
+        """The context streams text attends to (`streams.py`): frames and audio for a video model, images (or an
+        anyres model's tiled picture) otherwise."""
+        return streams_of(self.mm_input_type, self.mm_image_aspect_ratio)
+
+    @property
+    def modality(self) -> str:
+        """What a prompt gives the model: image | video."""
+        return self.streams[0].modality
 
     @property
     def num_contexts(self) -> int:
         """The context segments, each under its own softmax with the sum merge."""
         return len(self.streams)
-
-    @property
-    def is_anyres(self) -> bool:
-        """Images as a thumbnail plus the tiles of the best of mm_image_grid_points (image models)."""
-        return self.mm_image_aspect_ratio == "anyres" and not self.is_video
-
-    @property
-    def position_grid(self) -> int:
-        """How many positions the row / column embeddings spread over: the patch grid, times the widest tiling."""
-        if not self.is_anyres:
-            return self.patch_grid
-        return self.patch_grid * max(max(point) for point in self.mm_image_grid_points)
 
     @property
     def vision_tower_config(self) -> SiglipVisionConfig | CLIPVisionConfig:

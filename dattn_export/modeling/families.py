@@ -33,7 +33,7 @@ class Family:
     # None: no released model, so no released config to read
     released_model: str | None = None
     released_architecture: str | None = None
-    released_pool_rule: str = "space-to-depth"  # how its video model pools (configuration_dattn.POOL_RULES)
+    released_pool_rule: str = "space-to-depth"  # how its video model pools (streams.POOL_RULES)
     released_scales_streams: bool = False  # its visual and audio streams times sqrt(hidden), like its text
     # how its inference script turns an answer's "0.12-0.15" (fractions of the video) into hh:mm:ss ranges: the
     # pattern it finds them with (None: no released script to follow), and how it writes the seconds (its minutes

@@ -40,7 +40,17 @@ from .attention import causal_mask, dattn_op, decomposed_attention, segment_shar
 from .configuration_dattn import CONFIG_CLASSES
 from .families import FAMILIES, Family
 from .images import PreparedFrames, anyres_grid, anyres_tiles, prepare_pictures
-from .streams import AUDIO, CONTEXT_CHUNK, FRAMES, pooled_side
+from .streams import (
+    AUDIO,
+    CONTEXT_CHUNK,
+    FRAMES,
+    TILES,
+    AudioStream,
+    FramesStream,
+    ImageStream,
+    TilesStream,
+    pooled_side,
+)
 
 # one layer's cache: key, value (B, kv_heads, S, head_dim) [, WINGS key, value (B, hidden / head_dim, S, head_dim)]
 KV = tuple[Tensor, ...]
@@ -468,23 +478,34 @@ class ContextStreams:
         if audio_tower:
             self.mm_aud = self.audio_tower(config)
         self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
-        if config.is_video:  # frames: pooled, with row, column and time embeddings; audio: pooled, with time
-            self.mm_rand_img_pool = FramePool(config)
-            self.mm_rand_img_projector = MLPProjector(self.mm_rand_img_pool.out_channels, hidden)
-            self.mm_rand_img_norm = MMRMSNorm(hidden)
-            self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
-            self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
-            whisper, pool = config.audio_config["d_model"], config.mm_audio_pool_size
-            audio_width = whisper if config.mm_pool_rule == "conv-interpolate" else hidden
-            self.mm_rand_aud_pool = nn.Conv1d(whisper, audio_width, kernel_size=pool, stride=pool, bias=False)
-            self.mm_rand_aud_projector = MLPProjector(audio_width, hidden)
-            self.mm_rand_aud_norm = MMRMSNorm(hidden)
-            self.mm_rand_pos_t = LearnablePositionEmbedding(hidden, config.mm_time_interval)
-        else:
-            self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
-            self.mm_rand_norm = MMRMSNorm(hidden)
-            self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.position_grid)
-            self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.position_grid)
+        for stream in config.streams:
+            STREAM_MODULES[stream.name](self, config, stream)
+
+    def image_modules(self, config, stream: ImageStream) -> None:
+        """A picture's (or its tiles'): projected, normed, with row and column embeddings."""
+        hidden = config.hidden_size
+        self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
+        self.mm_rand_norm = MMRMSNorm(hidden)
+        self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, stream.position_grid(config))
+        self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, stream.position_grid(config))
+
+    def frame_modules(self, config, stream: FramesStream) -> None:
+        """A frame's: pooled, projected, normed, with row and column embeddings (over the pooled grid)."""
+        hidden = config.hidden_size
+        self.mm_rand_img_pool = FramePool(config)
+        self.mm_rand_img_projector = MLPProjector(self.mm_rand_img_pool.out_channels, hidden)
+        self.mm_rand_img_norm = MMRMSNorm(hidden)
+        self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
+        self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
+
+    def audio_modules(self, config, stream: AudioStream) -> None:
+        """The sound's: pooled, projected, normed; and the time embeddings frames and audio both add."""
+        hidden, whisper, pool = config.hidden_size, config.audio_config["d_model"], config.mm_audio_pool_size
+        audio_width = whisper if config.mm_pool_rule == "conv-interpolate" else hidden
+        self.mm_rand_aud_pool = nn.Conv1d(whisper, audio_width, kernel_size=pool, stride=pool, bias=False)
+        self.mm_rand_aud_projector = MLPProjector(audio_width, hidden)
+        self.mm_rand_aud_norm = MMRMSNorm(hidden)
+        self.mm_rand_pos_t = LearnablePositionEmbedding(hidden, config.mm_time_interval)
 
     def vision_tower(self, config) -> nn.Module:
         """The module under `mm_vis`: (N, 3, H, W) pixels -> (N, patches, tower width) features (a host may give its
@@ -505,7 +526,7 @@ class ContextStreams:
     def embed_images(self, pixel_values: Tensor) -> Tensor:
         """(B, images, 3, H, W) pixels -> (B, images * tokens_per_image, hidden) visual embeddings: tower features
         -> projector -> norm -> + row, + column embeddings -> LLM norm (-> x sqrt(hidden) with mm_scale_streams)."""
-        if self.config.is_video:
+        if not isinstance(self.config.streams[0], ImageStream):
             raise ValueError("a video model takes frames and audio (encode_video, encode_audio), not images")
         batch, images = pixel_values.shape[:2]
         grid = self.config.patch_grid
@@ -634,12 +655,32 @@ class ContextStreams:
         return x[None], (index < num_tokens).long()[None]
 
     @staticmethod
+    def join_contexts(*contexts: tuple[list[KV], Tensor]) -> tuple[list[KV], Tensor]:
+        """Context streams (each an `encode_*`'s every-layer K/V and segment ids), in the model's stream order, as
+        the one context the model takes, as every backend does: each layer's keys and values end to end, and each
+        key's segment."""
+        if len(contexts) == 1:
+            return contexts[0]
+        layers = zip(*(kv for kv, _ in contexts))
+        caches = [tuple(torch.cat(parts, dim=2) for parts in zip(*layer)) for layer in layers]
+        return caches, torch.cat([mask.long() for _, mask in contexts], dim=1)
+
+    @staticmethod
     def context_stream(samples: list[Tensor], present: list[Tensor]) -> tuple[Tensor, Tensor]:
         """Per-sample stream tokens -> padded to the longest (B, L, hidden) and zeroed outside the mask: the tokens
         that are not padding, of the samples that are `present`."""
         x = nn.utils.rnn.pad_sequence(samples, batch_first=True)
         mask = (x.abs().sum(-1) != 0) & torch.stack(present)[:, None]
         return x * mask[..., None], mask
+
+
+# each stream's modules, by stream (`streams.py`), under the names the released checkpoints give them
+STREAM_MODULES = {
+    "image": ContextStreams.image_modules,
+    "tiles": ContextStreams.image_modules,
+    "frames": ContextStreams.frame_modules,
+    "audio": ContextStreams.audio_modules,
+}
 
 
 class DAttnModel(DAttnPreTrainedModel, ContextStreams):
@@ -660,9 +701,9 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
     def encode_pictures(self, pictures: list, processor) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for one prompt's pictures (RGB PIL images) and the visual mask, each picture
         prepared as the released code prepares it (`images.py`, by mm_image_aspect_ratio; an anyres model takes one)."""
-        if not self.config.is_anyres:
+        if not isinstance(self.config.streams[0], TilesStream):
             return self.encode_images(prepare_pictures(pictures, self.config.mm_image_aspect_ratio, processor)[None])
-        if len(pictures) != 1:
+        if len(pictures) != TILES.pictures:
             raise ValueError(f"an anyres model takes one picture a prompt, not {len(pictures)}")
         tiles, _ = anyres_tiles(pictures[0], processor, self.config.mm_image_grid_points)
         return self.encode_anyres([tiles], [pictures[0].size])
@@ -677,12 +718,14 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
         return self.stream_caches(*self.embed_anyres(tiles, image_sizes))
 
     def encode_video(self, frames: list[Tensor]) -> tuple[list[KV], Tensor]:
-        """Every layer's visual K/V for each sample's frames, and the visual mask."""
-        return self.stream_caches(*self.embed_video(frames))
+        """Every layer's K/V for each sample's frames, and their segment ids (`join_contexts` adds the audio's)."""
+        caches, mask = self.stream_caches(*self.embed_video(frames))
+        return caches, FRAMES.segment * mask.long()
 
     def encode_audio(self, mels: list[Tensor], mel_frames: list[int]) -> tuple[list[KV], Tensor]:
-        """Every layer's audio K/V (the audio stream runs the layers as the visual one does), and the audio mask."""
-        return self.stream_caches(*self.embed_audio(mels, mel_frames))
+        """Every layer's audio K/V (the audio stream runs the layers as the visual one does), and their segment ids."""
+        caches, mask = self.stream_caches(*self.embed_audio(mels, mel_frames))
+        return caches, AUDIO.segment * mask.long()
 
     def stream_caches(self, embeds: Tensor, mask: Tensor) -> tuple[list[KV], Tensor]:
         """A context stream's K/V for every layer, with the mask that goes with them."""
@@ -745,12 +788,10 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
         past_key_values: list[KV] | None = None,
         context_key_values: list[KV] | None = None,
         context_mask: Tensor | None = None,
-        audio_key_values: list[KV] | None = None,
-        audio_mask: Tensor | None = None,
     ) -> tuple[Tensor, list[KV]]:
         """The text stream. attention_mask (B, past + T) marks real text tokens (left padding allowed);
-        context_mask (B, V) and audio_mask (B, A) mark real visual and audio tokens. Returns the final hidden
-        states and the text cache."""
+        context_mask (B, V) each context key's segment (`streams.py`; a bool mask: one segment), 0 or False for
+        none. Returns the final hidden states and the text cache."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, num_new = h.shape[:2]
         num_past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
@@ -776,20 +817,9 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
                 context, layer_context_valid = layer.no_context(h)
             else:
                 context, layer_context_valid = context_key_values[i], context_valid
-            if audio_key_values is not None:  # the second context segment
-                context, layer_context_valid = join_contexts(
-                    context, layer_context_valid, audio_key_values[i], audio_mask
-                )
             h, kv = layer.text_forward(h, rope, past, context, text_valid, layer_context_valid)
             present.append(kv)
         return self.norm(h), present
-
-
-def join_contexts(frames: KV, frames_mask: Tensor, audio: KV, audio_mask: Tensor) -> tuple[KV, Tensor]:
-    """One layer's context as the op takes it: [frames ; audio] keys and values, and each key's segment (0: none)."""
-    kv = tuple(torch.cat([a, b], dim=2) for a, b in zip(frames[:2], audio[:2]))
-    segments = [FRAMES.segment * frames_mask.bool().long(), AUDIO.segment * audio_mask.bool().long()]
-    return kv, torch.cat(segments, dim=1)
 
 
 @dataclass
@@ -801,8 +831,6 @@ class DAttnOutput(ModelOutput):
     cache: list[KV] | None = None
     context_key_values: list[KV] | None = None
     context_mask: Tensor | None = None
-    audio_key_values: list[KV] | None = None
-    audio_mask: Tensor | None = None
 
     @property
     def past_key_values(self) -> list[KV] | None:
@@ -829,12 +857,10 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         context_key_values: list[KV] | None = None,
         context_mask: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
-        audio_key_values: list[KV] | None = None,
-        audio_mask: Tensor | None = None,
     ) -> DAttnOutput:
         """Logits for the text tokens. Images come as `pixel_values` (B, images, 3, H, W), or as the
-        `context_key_values` an earlier call returned; a video model's frames and audio as the K/V that
-        `model.encode_video` and `model.encode_audio` return."""
+        `context_key_values` an earlier call returned; a video model's frames and audio as one context, the K/V and
+        segment ids that `model.join_contexts` makes of `model.encode_video`'s and `model.encode_audio`'s."""
         if pixel_values is not None and context_key_values is None:
             context_key_values, image_mask = self.model.encode_images(pixel_values)
             context_mask = image_mask if context_mask is None else context_mask.bool() & image_mask
@@ -846,8 +872,6 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
             past_key_values,
             context_key_values,
             context_mask,
-            audio_key_values,
-            audio_mask,
         )
         logits = self.lm_head(hidden)
         cap = self.config.logits_softcap
@@ -858,8 +882,6 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
             cache=present,
             context_key_values=context_key_values,
             context_mask=context_mask,
-            audio_key_values=audio_key_values,
-            audio_mask=audio_mask,
         )
 
     @torch.no_grad()
@@ -872,19 +894,12 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         context_key_values: list[KV] | None = None,
         eos_token_id: int | None = None,
         context_mask: Tensor | None = None,
-        audio_key_values: list[KV] | None = None,
-        audio_mask: Tensor | None = None,
     ) -> Tensor:
-        """Greedy decoding with the text KV cache; the image's visual K/V (and a video model's audio K/V) are
+        """Greedy decoding with the text KV cache; the context's K/V (an image's, a video's frames and audio) are
         computed once (or reused)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        streams = dict(
-            context_key_values=context_key_values,
-            context_mask=context_mask,
-            audio_key_values=audio_key_values,
-            audio_mask=audio_mask,
-        )
+        streams = dict(context_key_values=context_key_values, context_mask=context_mask)
         out = self(input_ids, pixel_values, attention_mask, **streams)
         tokens = []
         for step in range(max_new_tokens):
@@ -899,8 +914,6 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
                 past_key_values=out.past_key_values,
                 context_key_values=out.context_key_values,
                 context_mask=out.context_mask,
-                audio_key_values=out.audio_key_values,
-                audio_mask=out.audio_mask,
             )
         return torch.cat(tokens, dim=1)
 

@@ -1,14 +1,17 @@
-"""The context streams text attends to besides itself, one spec each: what one part of the input is, the tower and the
-graph that encode it, how many parts go through them at once, how many tokens it makes, and the segment id its keys
-carry in the context mask (the op gives each segment its own softmax with the sum merge).
+"""The context streams text attends to besides itself, a class each: what one part of the input is, the tower and
+the graph that encode it, how many parts go through them at once, how many tokens it makes, the segment id its keys
+carry in the context mask (the op gives each segment its own softmax with the sum merge), the media a prompt gives
+it, what its config must hold and the sizes it reports.
 
-The reference model, the export's manifest, the graphs' runtime and the vLLM plugin read these facts here; a model's
-streams follow its input type (`STREAMS`). Plain Python, no imports: it ships in a Hub repo beside the model files.
+A model's streams follow its config (`streams_of`); every layer iterates over them, and one that adds its own part of
+a stream (modules, graph, runtime loop) keys it by the stream's name. Plain Python, no imports: it ships in a Hub
+repo beside the model files.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 CONTEXT_CHUNK = 2048  # context tokens through the decoder layers at once where each token's K/V depend on it alone
 
@@ -39,9 +42,21 @@ def frame_tokens(pool_rule: str, pool: int, patch_grid: int, total_frames: int) 
     return pooled_side(patch_grid + 1, pool, total_frames) ** 2
 
 
+# how a video model pools a frame's tower features and its audio features (the released models differ):
+#   conv-interpolate (Vidi_7B): a bias-free conv, stride 1, then bilinear resize to mm_image_pool_size a side;
+#     the audio conv keeps the Whisper width
+#   space-to-depth (Vidi1.5_9B): one zero row and column, then mm_image_pool_size-wide blocks stacked into
+#     channels; the audio conv maps to the LLM width
+POOL_RULES = ("conv-interpolate", "space-to-depth")
+
+
 @dataclass  # not frozen: tests shrink parts_per_run to exercise the part loops on tiny inputs
 class ContextStream:
-    name: str  # image | frames | audio
+    """One context stream: its facts here, and in its subclass what differs between streams: the media a prompt
+    gives it, the config keys it needs, the sizes it reports. The layers above key their own part of a stream (its
+    modules, graph, runtime loop, vLLM fields) by its `name`."""
+
+    name: str  # image | tiles | frames | audio
     segment: int  # its keys' id in the context mask (0 marks no key)
     tower: str  # the module that encodes it
     graph: str  # the ONNX graph that encodes its parts
@@ -49,6 +64,10 @@ class ContextStream:
     parts_per_run: int | None  # parts through the tower (or its graph) at once (None: all): bounds memory only
     tokens_per_part: str | None = None  # the config's (or manifest's) tokens per part: a number, or of the part count
     units_per_token: str | None = None  # or, where a part's tail may be cut: input units (log-mel frames) per token
+
+    modality: ClassVar[str]  # the input a prompt gives: image | video (vLLM's modality; a video carries its sound)
+    media: ClassVar[tuple[str, ...]]  # the prompt's media (media.Media's fields, the CLI's options) it reads
+    pictures: ClassVar[int | None] = None  # the most pictures a prompt may give it (None: no limit)
 
     def tokens(self, config, amount: int) -> int:
         """The tokens of `amount` parts (or, with units_per_token, of that many input units); `config`: the model's
@@ -58,14 +77,113 @@ class ContextStream:
         per_part = getattr(config, self.tokens_per_part)
         return amount * (per_part(amount) if callable(per_part) else per_part)
 
+    def check(self, config) -> None:
+        """What a model with this stream must configure (ValueError), checked when its config is."""
 
-IMAGE = ContextStream("image", 1, "mm_vis", "vision", "image", None, tokens_per_part="tokens_per_image")
-FRAMES = ContextStream("frames", 1, "mm_vis", "vision", "frame", 16, tokens_per_part="frame_tokens")
-AUDIO = ContextStream(
+    def facts(self, config) -> dict:
+        """Its sizes, as `info` shows them."""
+        return {}
+
+    def runtime_facts(self, config) -> dict:
+        """The sizes the graphs' runtime reads from the export's manifest to run its graph."""
+        return {}
+
+
+class ImageStream(ContextStream):
+    """Pictures, each prepared as mm_image_aspect_ratio says: projected, with row and column embeddings."""
+
+    modality, media = "image", ("images",)
+
+    def position_grid(self, config) -> int:
+        """How many positions the row / column embeddings spread over."""
+        return config.patch_grid
+
+    def facts(self, config) -> dict:
+        return {"tokens_per_image": config.tokens_per_image}
+
+
+class TilesStream(ImageStream):
+    """anyres: one picture as a thumbnail plus the tiles of the best of mm_image_grid_points."""
+
+    pictures = 1
+
+    def check(self, config) -> None:
+        if not config.mm_image_grid_points:
+            raise ValueError("mm_image_aspect_ratio 'anyres' needs mm_image_grid_points (the tilings to choose from)")
+
+    def position_grid(self, config) -> int:
+        """The patch grid, times the widest tiling: the tiles' grids join into one."""
+        return config.patch_grid * max(max(point) for point in config.mm_image_grid_points)
+
+    def facts(self, config) -> dict:
+        return super().facts(config) | {"anyres_tilings": f"{config.mm_image_grid_points} (columns, rows)"}
+
+
+class FramesStream(ContextStream):
+    """A video's frames, one a second: pooled (`mm_pool_rule`), with row, column and time embeddings."""
+
+    modality, media = "video", ("video", "frames")
+
+    def check(self, config) -> None:
+        needed = ("mm_image_pool_size", "mm_time_interval")
+        if missing := [key for key in needed if getattr(config, key) is None]:
+            raise ValueError(f"a video model (mm_input_type 'video') needs {', '.join(missing)}")
+        if config.mm_image_aspect_ratio == "anyres":
+            raise ValueError(
+                "a video model's frames are prepared by resize, pad or crop, not anyres (the released "
+                "video training asserts resize)"
+            )
+        if config.mm_pool_rule not in POOL_RULES:
+            raise ValueError(f"mm_pool_rule must be one of {POOL_RULES}, got {config.mm_pool_rule!r}")
+        if config.dattn_mode != "dattn-sum" or config.wings_rank:
+            raise ValueError("a video model attends to its streams as the released code does: dattn_mode 'dattn-sum'")
+        pool, grid = config.mm_image_pool_size, config.patch_grid
+        if not 1 < pool <= grid:
+            raise ValueError(f"mm_image_pool_size {pool} must lie in [2, {grid}] (the tower's patches a side)")
+        if config.mm_pool_rule == "space-to-depth" and (grid + 1) % pool:
+            raise ValueError(f"mm_image_pool_size {pool} must divide {grid + 1} (the tower's patches a side, plus one)")
+
+    def facts(self, config) -> dict:
+        return {"tokens_per_frame": config.tokens_per_frame, "pool_rule": config.mm_pool_rule}
+
+    def runtime_facts(self, config) -> dict:
+        return {
+            "tokens_per_frame": config.tokens_per_frame,
+            "pool_rule": config.mm_pool_rule,
+            "pool_size": config.mm_image_pool_size,
+        }
+
+
+class AudioStream(ContextStream):
+    """A video's sound track (or an audio file): every 30 s Whisper chunk, pooled, with time embeddings."""
+
+    modality, media = "video", ("video", "audio")
+
+    def check(self, config) -> None:
+        if missing := [key for key in ("audio_config", "mm_audio_pool_size") if getattr(config, key) is None]:
+            raise ValueError(f"a video model (mm_input_type 'video') needs {', '.join(missing)}")
+
+    def facts(self, config) -> dict:
+        return {"audio_tokens_per_chunk": config.audio_config["max_source_positions"] // config.mm_audio_pool_size}
+
+    def runtime_facts(self, config) -> dict:
+        return {"mel_frames_per_audio_token": config.mel_frames_per_audio_token}
+
+
+IMAGE = ImageStream("image", 1, "mm_vis", "vision", "image", None, tokens_per_part="tokens_per_image")
+TILES = TilesStream("tiles", 1, "mm_vis", "vision", "thumbnail and tiles", None)
+FRAMES = FramesStream("frames", 1, "mm_vis", "vision", "frame", 16, tokens_per_part="frame_tokens")
+AUDIO = AudioStream(
     "audio", 2, "mm_aud", "audio", "30 s log-mel chunk", 16, units_per_token="mel_frames_per_audio_token"
 )
 
 STREAMS = {"image": (IMAGE,), "video": (FRAMES, AUDIO)}  # by input type (mm_input_type), in the context's order
+
+
+def streams_of(input_type: str, aspect_ratio: str) -> tuple[ContextStream, ...]:
+    """A model's streams, by its input type; an image model that prepares its picture by anyres tiles it."""
+    streams = STREAMS[input_type]
+    return (TILES,) if streams == (IMAGE,) and aspect_ratio == "anyres" else streams
 
 
 def context_graphs(input_type: str) -> tuple[str, ...]:

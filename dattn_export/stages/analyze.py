@@ -26,6 +26,7 @@ from ..extras import require
 from ..folders import check_output
 from ..media import Media, decode_media, encode_media
 from ..modeling.attention import dattn_op, segment_shares
+from ..modeling.streams import AUDIO
 from ..plugins.contract import using_op
 from ..processing import load_tokenizer
 
@@ -89,7 +90,7 @@ def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool 
     if len(ids) == image_after:
         raise InputError("--prompt", "has no text after the image: nothing attends to it")
     streams = encode_media(model, checkpoint, decoded, {})
-    audio_kv = streams.get("audio_key_values")
+    heard = "context_mask" in streams and bool((streams["context_mask"] == AUDIO.segment).any())
     calls = []  # every attention call's inputs, layer by layer
 
     def recording_op(q, k, v, key_mask, q_vis, k_vis, v_vis, context_mask, **keywords):
@@ -110,9 +111,9 @@ def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool 
         tokens=tokenizer.convert_ids_to_tokens(ids),
         image_after_token=image_after,
         visual_mass=masses[:, 0].tolist(),
-        laws=laws | ({} if audio_kv is None else {"audio": after[:, 1].tolist()}),
+        laws=laws | ({"audio": after[:, 1].tolist()} if heard else {}),
         attention_shift=None if shift is None else 1.0 - shift,
-        audio_mass=None if audio_kv is None else masses[:, 1].tolist(),
+        audio_mass=masses[:, 1].tolist() if heard else None,
     )
     with atomic_dir(out, overwrite=force, reading=source.inputs()) as tmp:
         (tmp / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")

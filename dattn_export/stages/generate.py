@@ -96,7 +96,7 @@ def run_prompts_graphs(
         context = graph_context(graphs, folder, config, decoded)
     caches, mask = context
     visual_tokens = int((mask == config.streams[0].segment).sum())
-    audio_tokens = int((mask == AUDIO.segment).sum()) if config.is_video else None
+    audio_tokens = int((mask == AUDIO.segment).sum()) if AUDIO in config.streams else None
     results = []
     for number, prompt in enumerate(prompts, 1):
         answer: dict[str, float] = {}
@@ -143,9 +143,9 @@ def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: 
         model = build_model(source)
     streams = encode_media(model, folder, decoded, seconds)
     parameters = parameter_counts({n: tuple(p.shape) for n, p in model.named_parameters()})
-    audio = streams.get("audio_key_values")
-    visual_tokens = int(streams["context_mask"].sum()) if "context_mask" in streams else 0
-    audio_tokens = (0 if audio is None else int(streams["audio_mask"].sum())) if model.config.is_video else None
+    segments = streams.get("context_mask", torch.zeros(1, 0, dtype=torch.long))
+    visual_tokens = int((segments == model.config.streams[0].segment).sum())
+    audio_tokens = int((segments == AUDIO.segment).sum()) if AUDIO in model.config.streams else None
     results = []
     for number, prompt in enumerate(prompts, 1):
         answer: dict[str, float] = {}

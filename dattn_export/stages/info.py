@@ -65,16 +65,7 @@ def describe(path: Path, base: Path | None = None, vision_heads: int | None = No
         else f"{c.mm_audio_tower}: Whisper encoder {c.audio_config['d_model']}x{c.audio_config['encoder_layers']} "
         f"layers, {audio_tower_role(c)} ({source.audio_origin})",
         "input": c.mm_input_type,
-        **(
-            {
-                "tokens_per_frame": c.tokens_per_frame,
-                "audio_tokens_per_chunk": c.audio_config["max_source_positions"] // c.mm_audio_pool_size,
-                "pool_rule": c.mm_pool_rule,
-            }
-            if c.is_video
-            else {"tokens_per_image": c.tokens_per_image}
-        ),
-        **({"anyres_tilings": f"{c.mm_image_grid_points} (columns, rows)"} if c.is_anyres else {}),
+        **{fact: value for stream in c.streams for fact, value in stream.facts(c).items()},
         "sliding_window": "none" if c.text_window is None else f"{c.text_window} ({c.window_rule} rule)",
         "stream_scaling": c.mm_scale_streams,
         "mask_empty_images": c.mm_mask_empty_images,

@@ -442,11 +442,8 @@ def build_manifest(source, model, attention: str, dtype: torch.dtype, opset: int
             audio_tower=None if config.audio_config is None else audio_tower_role(config),
             input_type=config.mm_input_type,
             num_contexts=config.num_contexts,
-            tokens_per_frame=config.tokens_per_frame if config.is_video else None,
-            pool_rule=config.mm_pool_rule if config.is_video else None,
-            pool_size=config.mm_image_pool_size if config.is_video else None,
             patch_grid=config.patch_grid,
-            mel_frames_per_audio_token=config.mel_frames_per_audio_token if config.is_video else None,
+            **{fact: value for stream in config.streams for fact, value in stream.runtime_facts(config).items()},
         ),
         attention=AttentionExport(attention, op if attention == "fused" else None),
         dtype=dtype_name(dtype),
@@ -487,7 +484,8 @@ def export_onnx(
     check_output(out, force, source.inputs())
     source.carried()
     config = source.config
-    if config.is_video and config.audio_config["max_source_positions"] % config.mm_audio_pool_size:
+    writes_audio = "audio" in (stream.graph for stream in config.streams)
+    if writes_audio and config.audio_config["max_source_positions"] % config.mm_audio_pool_size:
         positions = config.audio_config["max_source_positions"]
         raise InputError(
             source.config_path,

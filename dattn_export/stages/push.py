@@ -42,8 +42,9 @@ class UploadFile:
     rewritten: bool = False  # the folder's file, published without this machine's paths
 
 
-def usage_snippet(repo_id: str, prompt: str, video: bool = False) -> str:
-    return video_usage_snippet(repo_id, prompt) if video else image_usage_snippet(repo_id, prompt)
+def usage_snippet(repo_id: str, prompt: str, modality: str = "image") -> str:
+    """How the model card shows the model used on what it takes (`modality`: image | video)."""
+    return USAGE_SNIPPETS[modality](repo_id, prompt)
 
 
 def video_usage_snippet(repo_id: str, prompt: str) -> str:
@@ -69,12 +70,13 @@ samples = np.zeros(16000 * 4, np.float32)  # its audio: 16 kHz mono floats
 chunks = [samples[i : i + mel.n_samples] for i in range(0, len(samples), mel.n_samples)]
 mels = mel(chunks, sampling_rate=16000, return_tensors="pt")["input_features"]
 with torch.no_grad():
-    visual, context_mask = model.model.encode_frames(frames, processor)  # prepared as the released code does
-    audio, audio_mask = model.model.encode_audio([mels], [sum(len(c) // mel.hop_length for c in chunks)])
+    visual = model.model.encode_frames(frames, processor)  # prepared as the released code does
+    audio = model.model.encode_audio([mels], [sum(len(c) // mel.hop_length for c in chunks)])
+    context, segments = model.model.join_contexts(visual, audio)  # one context: each key's stream in `segments`
     inputs = tokenizer({prompt!r}, return_tensors="pt")
     tokens = model.generate(
         inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=32,
-        context_key_values=visual, context_mask=context_mask, audio_key_values=audio, audio_mask=audio_mask,
+        context_key_values=context, context_mask=segments,
     )
 print(tokenizer.decode(tokens[0], skip_special_tokens=True))
 ```'''
@@ -105,6 +107,9 @@ print(tokenizer.decode(tokens[0], skip_special_tokens=True))
 ```'''
 
 
+USAGE_SNIPPETS = {"image": image_usage_snippet, "video": video_usage_snippet}
+
+
 def model_card(
     folder: Path,
     repo_id: str,
@@ -115,7 +120,7 @@ def model_card(
 ) -> str:
     from huggingface_hub import ModelCard, ModelCardData
 
-    from ..demo_model import DEMO_PROMPT
+    from ..demo_model import DEMO_PROMPTS
 
     config = folder_config(folder)
     manifest = ConvertManifest.read(folder)
@@ -124,7 +129,7 @@ def model_card(
     data = ModelCardData(
         license=license,
         library_name="transformers",
-        pipeline_tag="video-text-to-text" if config.is_video else "image-text-to-text",
+        pipeline_tag=f"{config.modality}-text-to-text",
         base_model=base_model,
         tags=["dattn", "custom_code", "vision-language", config.model_type, family],
     )
@@ -204,7 +209,7 @@ def model_card(
         "",
         "The model code ships in this repository (`modeling_dattn.py`); nothing else is downloaded.",
         "",
-        usage_snippet(repo_id, DEMO_PROMPT, video=config.is_video),
+        usage_snippet(repo_id, DEMO_PROMPTS[config.modality], config.modality),
         "",
     ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))

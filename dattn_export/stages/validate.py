@@ -20,7 +20,7 @@ from PIL import Image
 
 from ..artifacts import VALIDATION_REPORT, from_json
 from ..checkpoints.source import load_model
-from ..demo_model import DEMO_PROMPT, DEMO_VIDEO_FPS, DEMO_VIDEO_PROMPT, demo_audio, demo_frames, demo_image
+from ..demo_model import DEMO_PROMPTS, DEMO_VIDEO_FPS, demo_audio, demo_frames, demo_image
 from ..errors import InputError
 from ..graphs import layer_caches
 from ..media import DecodedMedia, Media, decode_media, encode_media, graph_context
@@ -147,7 +147,7 @@ def validate(
     config = reference.config
     media = media or Media()
     media.check(config)
-    prompt = prompt or (DEMO_VIDEO_PROMPT if config.is_video else DEMO_PROMPT)
+    prompt = prompt or DEMO_PROMPTS[config.modality]
     tokenizer = load_tokenizer(folder if (folder / "tokenizer_config.json").is_file() else against, config)
     inputs = tokenizer(prompt, return_tensors="pt")
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
@@ -203,12 +203,8 @@ def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, r
     """The context graphs, the prefill and every decode step on the reference's tokens, compared with the
     reference: (the graphs' context K/V and mask, the reference's greedy tokens)."""
     config, ids, mask = reference.config, inputs["input_ids"], inputs["attention_mask"]
-    if config.is_video:
-        visual, got_kv, got_mask = video_context(runtime, reference, folder, media, report)
-    elif config.is_anyres:
-        visual, got_kv, got_mask = anyres_context(runtime, reference, folder, media, report)
-    else:
-        visual, got_kv, got_mask = image_context(runtime, reference, folder, media, report)
+    context_check = CONTEXT_CHECKS[config.streams[0].name]  # a video model's frames check its audio too
+    visual, got_kv, got_mask = context_check(runtime, reference, folder, media, report)
 
     with torch.no_grad():
         expected = reference(ids, attention_mask=mask, **visual)
@@ -264,13 +260,15 @@ def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, 
         decoded = DecodedMedia([], [Image.fromarray(f) for f in frames], demo_audio(len(frames)) / 32768)
     streams = encode_media(reference, folder, decoded, {})
     got_kv, got_mask = graph_context(runtime, folder, reference.config, decoded)
-    report.visual_tokens = int((got_mask == reference.config.streams[0].segment).sum())
+    report.visual_tokens = int((got_mask == FRAMES.segment).sum())
     report.audio_tokens = int((got_mask == AUDIO.segment).sum())
-    start = 0
-    for stream, key in ((FRAMES, "context_key_values"), (AUDIO, "audio_key_values")):  # the context's order
-        if key in streams:
-            start = compare_stream(
-                report, f"{stream.graph} + context_kv", f"{stream.name} K/V", got_kv, start, streams[key]
+    expected_segments = streams["context_mask"][0]
+    for stream in reference.config.streams:
+        if len(keys := (expected_segments == stream.segment).nonzero()[:, 0]):  # a stream's keys lie together
+            within = slice(int(keys[0]), int(keys[-1]) + 1)
+            output = f"{stream.name} K/V"
+            compare_stream(
+                report, f"{stream.graph} + context_kv", output, got_kv, streams["context_key_values"], within
             )
     return streams, got_kv, got_mask
 
@@ -285,17 +283,20 @@ def anyres_context(runtime: GraphRuntime, reference, folder: Path, media: Media,
     context_kv, context_mask = reference.model.encode_anyres([tiles], [image.size])
     got_kv, got_mask = runtime.encode_anyres(tiles.numpy(), columns, rows)
     report.visual_tokens = got_mask.shape[1]
-    compare_stream(report, "vision + context_kv", f"visual K/V ({columns} x {rows} tiles)", got_kv, 0, context_kv)
+    output = f"visual K/V ({columns} x {rows} tiles)"
+    compare_stream(report, "vision + context_kv", output, got_kv, context_kv, slice(None))
     return dict(context_key_values=context_kv, context_mask=context_mask), got_kv, got_mask
 
 
-def compare_stream(report: ValidationReport, graph: str, output: str, got_kv: list, start: int, expected: list) -> int:
-    """Adds the worst over every layer's K/V of one context stream, which the graphs' context holds from key
-    `start`; returns where the next stream starts."""
+CONTEXT_CHECKS = {"image": image_context, "tiles": anyres_context, "frames": video_context}  # by the first stream
+
+
+def compare_stream(report: ValidationReport, graph: str, output: str, got_kv: list, expected: list, keys: slice):
+    """Adds the worst over every layer's K/V of one context stream, the `keys` of the graphs' context and of the
+    reference's (`expected`, per layer)."""
     expected = [t for layer in expected for t in layer]
-    end = start + expected[0].shape[2]
     comparisons = [
-        Comparison.of(graph, output, got[:, :, start:end], part) for got, part in zip(got_kv, expected, strict=True)
+        Comparison.of(graph, output, got[:, :, keys], part[:, :, keys])
+        for got, part in zip(got_kv, expected, strict=True)
     ]
     report.comparisons.append(max(comparisons, key=lambda c: c.max_abs))
-    return end

@@ -78,15 +78,25 @@ def probe_logits(model, seed: int = 0) -> torch.Tensor:
     """Logits of an 8-token random prompt with a random image (a video model: two frames and one audio chunk)."""
     config, generator = model.config, torch.Generator().manual_seed(seed)
     ids = torch.randint(3, config.vocab_size, (1, 8), generator=generator)
+    return PROBES[config.modality](model, ids, generator)
+
+
+def image_probe(model, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    size = model.config.vision_config["image_size"]
+    return model(ids, torch.randn(1, 1, 3, size, size, generator=generator)).logits
+
+
+def video_probe(model, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    config = model.config
     size = config.vision_config["image_size"]
-    if not config.is_video:
-        return model(ids, torch.randn(1, 1, 3, size, size, generator=generator)).logits
     chunk = 2 * config.audio_config["max_source_positions"]  # mel frames a Whisper encoder takes
-    visual, context_mask = model.model.encode_video([torch.randn(2, 3, size, size, generator=generator)])
+    frames = model.model.encode_video([torch.randn(2, 3, size, size, generator=generator)])
     mel = torch.randn(1, config.audio_config["num_mel_bins"], chunk, generator=generator)
-    audio, audio_mask = model.model.encode_audio([mel], [chunk])
-    streams = dict(context_key_values=visual, context_mask=context_mask, audio_key_values=audio, audio_mask=audio_mask)
-    return model(ids, **streams).logits
+    context, segments = model.model.join_contexts(frames, model.model.encode_audio([mel], [chunk]))
+    return model(ids, context_key_values=context, context_mask=segments).logits
+
+
+PROBES = {"image": image_probe, "video": video_probe}  # by what the model takes
 
 
 def check_model(out: Path, progress=quiet) -> Check:

@@ -68,7 +68,7 @@ from vllm.v1.attention.backend import AttentionType
 from ..modeling import modeling_dattn
 from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower_side
 from ..modeling.modeling_dattn import o_proj_per_kv_head
-from ..modeling.streams import AUDIO, FRAMES, IMAGE, ContextStream
+from ..modeling.streams import AUDIO, FRAMES, IMAGE, TILES, ContextStream
 from ..processing import audio_features, load_audio_processor, load_image_processor, normalize_pixels, picture_bytes
 from . import ARCHITECTURES, DEFAULT_CONTEXT_CACHE_GIB, VIDEO_BACKEND, unsupported
 from .context_cache import (
@@ -103,12 +103,13 @@ PROFILING = "dattn_profiling"  # in a video's metadata: the dummy video vLLM pro
 
 class DAttnProcessingInfo(BaseProcessingInfo):
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"video" if self.get_hf_config().is_video else "image": 1}
+        return {self.get_hf_config().modality: 1}
 
     def get_data_parser(self) -> MultiModalDataParser:
         """A video comes with its metadata, which carries its sound track (`media.DAttnVideoLoader`)."""
         return MultiModalDataParser(
-            expected_hidden_size=self._get_expected_hidden_size(), video_needs_metadata=self.get_hf_config().is_video
+            expected_hidden_size=self._get_expected_hidden_size(),
+            video_needs_metadata=AUDIO in self.get_hf_config().streams,
         )
 
     @cached_property
@@ -143,7 +144,7 @@ class DAttnProcessingInfo(BaseProcessingInfo):
     def tiling(self, width: int, height: int) -> tuple[int, int]:
         """An anyres image's tiling (columns, rows); (0, 0) for a resized image (no tiles)."""
         config = self.get_hf_config()
-        if not config.is_anyres:
+        if TILES not in config.streams:
             return 0, 0
         return anyres_grid((width, height), config.mm_image_grid_points, tower_side(self.image_processor))
 
@@ -162,13 +163,15 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
         (`video.longest_video`), with a sound track as long."""
         config = self.info.get_hf_config()
         size = config.vision_config["image_size"]
-        if config.is_video:
+        if FRAMES in config.streams:
             frames, _ = longest_video(config, self.info.max_frames(), self.info.audio_processor.hop_length)
             video = self._get_dummy_videos(width=size, height=size, num_frames=frames, num_videos=1)[0]
             audio = np.random.default_rng(0).uniform(-0.5, 0.5, longest_sound_track(frames))
             metadata = {"audio": audio.astype(np.float32), PROFILING: True}
             return {"video": [(video, metadata)] * mm_counts.get("video", 0)}
-        columns, rows = max(config.mm_image_grid_points, key=lambda p: p[0] * p[1]) if config.is_anyres else (1, 1)
+        columns, rows = (
+            max(config.mm_image_grid_points, key=lambda p: p[0] * p[1]) if TILES in config.streams else (1, 1)
+        )
         images = self._get_dummy_images(
             width=columns * size,
             height=rows * size,
@@ -195,7 +198,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         images = [image.convert("RGB") for image in images]
         digests = image_digests(images)
         processed = [self.info.processed(d, partial(self.process_image, i)) for d, i in zip(digests, images)]
-        if not self.info.get_hf_config().is_anyres:
+        if TILES not in self.info.get_hf_config().streams:
             return BatchFeature({"pixel_values": torch.cat([pixels for (pixels,) in processed]), "digest": digests})
         tiles, tilings = zip(*processed)
         return BatchFeature({"pixel_values": torch.cat(tiles), "tiling": torch.tensor(tilings), "digest": digests})
@@ -204,7 +207,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         """A picture's pixel values as the released code prepares one (mm_image_aspect_ratio): (1, 3, H, W); an
         anyres model's, its thumbnail and tiles, and its tiling (columns, rows)."""
         config, processor = self.info.get_hf_config(), self.info.image_processor
-        if not config.is_anyres:
+        if TILES not in config.streams:
             return (prepare_pictures([image], config.mm_image_aspect_ratio, processor),)
         return anyres_tiles(image, processor, config.mm_image_grid_points)
 
@@ -267,7 +270,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptReplacement]:
         config = self.info.get_hf_config()
-        if config.is_video:
+        if FRAMES in config.streams:
 
             def video_placeholders(item: int) -> list[int]:
                 frames, _, mel_frames = out_mm_kwargs.get_data()["sizes"][item].tolist()
@@ -594,7 +597,7 @@ class DAttnModel(nn.Module, modeling_dattn.ContextStreams):
         )
         self.norm = SERVING_NORMS[family.norm_offset](hidden, eps=config.rms_norm_eps)
         self.vllm_config = vllm_config  # the audio tower's is derived from it
-        self.init_streams(config, audio_tower=config.is_video)
+        self.init_streams(config, audio_tower=AUDIO in config.streams)
 
     def vision_tower(self, config) -> nn.Module:
         """vLLM's own encoder (SigLIP or CLIP) in place of the reference's `VisionTower`, computing the same: built
@@ -643,7 +646,7 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.logits_softcap)
         self.context_cache = ContextCache(context_cache_bytes(config))
-        if config.is_video:  # frames arrive as bytes, normalized here as the processor would have
+        if FRAMES in config.streams:  # frames arrive as bytes, normalized here as the processor would have
             self.image_processor = load_image_processor(Path(vllm_config.model_config.model), config)
 
     @classmethod
@@ -702,11 +705,11 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params, towers = dict(self.named_parameters()), {VISION_TOWER: self.model.mm_vis.vision_model}
-        if self.config.is_video:
+        if AUDIO in self.config.streams:
             towers[AUDIO_TOWER] = self.model.mm_aud
         loaded = set()
         for name, tensor in weights:
-            unused = not self.config.is_video and name.startswith(IMAGE_MODEL_UNUSED)
+            unused = AUDIO_TOWER not in towers and name.startswith(IMAGE_MODEL_UNUSED)
             if unused or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             tower = next((prefix for prefix in towers if name.startswith(prefix)), None)

@@ -118,11 +118,10 @@ if anyres:
 if video:
     for name, (ids, frames, mels, mel_frames, expected) in oracle["cases"].items():
         with torch.no_grad():
-            visual, context_mask = model.model.encode_video(frames)
-            audio, audio_mask = model.model.encode_audio(mels, mel_frames)
-            got = model(
-                ids, context_key_values=visual, context_mask=context_mask, audio_key_values=audio, audio_mask=audio_mask
+            context, segments = model.model.join_contexts(
+                model.model.encode_video(frames), model.model.encode_audio(mels, mel_frames)
             )
+            got = model(ids, context_key_values=context, context_mask=segments)
         contexts = [  # a sample whose frames or audio are all zero has none
             runtime.encode_video(f.numpy() if f.abs().sum() else None, (m.numpy(), n) if m.abs().sum() else None)
             for f, m, n in zip(frames, mels, mel_frames)
