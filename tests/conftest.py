@@ -20,6 +20,21 @@ def pytest_configure(config):
     settings.load_profile("fast" if config.getoption("markexpr") == "not slow" else "full")
 
 
+# the modules that take longest in a full run (`--durations`), longest first: with `--dist loadfile` (pyproject.toml)
+# a module goes to one worker whole, so its fixtures are built once, and the two workers take the longest first and
+# the short rest as they free up, so that they finish together
+LONGEST_FIRST = (
+    "test_vllm.py", "test_onnx.py", "test_quantize.py", "test_tensorrt_rtx.py", "test_memory.py", "test_wings.py",
+    "test_convert_errors.py", "test_video.py", "test_bad_inputs.py", "test_docs.py", "test_genai.py",
+    "test_released.py", "test_images.py", "test_inputs.py", "test_families.py", "test_first_hour.py", "test_cli.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest in their order
+
+
 @pytest.fixture(params=["mistral", "gemma2"])
 def family(request):
     return request.param
