@@ -48,7 +48,6 @@ from .streams import (
     AudioStream,
     FramesStream,
     ImageStream,
-    TilesStream,
     pooled_side,
 )
 
@@ -526,7 +525,7 @@ class ContextStreams:
     def embed_images(self, pixel_values: Tensor) -> Tensor:
         """(B, images, 3, H, W) pixels -> (B, images * tokens_per_image, hidden) visual embeddings: tower features
         -> projector -> norm -> + row, + column embeddings -> LLM norm (-> x sqrt(hidden) with mm_scale_streams)."""
-        if not isinstance(self.config.streams[0], ImageStream):
+        if "images" not in self.config.streams[0].media:
             raise ValueError("a video model takes frames and audio (encode_video, encode_audio), not images")
         batch, images = pixel_values.shape[:2]
         grid = self.config.patch_grid
@@ -701,7 +700,7 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
     def encode_pictures(self, pictures: list, processor) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for one prompt's pictures (RGB PIL images) and the visual mask, each picture
         prepared as the released code prepares it (`images.py`, by mm_image_aspect_ratio; an anyres model takes one)."""
-        if not isinstance(self.config.streams[0], TilesStream):
+        if self.config.streams[0].name != TILES.name:
             return self.encode_images(prepare_pictures(pictures, self.config.mm_image_aspect_ratio, processor)[None])
         if len(pictures) != TILES.pictures:
             raise ValueError(f"an anyres model takes one picture a prompt, not {len(pictures)}")

@@ -54,7 +54,9 @@ POOL_RULES = ("conv-interpolate", "space-to-depth")
 class ContextStream:
     """One context stream: its facts here, and in its subclass what differs between streams: the media a prompt
     gives it, the config keys it needs, the sizes it reports. The layers above key their own part of a stream (its
-    modules, graph, runtime loop, vLLM fields) by its `name`."""
+    modules, graph, runtime loop, vLLM fields) by its `name`. The model's code tells streams apart by name or
+    attribute, never by class or identity: a Hub repo's remote code loads copies of this module, whose classes are
+    others than the package's."""
 
     name: str  # image | tiles | frames | audio
     segment: int  # its keys' id in the context mask (0 marks no key)
