@@ -50,12 +50,12 @@ def frame_tokens(pool_rule: str, pool: int, patch_grid: int, total_frames: int) 
 POOL_RULES = ("conv-interpolate", "space-to-depth")
 
 
-@dataclass  # not frozen: tests shrink parts_per_run to exercise the part loops on tiny inputs
+@dataclass(eq=False)  # not frozen: tests shrink parts_per_run to exercise the part loops on tiny inputs
 class ContextStream:
     """One context stream: its facts here, and in its subclass what differs between streams: the media a prompt
     gives it, the config keys it needs, the sizes it reports. The layers above key their own part of a stream (its
-    modules, graph, runtime loop, vLLM fields) by its `name`. The model's code tells streams apart by name or
-    attribute, never by class or identity: a Hub repo's remote code loads copies of this module, whose classes are
+    modules, graph, runtime loop, vLLM fields) by its `name`. Streams are equal by name, and code tells them apart
+    by name or attribute, never by class: a Hub repo's remote code loads copies of this module, whose classes are
     others than the package's."""
 
     name: str  # image | tiles | frames | audio
@@ -70,6 +70,12 @@ class ContextStream:
     modality: ClassVar[str]  # the input a prompt gives: image | video (vLLM's modality; a video carries its sound)
     media: ClassVar[tuple[str, ...]]  # the prompt's media (media.Media's fields, the CLI's options) it reads
     pictures: ClassVar[int | None] = None  # the most pictures a prompt may give it (None: no limit)
+
+    def __eq__(self, other) -> bool:
+        return getattr(other, "name", None) == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
 
     def tokens(self, config, amount: int) -> int:
         """The tokens of `amount` parts (or, with units_per_token, of that many input units); `config`: the model's
