@@ -64,9 +64,8 @@ class Media:
             raise InputError(self.frames, "and --video both give frames: pass one")
         for stream in config.streams:
             if stream.pictures is not None and len(self.images) > stream.pictures:
-                raise InputError(
-                    self.images[stream.pictures], f"is an image too many: the model takes {stream.pictures} a prompt"
-                )
+                most = stream.pictures
+                raise InputError(self.images[most], f"is image {most + 1}, but the model takes {most} a prompt")
 
 
 @dataclass

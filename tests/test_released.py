@@ -231,6 +231,14 @@ def test_generate_tiles_an_image_for_anyres_models(tmp_path):
     report = json.loads((tmp_path / "onnx" / "validation_report.json").read_text())
     assert report["passed"] and report["visual_tokens"] == 16 + 64
     assert any(c["output"] == "visual K/V (2 x 2 tiles)" for c in report["comparisons"])
+    # one picture a prompt (the tiled stream's limit): a second is refused in one line, naming it
+    two = run_cli(
+        "generate", folder, "--prompt", "hi", "--image", tmp_path / "wide.png", "--image", folder / "demo.png"
+    )
+    assert (
+        two.returncode == 2
+        and two.stderr.strip() == f"Error: {folder / 'demo.png'}: is image 2, but the model takes 1 a prompt"
+    )
 
 
 @pytest.mark.slow
