@@ -4,6 +4,7 @@ import json
 import shlex
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -15,6 +16,7 @@ from helpers.checks import ATOL, SHAPES, run_case
 from helpers.cli import error_line, run_cli
 from polygraphy.comparator import RunResults
 
+import dattn_export
 from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.runtime import graph as graph_runtime
 from dattn_export.runtime.ort import OrtModel
@@ -136,6 +138,11 @@ def test_fused_node_and_function(tmp_path):
     assert decoder.ir_version <= 10
     # the visual stream is diagonal: no attention node at all in context_kv.onnx
     assert not [n for n in onnx.load(tmp_path / "onnx" / "context_kv.onnx").graph.node if n.domain == "dattn"]
+    # no node keeps the exporter's notes (the stack it was traced from: this machine's paths, our line numbers)
+    source = str(Path(dattn_export.__file__).parent).encode()  # where our code lies on this machine
+    for graph in tmp_path.glob("onnx/*.onnx"):
+        assert not [n for n in onnx.load(graph).graph.node if n.metadata_props], graph.name
+        assert source not in graph.read_bytes(), graph.name
     # every RMSNorm (four a layer, the final one) runs as ONNX Runtime's fused kernel
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")

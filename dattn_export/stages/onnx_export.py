@@ -303,6 +303,7 @@ def export_graph(
         program.optimize()
     if rewrite:
         rewrite(program.model)
+    without_tracebacks(program.model)
     # as torch's ONNXProgram.save writes it, one tensor at a time: each read from the checkpoint as it is written
     ir.save(program.model, path, external_data=path.name + ".data", max_workers=1)
     del program
@@ -315,6 +316,15 @@ def export_graph(
     if not external and data.is_file():  # small: weights back inline, one file per graph
         onnx.save(onnx.load(path), path)
         data.unlink()
+
+
+def without_tracebacks(model: ir.Model) -> None:
+    """Drops what the exporter notes on each node: the Python stack it was traced from (this machine's paths and
+    our source's line numbers), its FX node and scopes, a third of a small graph's bytes. A graph is then the same
+    bytes wherever it is exported, and from any revision of our code that computes the same."""
+    for graph in model.graphs():
+        for node in graph.all_nodes():
+            node.metadata_props.clear()
 
 
 def share_weights(folder: Path, sharer: str, owner: str) -> int:
