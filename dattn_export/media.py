@@ -12,6 +12,7 @@ import numpy as np
 
 from .errors import InputError
 from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
+from .modeling.streams import AUDIO
 from .processing import (
     AUDIO_RATE,
     audio_features,
@@ -116,6 +117,13 @@ def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, fl
         return {}
     context_key_values, context_mask = model.model.join_contexts(*contexts)
     return {"context_key_values": context_key_values, "context_mask": context_mask}
+
+
+def context_tokens(config, segments) -> tuple[int, int | None]:
+    """A context's tokens, counted by its keys' segment ids (an array or a tensor): the first stream's (visual), and
+    the audio stream's (None for a model without one)."""
+    visual = int((segments == config.streams[0].segment).sum())
+    return visual, int((segments == AUDIO.segment).sum()) if AUDIO in config.streams else None
 
 
 def video_inputs(folder: Path, config, media: DecodedMedia) -> tuple[PreparedFrames | None, tuple | None]:

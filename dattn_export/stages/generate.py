@@ -13,8 +13,7 @@ import torch
 from ..checkpoints.names import parameter_counts
 from ..checkpoints.source import build_model, folder_config, open_source
 from ..errors import InputError
-from ..media import Media, decode_media, encode_media, graph_context
-from ..modeling.streams import AUDIO
+from ..media import Media, context_tokens, decode_media, encode_media, graph_context
 from ..processing import load_tokenizer
 from ..sidefiles import read_json
 from ..ui import stage
@@ -95,8 +94,7 @@ def run_prompts_graphs(
     with stage("encode the context: K/V for every layer (our graphs)", seconds):
         context = graph_context(graphs, folder, config, decoded)
     caches, mask = context
-    visual_tokens = int((mask == config.streams[0].segment).sum())
-    audio_tokens = int((mask == AUDIO.segment).sum()) if AUDIO in config.streams else None
+    visual_tokens, audio_tokens = context_tokens(config, mask)
     results = []
     for number, prompt in enumerate(prompts, 1):
         answer: dict[str, float] = {}
@@ -144,8 +142,7 @@ def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: 
     streams = encode_media(model, folder, decoded, seconds)
     parameters = parameter_counts({n: tuple(p.shape) for n, p in model.named_parameters()})
     segments = streams.get("context_mask", torch.zeros(1, 0, dtype=torch.long))
-    visual_tokens = int((segments == model.config.streams[0].segment).sum())
-    audio_tokens = int((segments == AUDIO.segment).sum()) if AUDIO in model.config.streams else None
+    visual_tokens, audio_tokens = context_tokens(model.config, segments)
     results = []
     for number, prompt in enumerate(prompts, 1):
         answer: dict[str, float] = {}

@@ -23,9 +23,8 @@ from ..checkpoints.source import load_model
 from ..demo_model import DEMO_PROMPTS, DEMO_VIDEO_FPS, demo_audio, demo_frames, demo_image
 from ..errors import InputError
 from ..graphs import layer_caches
-from ..media import DecodedMedia, Media, decode_media, encode_media, graph_context
+from ..media import DecodedMedia, Media, context_tokens, decode_media, encode_media, graph_context
 from ..modeling.images import anyres_tiles, prepare_pictures
-from ..modeling.streams import AUDIO, FRAMES
 from ..processing import load_image_processor, load_tokenizer, open_image
 from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
@@ -260,8 +259,7 @@ def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, 
         decoded = DecodedMedia([], [Image.fromarray(f) for f in frames], demo_audio(len(frames)) / 32768)
     streams = encode_media(reference, folder, decoded, {})
     got_kv, got_mask = graph_context(runtime, folder, reference.config, decoded)
-    report.visual_tokens = int((got_mask == FRAMES.segment).sum())
-    report.audio_tokens = int((got_mask == AUDIO.segment).sum())
+    report.visual_tokens, report.audio_tokens = context_tokens(reference.config, got_mask)
     expected_segments = streams["context_mask"][0]
     for stream in reference.config.streams:
         if len(keys := (expected_segments == stream.segment).nonzero()[:, 0]):  # a stream's keys lie together
