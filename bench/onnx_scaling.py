@@ -100,7 +100,9 @@ def measure_video(folder: Path, context_tokens: int) -> dict:
     chunks = -(-(context_tokens // 4) // per_chunk)
     features = rng.standard_normal((chunks, bins, chunk_frames), np.float32)
     start = time.perf_counter()
-    caches, mask = runtime.encode_video(frames, (features, context_tokens // 4 * model.mel_frames_per_audio_token))
+    caches, mask = runtime.encode_streams(
+        {"frames": frames, "audio": (features, context_tokens // 4 * model.mel_frames_per_audio_token)}
+    )
     build_s = time.perf_counter() - start
     build_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     prompt = rng.integers(3, 32000, (1, VIDEO_PROMPT_TOKENS))

@@ -21,7 +21,7 @@ import torch
 
 from .errors import DattnError, EnvironmentFailure, InputError, from_os_error
 from .folders import CONVERT_MANIFEST, ONNX_MANIFEST, TRT_MANIFEST, check_output
-from .modeling.streams import context_graphs, frame_tokens
+from .modeling.streams import STREAMS, ContextStream, context_graphs, frame_tokens
 from .sidefiles import read_json, reading
 from .ui import human_bytes
 
@@ -249,6 +249,11 @@ class ExportedModel:
     def frame_tokens(self, total_frames: int) -> int:
         """Tokens per frame of a video of `total_frames` frames, as the model's config counts them."""
         return frame_tokens(self.pool_rule, self.pool_size, self.patch_grid, total_frames)
+
+    @property
+    def streams(self) -> tuple[ContextStream, ...]:
+        """The streams of its input type, in the context's order (an anyres model's tiles count as its image)."""
+        return STREAMS[self.input_type]
 
 
 SCHEMES = {"int4": 4, "int8": 8}  # weight-only quantization: its bits per weight

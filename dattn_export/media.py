@@ -146,7 +146,7 @@ def graph_context(graphs, folder: Path, config, media: DecodedMedia) -> tuple[li
 
 def video_graph_context(graphs, folder: Path, config, media: DecodedMedia):
     pixels, audio = video_inputs(folder, config, media)
-    return graphs.encode_video(pixels, None if audio is None else (audio[0].numpy(), audio[1]))
+    return graphs.encode_streams({"frames": pixels, "audio": None if audio is None else (audio[0].numpy(), audio[1])})
 
 
 def tiles_graph_context(graphs, folder: Path, config, media: DecodedMedia):

@@ -73,3 +73,37 @@ def test_no_module_imports_above_its_floor():
             assert not any(t.startswith("dattn_export.stages") for t in targets), (module, targets)
         if not module.startswith(("dattn_export.cli", "dattn_export.__main__")):
             assert not any(t.startswith("dattn_export.cli") for t in targets), (module, targets)
+
+
+def test_every_stream_has_its_part_on_every_floor():
+    """A context stream is its class in modeling/streams.py plus its part on each floor above, each in one table
+    keyed by its name (or by what it gives: its modality, its media): a stream added without one of them fails here,
+    and the message names every table that lacks it. (vLLM's table is checked in test_vllm.py, which imports vLLM.)"""
+    from dattn_export import demo_model, graphs, media
+    from dattn_export.modeling import modeling_dattn, streams
+    from dattn_export.runtime import graph
+    from dattn_export.stages import push, validate, verify
+
+    every = {s for s in vars(streams).values() if isinstance(s, streams.ContextStream)}
+    first = {streams.streams_of(kind, ratio)[0] for kind in streams.STREAMS for ratio in ("resize", "anyres")}
+    video = set(streams.STREAMS["video"])
+    assert {s.name for s in every} == {"image", "tiles", "frames", "audio"} and len(first) == 3  # the sets are read
+    tables = {
+        "modeling_dattn.STREAM_MODULES": (modeling_dattn.STREAM_MODULES, every, "name"),
+        "graphs.STREAM_GRAPHS": (graphs.STREAM_GRAPHS, every, "name"),
+        "media.GRAPH_CONTEXTS": (media.GRAPH_CONTEXTS, first, "name"),
+        "validate.CONTEXT_CHECKS": (validate.CONTEXT_CHECKS, first, "name"),
+        "runtime.graph.STREAM_PARTS": (graph.STREAM_PARTS, video, "name"),
+        "media.MODEL_KINDS": (media.MODEL_KINDS, every, "modality"),
+        "push.USAGE_SNIPPETS": (push.USAGE_SNIPPETS, every, "modality"),
+        "verify.PROBES": (verify.PROBES, every, "modality"),
+        "demo_model.DEMO_PROMPTS": (demo_model.DEMO_PROMPTS, every, "modality"),
+        "demo_model.TOWER_FOLDER_SUFFIX": (demo_model.TOWER_FOLDER_SUFFIX, every, "modality"),
+    }
+    lacking = {
+        table: sorted(getattr(s, key) for s in needed if getattr(s, key) not in entries)
+        for table, (entries, needed, key) in tables.items()
+    }
+    assert {table: names for table, names in lacking.items() if names} == {}
+    media_fields = {field for s in every for field in s.media}
+    assert media_fields == set(media.MEDIA_OPTIONS) == set(media.MEDIA_KINDS)

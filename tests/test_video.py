@@ -183,6 +183,18 @@ def exported_video(tmp_path, family):
     return load_model(folder), OrtModel(tmp_path / "onnx")
 
 
+def batched(contexts: list[tuple[list[np.ndarray], np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Samples' contexts (`encode_streams`' caches and mask, batch 1 each) as one batch: right-padded to the
+    longest, the padding masked out."""
+    length = max(mask.shape[1] for _, mask in contexts)
+
+    def padded(t: np.ndarray, axis: int) -> np.ndarray:
+        return np.pad(t, [(0, length - t.shape[axis]) if a == axis else (0, 0) for a in range(t.ndim)])
+
+    caches = [np.concatenate([padded(c, 2) for c in parts]) for parts in zip(*(kv for kv, _ in contexts))]
+    return caches, np.concatenate([padded(mask, 1) for _, mask in contexts])
+
+
 @pytest.mark.slow
 def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
     """The four graphs on ONNX Runtime against the released forward written out (fp32, <= 1e-4): each sample's
@@ -194,10 +206,10 @@ def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
     ids, frames, mels, mel_frames = inputs()
     mels[1] = torch.zeros_like(mels[1])
     contexts = [
-        runtime.encode_video(frames[0].numpy(), (mels[0].numpy(), mel_frames[0])),
-        runtime.encode_video(frames[1].numpy(), None),
+        runtime.encode_streams({"frames": frames[0].numpy(), "audio": (mels[0].numpy(), mel_frames[0])}),
+        runtime.encode_streams({"frames": frames[1].numpy()}),
     ]
-    caches, mask = runtime.batch_contexts(contexts)
+    caches, mask = batched(contexts)
     with torch.no_grad():
         literal = [video_stream(model, frames), audio_stream(model, mels, mel_frames)]
         expected = [vidi_logits(model, prompt, literal).numpy() for prompt in (ids, ids.flip(1))]
@@ -213,17 +225,19 @@ def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
     second, _ = runtime.decode(ids.flip(1).numpy(), ones, runtime.empty_kv(2), caches, mask)
     assert np.abs(second - expected[1]).max() <= 1e-4
 
-    # past the released resize budget, lowered so that the batch's 5 frames of 8 x 8 padded tokens pass 40 x pool^2:
-    # Vidi1.5 resizes each grid (to 10 x 10, its floor: 5 x 5 tokens), Vidi_7B's pool is as before
-    monkeypatch.setattr(stream_specs, "RESIZE_TOKENS", 40)
-    caches, mask = runtime.batch_contexts([runtime.encode_video(f.numpy(), None, pool_frames=5) for f in frames])
-    assert mask.shape[1] == 3 * (4 if model.config.mm_pool_rule == "conv-interpolate" else 25)
-    with torch.no_grad():
-        expected = vidi_logits(model, ids, [video_stream(model, frames, max_tokens=40)]).numpy()
-    resized, _ = runtime.decode(ids.numpy(), ones, runtime.empty_kv(2), caches, mask)
-    assert np.abs(resized - expected).max() <= 1e-4
+    # past the released resize budget, lowered so that each video's frames (3 and 2 of 8 x 8 padded tokens) pass
+    # 20 x pool^2: Vidi1.5 resizes each grid (to 10 x 10, its floor: 5 x 5 tokens), Vidi_7B's pool is as before
+    monkeypatch.setattr(stream_specs, "RESIZE_TOKENS", 20)
+    for sample in range(2):
+        caches, mask = runtime.encode_streams({"frames": frames[sample].numpy()})
+        assert mask.shape[1] == len(frames[sample]) * (4 if model.config.mm_pool_rule == "conv-interpolate" else 25)
+        prompt = ids[sample : sample + 1]
+        with torch.no_grad():
+            expected = vidi_logits(model, prompt, [video_stream(model, frames[sample : sample + 1], 20)]).numpy()
+        resized, _ = runtime.decode(prompt.numpy(), ones[:1], runtime.empty_kv(1), caches, mask)
+        assert np.abs(resized - expected).max() <= 1e-4
     with pytest.raises(InputError, match=r"of shape \[2, 3, 20, 20\]: vision.onnx takes \[frames, 3, 28, 28\]"):
-        runtime.encode_video(np.zeros((2, 3, 20, 20), np.float32), None)
+        runtime.encode_streams({"frames": np.zeros((2, 3, 20, 20), np.float32)})
 
 
 # --- generate with video and audio files -------------------------------------------------------------------------

@@ -266,6 +266,15 @@ def test_tensor_parallel_across_two_ray_nodes(served, tmp_path):
 
 
 @vllm_missing
+def test_every_video_stream_has_its_part_in_the_plugin():
+    """The plugin's part of each stream a video gives (test_layout.py checks the other floors' tables)."""
+    from dattn_export.modeling.streams import STREAMS
+    from dattn_export.vllm_plugin.model import VIDEO_STREAMS
+
+    assert [stream.name for stream in STREAMS["video"] if stream.name not in VIDEO_STREAMS] == []
+
+
+@vllm_missing
 @pytest.mark.parametrize("segments_present", [(1, 2), (1,)])
 def test_segments_give_each_segment_its_own_softmax(segments_present):
     """Three reads of one softmax over all of a request's keys (as vLLM's cross-attention computes it) give the

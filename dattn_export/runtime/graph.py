@@ -4,7 +4,8 @@ logic; a backend only says how to run one graph: ONNX Runtime (`ort.py`) or Tens
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 from ..artifacts import DTYPES, OnnxManifest
 from ..errors import InputError
 from ..modeling.images import PreparedFrames
-from ..modeling.streams import AUDIO, CONTEXT_CHUNK, FRAMES, pooled_side
+from ..modeling.streams import CONTEXT_CHUNK, ContextStream, pooled_side
 
 NUMPY_DTYPES = {d.onnx: d.numpy for d in DTYPES.values()}  # graph values' ONNX types
 ATTENTION_BUDGET = 1 << 18  # new tokens x keys per decoder run (about 16 MB of fp32 logits a head group)
@@ -85,31 +86,16 @@ class GraphRuntime:
             raise ValueError(f"the context's parts hold {offset} tokens, its mask {mask.shape[1]}")
         return caches
 
-    def encode_video(
-        self,
-        frames: np.ndarray | PreparedFrames | None,
-        audio: tuple[np.ndarray, int] | None,
-        pool_frames: int | None = None,
-    ) -> tuple[list[np.ndarray], np.ndarray]:
-        """A video model's context: its frames (F, 3, H, W; an array, or read a part at a time by slices as
-        images.PreparedFrames is) and audio (log-mel 30 s chunks (C, bins, frames) and
-        its length in mel frames), either may be None, -> every layer's K/V over [frames ; audio] and the (1, V + A)
-        mask giving each key its stream's segment. Built part by part (`parts_per_run` frames, then 30 s audio
-        chunks, a run): memory beyond the caches does not grow with the length. `pool_frames`: the frames the
-        released pool's resize budget counts (a batch's, where its videos are encoded one by one), else F's."""
+    def encode_streams(self, inputs: dict[str, object]) -> tuple[list[np.ndarray], np.ndarray]:
+        """A sample's context from its streams' inputs by stream name (`STREAM_PARTS` says what each takes; one
+        absent or None gives no tokens) -> every layer's K/V over the streams end to end, in the model's order, and
+        the (1, V) mask giving each key its stream's segment. Built a part at a time (a stream's `parts_per_run` a
+        run): memory beyond the caches does not grow with the length."""
         model = self.manifest.model
-        num_frames = 0 if frames is None else len(frames)
-        pool_frames = pool_frames or num_frames
-        tokens = [
-            (FRAMES, num_frames * model.frame_tokens(pool_frames) if num_frames else 0),
-            (AUDIO, 0 if audio is None else AUDIO.tokens(model, audio[1])),
-        ]
-        mask = np.concatenate([np.full(count, stream.segment, np.int64) for stream, count in tokens])[None]
-        parts = chain(
-            () if frames is None else self.frame_parts(frames, pool_frames),
-            () if audio is None else self.audio_parts(*audio),
-        )
-        return self.fill_caches(parts, mask), mask
+        given = [(s, STREAM_PARTS[s.name], inputs[s.name]) for s in model.streams if inputs.get(s.name) is not None]
+        segments = [np.full(s.tokens(model, parts.amount(x)), s.segment, np.int64) for s, parts, x in given]
+        mask = np.concatenate([np.zeros(0, np.int64), *segments])[None]
+        return self.fill_caches(chain.from_iterable(parts.run(self, s, x) for s, parts, x in given), mask), mask
 
     def encode_anyres(self, tiles: np.ndarray, columns: int, rows: int) -> tuple[list[np.ndarray], np.ndarray]:
         """An anyres image's context: its thumbnail and tiles (1 + columns x rows, 3, H, W), the tiling chosen for
@@ -119,38 +105,29 @@ class GraphRuntime:
         mask = np.ones(embeds.shape[:2], np.int64)
         return self.encode_context(embeds, mask), mask
 
-    @staticmethod
-    def batch_contexts(contexts: list[tuple[list[np.ndarray], np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
-        """Samples' contexts (each `encode_video`'s caches and mask, batch 1) as one batch: right-padded to the
-        longest, the padding masked out."""
-        length = max(mask.shape[1] for _, mask in contexts)
-
-        def padded(t: np.ndarray, axis: int) -> np.ndarray:
-            return np.pad(t, [(0, length - t.shape[axis]) if a == axis else (0, 0) for a in range(t.ndim)])
-
-        caches = [np.concatenate([padded(c, 2) for c in parts]) for parts in zip(*(kv for kv, _ in contexts))]
-        return caches, np.concatenate([padded(mask, 1) for _, mask in contexts])
-
-    def frame_parts(self, frames: np.ndarray | PreparedFrames, pool_frames: int) -> Iterator[np.ndarray]:
-        """One video's stream tokens, FRAMES.parts_per_run frames a run: (1, n * tokens per frame, hidden) each; a
-        space-to-depth pool's graph is told each frame's pooled side (`pooled_grid`'s length)."""
+    def frame_parts(self, stream: ContextStream, frames: np.ndarray | PreparedFrames) -> Iterator[np.ndarray]:
+        """A video's frames (F, 3, H, W; an array, or read a part at a time by slices as images.PreparedFrames is)
+        through vision.onnx: (1, n * tokens per frame, hidden) a run; a space-to-depth pool's graph is told each
+        frame's pooled side (`pooled_grid`'s length, of the video's length)."""
         model = self.manifest.model
         size = model.image_size
         if frames.ndim != 4 or frames.shape[1:] != (3, size, size):
             raise InputError("frames", f"of shape {list(frames.shape)}: vision.onnx takes [frames, 3, {size}, {size}]")
-        side = {"pooled_grid": np.arange(pooled_side(model.patch_grid + 1, model.pool_size, pool_frames))}
-        for start in range(0, len(frames), FRAMES.parts_per_run):
-            pixels = np.asarray(frames[start : start + FRAMES.parts_per_run], dtype=self.dtype)
+        side = {"pooled_grid": np.arange(pooled_side(model.patch_grid + 1, model.pool_size, len(frames)))}
+        for start in range(0, len(frames), stream.parts_per_run):
+            pixels = np.asarray(frames[start : start + stream.parts_per_run], dtype=self.dtype)
             index = np.arange(start, start + len(pixels), dtype=np.int64)
             feeds = {"pixel_values": pixels, "frame_index": index, "num_frames": np.array(len(frames))}
             (embeds,) = self._run("vision", feeds | (side if model.pool_rule == "space-to-depth" else {}))
             yield embeds
 
-    def audio_parts(self, features: np.ndarray, mel_frames: int) -> Iterator[np.ndarray]:
-        """One sample's audio stream tokens, AUDIO.parts_per_run 30 s chunks a run, cut to the sample's length."""
-        for start in range(0, len(features), AUDIO.parts_per_run):
+    def audio_parts(self, stream: ContextStream, audio: tuple[np.ndarray, int]) -> Iterator[np.ndarray]:
+        """A sound track's log-mel 30 s chunks (C, bins, frames) and its length in mel frames through audio.onnx:
+        its tokens a run, cut to its length."""
+        features, mel_frames = audio
+        for start in range(0, len(features), stream.parts_per_run):
             feeds = {
-                "input_features": features[start : start + AUDIO.parts_per_run].astype(self.dtype),
+                "input_features": features[start : start + stream.parts_per_run].astype(self.dtype),
                 "first_chunk": np.array(start, np.int64),
                 "mel_frames": np.array(mel_frames, np.int64),
             }
@@ -224,3 +201,19 @@ class GraphRuntime:
             attention_mask = np.concatenate([attention_mask, np.ones_like(next_token)], axis=1)
             logits, past = self.decode(next_token, attention_mask, past, context, context_mask)
         return np.concatenate(tokens, axis=1)
+
+
+@dataclass(frozen=True)
+class StreamParts:
+    """How the runtime runs a stream's graph a part at a time: the amount of its input that its tokens count
+    (`ContextStream.tokens`), and the method giving its parts' tokens in order."""
+
+    amount: Callable[[object], int]
+    run: Callable[[GraphRuntime, ContextStream, object], Iterator[np.ndarray]]
+
+
+# what each stream a runtime encodes a part at a time takes (`encode_streams`), by stream name
+STREAM_PARTS = {
+    "frames": StreamParts(len, GraphRuntime.frame_parts),  # frames (F, 3, H, W)
+    "audio": StreamParts(lambda audio: audio[1], GraphRuntime.audio_parts),  # (log-mel chunks, mel frames)
+}

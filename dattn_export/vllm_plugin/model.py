@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property, partial
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -68,7 +69,7 @@ from vllm.v1.attention.backend import AttentionType
 from ..modeling import modeling_dattn
 from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower_side
 from ..modeling.modeling_dattn import o_proj_per_kv_head
-from ..modeling.streams import AUDIO, FRAMES, IMAGE, TILES, ContextStream
+from ..modeling.streams import AUDIO, TILES, ContextStream
 from ..processing import audio_features, load_audio_processor, load_image_processor, normalize_pixels, picture_bytes
 from . import ARCHITECTURES, DEFAULT_CONTEXT_CACHE_GIB, VIDEO_BACKEND, unsupported
 from .context_cache import (
@@ -163,7 +164,7 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
         (`video.longest_video`), with a sound track as long."""
         config = self.info.get_hf_config()
         size = config.vision_config["image_size"]
-        if FRAMES in config.streams:
+        if config.modality == "video":
             frames, _ = longest_video(config, self.info.max_frames(), self.info.audio_processor.hop_length)
             video = self._get_dummy_videos(width=size, height=size, num_frames=frames, num_videos=1)[0]
             audio = np.random.default_rng(0).uniform(-0.5, 0.5, longest_sound_track(frames))
@@ -270,7 +271,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptReplacement]:
         config = self.info.get_hf_config()
-        if FRAMES in config.streams:
+        if config.modality == "video":
 
             def video_placeholders(item: int) -> list[int]:
                 frames, _, mel_frames = out_mm_kwargs.get_data()["sizes"][item].tolist()
@@ -646,7 +647,7 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.logits_softcap)
         self.context_cache = ContextCache(context_cache_bytes(config))
-        if FRAMES in config.streams:  # frames arrive as bytes, normalized here as the processor would have
+        if config.modality == "video":  # frames arrive as bytes (`frames_embeds`)
             self.image_processor = load_image_processor(Path(vllm_config.model_config.model), config)
 
     @classmethod
@@ -657,16 +658,18 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         """Each request's context, (tokens, hidden + 1): the tokens the cross-attention caches are built from, and
         in the last column each token's segment (`streams.py`; 0: masked); a marker for a context cached on this
         rank (`context_cache`), whose towers do not run."""
-        keys = digest_keys(inputs["digest"])
+        keys, segment = digest_keys(inputs["digest"]), self.config.streams[0].segment
         if "sizes" in inputs:
             videos = per_item(inputs, ("frame_pixels", "audio_mels", "sizes"))
-            return self.context_cache.hand_over(keys, lambda new: [self.video_stream(*videos[i]) for i in new])
+            return self.context_cache.hand_over(
+                keys, lambda new: [self.video_stream(VideoItem(*videos[i])) for i in new]
+            )
         if "tiling" not in inputs:  # the batch's images through the tower at once
             images = [image for (image,) in per_item(inputs, ("pixel_values",))]
 
             def image_streams(new: list[int]) -> list[torch.Tensor]:
                 pixels = torch.stack([images[i] for i in new])
-                return [with_segment(stream, IMAGE.segment) for stream in self.model.embed_images(pixels[:, None])]
+                return [with_segment(stream, segment) for stream in self.model.embed_images(pixels[:, None])]
 
             return self.context_cache.hand_over(keys, image_streams)
         tiled = per_item(inputs, ("pixel_values", "tiling"))
@@ -675,21 +678,28 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
             streams = []
             for pixels, (columns, rows) in (tiled[i] for i in new):
                 tiles = pixels[1:].unflatten(0, (rows, columns))
-                streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], IMAGE.segment))
+                streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], segment))
             return streams
 
         return self.context_cache.hand_over(keys, anyres_streams)
 
-    def video_stream(self, frames: torch.Tensor, mels: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        """One video's frames (uint8) stream then its audio stream (none without a sound track)."""
-        pixels = normalize_pixels(frames, self.image_processor).to(self.model.dtype)
-        frame_tokens, mask = self.model.embed_video([pixels])
-        streams = [with_segment(frame_tokens, FRAMES.segment * mask)]
-        mel_frames = int(sizes[2])
-        if mel_frames:
-            audio, mask = self.model.embed_audio([mels], [mel_frames])
-            streams.append(with_segment(audio, AUDIO.segment * mask))
+    def video_stream(self, item: VideoItem) -> torch.Tensor:
+        """One video's streams end to end in the model's order (`VIDEO_STREAMS`; one its video lacks, none)."""
+        streams = []
+        for stream in self.config.streams:
+            if (embedded := VIDEO_STREAMS[stream.name](self, item)) is not None:
+                tokens, mask = embedded
+                streams.append(with_segment(tokens, stream.segment * mask))
         return torch.cat(streams)
+
+    def frames_embeds(self, item: VideoItem) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frames' stream tokens and mask: the frames come as bytes, normalized as the processor would have."""
+        return self.model.embed_video([normalize_pixels(item.frames, self.image_processor).to(self.model.dtype)])
+
+    def audio_embeds(self, item: VideoItem) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sound track's stream tokens and mask (None: a video without one)."""
+        mel_frames = int(item.sizes[2])
+        return self.model.embed_audio([item.mels], [mel_frames]) if mel_frames else None
 
     def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *, is_multimodal=None):
         return self.model.embed_input_ids(input_ids)
@@ -728,6 +738,18 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
                 loaded.add(target)
         return loaded
 
+
+class VideoItem(NamedTuple):
+    """One video as the processor hands it over: frames (F, 3, side, side) uint8, log-mel chunks, and its sizes
+    [frames, chunks, mel frames]."""
+
+    frames: torch.Tensor
+    mels: torch.Tensor
+    sizes: torch.Tensor
+
+
+# each stream of a video by name: its tokens and mask from the video's item (None: the video has none of it)
+VIDEO_STREAMS = {"frames": DAttnForCausalLM.frames_embeds, "audio": DAttnForCausalLM.audio_embeds}
 
 # one class per architecture name (families.py's model_class_name): vLLM's registry maps each name to a class
 globals().update({name: type(name, (DAttnForCausalLM,), {"__module__": __name__}) for name in ARCHITECTURES})
