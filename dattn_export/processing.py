@@ -20,7 +20,6 @@ from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProces
 from .checkpoints.towers import tower_folder
 from .errors import InputError
 from .modeling.images import prepare_pictures, squared, tower_side
-from .modeling.streams import FRAMES
 from .sidefiles import read_json, reading
 
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -297,7 +296,7 @@ def frame_square(folder: Path, config) -> int | None:
     """The side video frames are resized to before the tower (its square), when frames are prepared by `resize`
     (as the released video models' are): a frame can then be resized as it is decoded, and an hour of 1080p holds
     3600 squares, not 3600 x 6.2 MB of RGB. The preparation's own resize then leaves it as it is."""
-    if FRAMES not in config.streams or config.mm_image_aspect_ratio != "resize":
+    if config.modality != "video" or config.mm_image_aspect_ratio != "resize":
         return None
     return tower_side(load_image_processor(folder, config))
 

@@ -14,7 +14,6 @@ from ..checkpoints.source import folder_config
 from ..errors import InputError
 from ..extras import require
 from ..folders import CONVERTED, check_kind
-from ..modeling.streams import FRAMES
 from ..processing import frame_square, load_audio_processor
 from ..sidefiles import read_json
 from ..vllm_plugin import DEFAULT_CONTEXT_CACHE_GIB, MEDIA_CONNECTOR, VIDEO_BACKEND, unsupported
@@ -138,7 +137,7 @@ def vllm_serve_command(
         if option_value(extra, "--hf-overrides") is not None:
             raise InputError("--hf-overrides", 'given with --context-cache-gib: put "context_cache_gib" in it instead')
         command += ["--hf-overrides", json.dumps({"context_cache_gib": context_cache_gib})]
-    if FRAMES in config.streams:
+    if config.modality == "video":
         frames = max_video_frames(config, requested_frames(extra))
         if option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads them
             cache_gib = DEFAULT_CONTEXT_CACHE_GIB if context_cache_gib is None else context_cache_gib
