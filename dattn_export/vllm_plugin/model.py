@@ -25,9 +25,9 @@ are the reference model's own modules, replicated on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -213,10 +213,10 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         return anyres_tiles(image, processor, config.mm_image_grid_points)
 
     def video_features(self, videos: list[tuple[np.ndarray, dict]]) -> BatchFeature:
-        """Each video's frames (the tower's squares, uint8 until the model normalizes them: a quarter of the memory
-        and of what is sent to the workers) and log-mel chunks of its sound track (one chunk of zeros
-        without one), with `sizes` [frames, chunks, mel frames]: each video's share of the flat tensors, and each
-        video's `digest` (`context_cache`)."""
+        """Each video's processed media, a field per stream (`VIDEO_STREAMS`: the frames as the tower's squares,
+        uint8 until the model normalizes them, a quarter of the memory and of what is sent to the workers; log-mel
+        chunks of the sound track), flat (a video's parts after another's), with `sizes`: per video and stream, its
+        parts and the amount its tokens count; and each video's `digest` (`context_cache`)."""
         most, processed, digests = self.info.max_frames(), [], []
         for video, metadata in videos:
             if len(video) > most:
@@ -230,33 +230,40 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
             # vLLM's start-up video (the longest) is never asked about
             process = partial(self.process_video, video, samples)
             processed.append(self.info.processed(digest, process, keep=not metadata.get(PROFILING)))
-        frames, mels, sizes = zip(*processed)
-        return BatchFeature(
-            {
-                "frame_pixels": torch.cat(frames),
-                "audio_mels": torch.cat(mels),
-                "sizes": torch.tensor(sizes),
-                "digest": torch.stack(digests),
-            }
-        )
+        *fields, sizes = zip(*processed)
+        names = video_fields(self.info.get_hf_config())
+        flat = {name: torch.cat(parts) for name, parts in zip(names, fields, strict=True)}
+        return BatchFeature(flat | {"sizes": torch.tensor(sizes), "digest": torch.stack(digests)})
 
-    def process_video(self, video: np.ndarray, samples: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """A video's frames as bytes (F, 3, side, side), its log-mel chunks and its [frames, chunks, mel frames]."""
-        config, extractor = self.info.get_hf_config(), self.info.audio_processor
+    def process_video(self, video: np.ndarray, samples: np.ndarray | None) -> tuple:
+        """A video's processed media, a tensor per stream, and its sizes [parts, amount] per stream."""
+        tensors, sizes = [], []
+        for stream in self.info.get_hf_config().streams:
+            tensor, amount = VIDEO_STREAMS[stream.name].process(self, video, samples)
+            tensors.append(tensor)
+            sizes += [len(tensor), amount]
+        return *tensors, sizes
+
+    def frames_part(self, video: np.ndarray, samples: np.ndarray | None) -> tuple[torch.Tensor, int]:
+        """The frames as bytes (F, 3, side, side), and their count."""
+        config = self.info.get_hf_config()
         pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
-        frames = picture_bytes(pictures, config.mm_image_aspect_ratio, self.info.image_processor)
+        return picture_bytes(pictures, config.mm_image_aspect_ratio, self.info.image_processor), len(pictures)
+
+    def audio_part(self, video: np.ndarray, samples: np.ndarray | None) -> tuple[torch.Tensor, int]:
+        """The sound track's log-mel chunks and its length in mel frames; one chunk of zeros and 0 without one (or
+        with one too short for a token)."""
+        config, extractor = self.info.get_hf_config(), self.info.audio_processor
         if samples is not None:
-            audio, mel_frames = audio_features(samples, extractor)
-        if samples is None or mel_frames < config.mel_frames_per_audio_token:  # no sound track, or too short a one
-            audio, mel_frames = torch.zeros(1, extractor.feature_size, extractor.nb_max_frames), 0
-        return frames, audio, [len(pictures), len(audio), mel_frames]
+            mels, mel_frames = audio_features(samples, extractor)
+            if mel_frames >= config.mel_frames_per_audio_token:
+                return mels, mel_frames
+        return torch.zeros(1, extractor.feature_size, extractor.nb_max_frames), 0
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs) -> Mapping[str, MultiModalFieldConfig]:
         if "sizes" in hf_inputs:
-            frames, chunks, _ = hf_inputs["sizes"].unbind(-1)
-            return {
-                "frame_pixels": MultiModalFieldConfig.flat_from_sizes("video", frames),
-                "audio_mels": MultiModalFieldConfig.flat_from_sizes("video", chunks),
+            parts = field_parts(self.info.get_hf_config(), hf_inputs["sizes"])
+            return {name: MultiModalFieldConfig.flat_from_sizes("video", counts) for name, counts in parts.items()} | {
                 "sizes": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
                 "digest": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
             }
@@ -274,8 +281,8 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         if config.modality == "video":
 
             def video_placeholders(item: int) -> list[int]:
-                frames, _, mel_frames = out_mm_kwargs.get_data()["sizes"][item].tolist()
-                return [0] * video_tokens(config, frames, mel_frames)
+                amounts = out_mm_kwargs.get_data()["sizes"][item][1::2].tolist()  # each stream's
+                return [0] * video_tokens(config, *amounts)
 
             return [PromptReplacement(modality="video", target=[0], replacement=video_placeholders)]
 
@@ -310,13 +317,13 @@ def sound_track(metadata: Mapping[str, object]) -> np.ndarray | None:
     return None if samples is None else np.asarray(samples, dtype=np.float32)
 
 
-def per_item(inputs: Mapping[str, object], names: Sequence[str]) -> list[tuple]:
+def per_item(config, inputs: Mapping[str, object], names: Sequence[str]) -> list[tuple]:
     """The batch's multimodal fields, item by item: vLLM hands a field over as one tensor when its items' shapes
-    agree, else as a list; flat fields (an item's frames, chunks or tiles after another's) are split by `sizes` /
-    `tiling`."""
+    agree, else as a list; flat fields (a video's parts of a stream, or an image's tiles, after another's) are split
+    by `sizes` / `tiling`."""
     fields = [inputs[name] for name in names]
     if "sizes" in inputs:
-        counts = {"frame_pixels": inputs["sizes"][:, 0], "audio_mels": inputs["sizes"][:, 1]}
+        counts = field_parts(config, inputs["sizes"])
     else:
         counts = {"pixel_values": 1 + inputs["tiling"].prod(-1)} if "tiling" in inputs else {}
     fields = [
@@ -324,6 +331,17 @@ def per_item(inputs: Mapping[str, object], names: Sequence[str]) -> list[tuple]:
         for name, x in zip(names, fields)
     ]
     return list(zip(*fields))
+
+
+def video_fields(config) -> list[str]:
+    """The processor's field of each of a video's streams, in the model's order."""
+    return [VIDEO_STREAMS[stream.name].field for stream in config.streams]
+
+
+def field_parts(config, sizes: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each video stream's field -> each video's parts in it, from the videos' `sizes` (videos, [parts, amount] per
+    stream)."""
+    return dict(zip(video_fields(config), sizes[:, 0::2].unbind(-1), strict=True))
 
 
 def with_segment(stream: torch.Tensor, segment: torch.Tensor | int) -> torch.Tensor:
@@ -660,19 +678,17 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         rank (`context_cache`), whose towers do not run."""
         keys, segment = digest_keys(inputs["digest"]), self.config.streams[0].segment
         if "sizes" in inputs:
-            videos = per_item(inputs, ("frame_pixels", "audio_mels", "sizes"))
-            return self.context_cache.hand_over(
-                keys, lambda new: [self.video_stream(VideoItem(*videos[i])) for i in new]
-            )
+            videos = per_item(self.config, inputs, (*video_fields(self.config), "sizes"))
+            return self.context_cache.hand_over(keys, lambda new: [self.video_stream(*videos[i]) for i in new])
         if "tiling" not in inputs:  # the batch's images through the tower at once
-            images = [image for (image,) in per_item(inputs, ("pixel_values",))]
+            images = [image for (image,) in per_item(self.config, inputs, ("pixel_values",))]
 
             def image_streams(new: list[int]) -> list[torch.Tensor]:
                 pixels = torch.stack([images[i] for i in new])
                 return [with_segment(stream, segment) for stream in self.model.embed_images(pixels[:, None])]
 
             return self.context_cache.hand_over(keys, image_streams)
-        tiled = per_item(inputs, ("pixel_values", "tiling"))
+        tiled = per_item(self.config, inputs, ("pixel_values", "tiling"))
 
         def anyres_streams(new: list[int]) -> list[torch.Tensor]:
             streams = []
@@ -683,23 +699,24 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
 
         return self.context_cache.hand_over(keys, anyres_streams)
 
-    def video_stream(self, item: VideoItem) -> torch.Tensor:
-        """One video's streams end to end in the model's order (`VIDEO_STREAMS`; one its video lacks, none)."""
+    def video_stream(self, *item: torch.Tensor) -> torch.Tensor:
+        """One video's streams end to end in the model's order, from its processed media (a tensor per stream, then
+        its sizes); a stream the video lacks gives none."""
+        *media, sizes = item
         streams = []
-        for stream in self.config.streams:
-            if (embedded := VIDEO_STREAMS[stream.name](self, item)) is not None:
+        for stream, tensor, amount in zip(self.config.streams, media, sizes[1::2].tolist(), strict=True):
+            if (embedded := VIDEO_STREAMS[stream.name].embed(self, tensor, amount)) is not None:
                 tokens, mask = embedded
                 streams.append(with_segment(tokens, stream.segment * mask))
         return torch.cat(streams)
 
-    def frames_embeds(self, item: VideoItem) -> tuple[torch.Tensor, torch.Tensor]:
+    def frames_embeds(self, frames: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The frames' stream tokens and mask: the frames come as bytes, normalized as the processor would have."""
-        return self.model.embed_video([normalize_pixels(item.frames, self.image_processor).to(self.model.dtype)])
+        return self.model.embed_video([normalize_pixels(frames, self.image_processor).to(self.model.dtype)])
 
-    def audio_embeds(self, item: VideoItem) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def audio_embeds(self, mels: torch.Tensor, mel_frames: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sound track's stream tokens and mask (None: a video without one)."""
-        mel_frames = int(item.sizes[2])
-        return self.model.embed_audio([item.mels], [mel_frames]) if mel_frames else None
+        return self.model.embed_audio([mels], [mel_frames]) if mel_frames else None
 
     def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *, is_multimodal=None):
         return self.model.embed_input_ids(input_ids)
@@ -739,17 +756,21 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         return loaded
 
 
-class VideoItem(NamedTuple):
-    """One video as the processor hands it over: frames (F, 3, side, side) uint8, log-mel chunks, and its sizes
-    [frames, chunks, mel frames]."""
+@dataclass(frozen=True)
+class VideoStreamPart:
+    """A video stream's part in the plugin: the processor's field its media travel in, how the processor makes them
+    from the video's frames and sound track (a tensor of parts, and the amount its tokens count), and how the model
+    embeds them (its tokens and mask; None: the video has none of it)."""
 
-    frames: torch.Tensor
-    mels: torch.Tensor
-    sizes: torch.Tensor
+    field: str
+    process: Callable[[DAttnMultiModalProcessor, np.ndarray, np.ndarray | None], tuple[torch.Tensor, int]]
+    embed: Callable[[DAttnForCausalLM, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor] | None]
 
 
-# each stream of a video by name: its tokens and mask from the video's item (None: the video has none of it)
-VIDEO_STREAMS = {"frames": DAttnForCausalLM.frames_embeds, "audio": DAttnForCausalLM.audio_embeds}
+VIDEO_STREAMS = {  # by stream name
+    "frames": VideoStreamPart("frame_pixels", DAttnMultiModalProcessor.frames_part, DAttnForCausalLM.frames_embeds),
+    "audio": VideoStreamPart("audio_mels", DAttnMultiModalProcessor.audio_part, DAttnForCausalLM.audio_embeds),
+}
 
 # one class per architecture name (families.py's model_class_name): vLLM's registry maps each name to a class
 globals().update({name: type(name, (DAttnForCausalLM,), {"__module__": __name__}) for name in ARCHITECTURES})

@@ -3,7 +3,7 @@ before vLLM starts); apart from `__init__`, which vLLM imports in every process 
 
 from __future__ import annotations
 
-from ..modeling.streams import AUDIO, FRAMES
+from ..modeling.streams import STREAMS
 from ..processing import AUDIO_RATE, VIDEO_FPS
 
 # frames a served video may have unless --limit-mm-per-prompt's num_frames says otherwise: two hours at 1 frame/s.
@@ -41,9 +41,10 @@ def encoder_token_budget(config, most_frames: int, hop: int) -> int:
     return longest_video(config, most_frames, hop)[1] + 1
 
 
-def video_tokens(config, frames: int, mel_frames: int) -> int:
-    """A video's encoder tokens: its frames', then its sound track's (`mel_frames` long)."""
-    return FRAMES.tokens(config, frames) + AUDIO.tokens(config, mel_frames)
+def video_tokens(config, *amounts: int) -> int:
+    """A video's encoder tokens: each of its streams' (`ContextStream.tokens`) of its amount, in the streams' order
+    (frames, then the sound track's mel frames)."""
+    return sum(stream.tokens(config, amount) for stream, amount in zip(STREAMS["video"], amounts, strict=True))
 
 
 def longest_sound_track(frames: int) -> int:
