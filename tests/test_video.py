@@ -183,18 +183,6 @@ def exported_video(tmp_path, family):
     return load_model(folder), OrtModel(tmp_path / "onnx")
 
 
-def batched(contexts: list[tuple[list[np.ndarray], np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
-    """Samples' contexts (`encode_streams`' caches and mask, batch 1 each) as one batch: right-padded to the
-    longest, the padding masked out."""
-    length = max(mask.shape[1] for _, mask in contexts)
-
-    def padded(t: np.ndarray, axis: int) -> np.ndarray:
-        return np.pad(t, [(0, length - t.shape[axis]) if a == axis else (0, 0) for a in range(t.ndim)])
-
-    caches = [np.concatenate([padded(c, 2) for c in parts]) for parts in zip(*(kv for kv, _ in contexts))]
-    return caches, np.concatenate([padded(mask, 1) for _, mask in contexts])
-
-
 @pytest.mark.slow
 def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
     """The four graphs on ONNX Runtime against the released forward written out (fp32, <= 1e-4): each sample's
@@ -209,7 +197,7 @@ def test_onnx_runtime_equals_released_forward(exported_video, monkeypatch):
         runtime.encode_streams({"frames": frames[0].numpy(), "audio": (mels[0].numpy(), mel_frames[0])}),
         runtime.encode_streams({"frames": frames[1].numpy()}),
     ]
-    caches, mask = batched(contexts)
+    caches, mask = runtime.batch_contexts(contexts)
     with torch.no_grad():
         literal = [video_stream(model, frames), audio_stream(model, mels, mel_frames)]
         expected = [vidi_logits(model, prompt, literal).numpy() for prompt in (ids, ids.flip(1))]

@@ -105,6 +105,18 @@ class GraphRuntime:
         mask = np.ones(embeds.shape[:2], np.int64)
         return self.encode_context(embeds, mask), mask
 
+    @staticmethod
+    def batch_contexts(contexts: list[tuple[list[np.ndarray], np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Samples' contexts (each `encode_streams`' caches and mask, batch 1) as one batch: right-padded to the
+        longest, the padding masked out."""
+        length = max(mask.shape[1] for _, mask in contexts)
+
+        def padded(t: np.ndarray, axis: int) -> np.ndarray:
+            return np.pad(t, [(0, length - t.shape[axis]) if a == axis else (0, 0) for a in range(t.ndim)])
+
+        caches = [np.concatenate([padded(c, 2) for c in parts]) for parts in zip(*(kv for kv, _ in contexts))]
+        return caches, np.concatenate([padded(mask, 1) for _, mask in contexts])
+
     def frame_parts(self, stream: ContextStream, frames: np.ndarray | PreparedFrames) -> Iterator[np.ndarray]:
         """A video's frames (F, 3, H, W; an array, or read a part at a time by slices as images.PreparedFrames is)
         through vision.onnx: (1, n * tokens per frame, hidden) a run; a space-to-depth pool's graph is told each

@@ -123,7 +123,9 @@ if video:
             )
             got = model(ids, context_key_values=context, context_mask=segments)
         contexts = [  # a sample whose frames or audio are all zero has none
-            runtime.encode_video(f.numpy() if f.abs().sum() else None, (m.numpy(), n) if m.abs().sum() else None)
+            runtime.encode_streams(
+                {"frames": f.numpy() if f.abs().sum() else None, "audio": (m.numpy(), n) if m.abs().sum() else None}
+            )
             for f, m, n in zip(frames, mels, mel_frames)
         ]
         error = float((got.logits - expected).abs().max())
