@@ -108,7 +108,8 @@ class GraphRuntime:
     @staticmethod
     def batch_contexts(contexts: list[tuple[list[np.ndarray], np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
         """Samples' contexts (each `encode_streams`' caches and mask, batch 1) as one batch: right-padded to the
-        longest, the padding masked out."""
+        longest, the padding masked out. Each video is pooled as a video of its own (past the resize budget, the
+        released forward's pool counts a batch's frames together)."""
         length = max(mask.shape[1] for _, mask in contexts)
 
         def padded(t: np.ndarray, axis: int) -> np.ndarray:
