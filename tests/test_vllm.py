@@ -266,12 +266,17 @@ def test_tensor_parallel_across_two_ray_nodes(served, tmp_path):
 
 
 @vllm_missing
-def test_every_video_stream_has_its_part_in_the_plugin():
-    """The plugin's part of each stream a video gives (test_layout.py checks the other floors' tables)."""
-    from dattn_export.modeling.streams import STREAMS
-    from dattn_export.vllm_plugin.model import VIDEO_STREAMS
+def test_every_stream_has_its_part_in_the_plugin():
+    """The plugin's part of each stream, by the input it comes in: a video's streams, and an image model's one
+    (test_layout.py checks the other floors' tables)."""
+    from dattn_export.modeling import streams
+    from dattn_export.vllm_plugin.model import PICTURE_STREAMS, VIDEO_STREAMS
 
-    assert [stream.name for stream in STREAMS["video"] if stream.name not in VIDEO_STREAMS] == []
+    every = [stream for stream in vars(streams).values() if isinstance(stream, streams.ContextStream)]
+    tables = {"video": VIDEO_STREAMS, "image": PICTURE_STREAMS}
+    assert {stream.modality for stream in every} == set(tables)
+    assert [stream.name for stream in every if stream.name not in tables[stream.modality]] == []
+    assert set(VIDEO_STREAMS) | set(PICTURE_STREAMS) == {stream.name for stream in every}
 
 
 @vllm_missing

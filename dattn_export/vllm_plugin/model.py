@@ -69,7 +69,7 @@ from vllm.v1.attention.backend import AttentionType
 from ..modeling import modeling_dattn
 from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower_side
 from ..modeling.modeling_dattn import o_proj_per_kv_head
-from ..modeling.streams import AUDIO, TILES, ContextStream
+from ..modeling.streams import AUDIO, ContextStream
 from ..processing import audio_features, load_audio_processor, load_image_processor, normalize_pixels, picture_bytes
 from . import ARCHITECTURES, DEFAULT_CONTEXT_CACHE_GIB, VIDEO_BACKEND, unsupported
 from .context_cache import (
@@ -143,10 +143,14 @@ class DAttnProcessingInfo(BaseProcessingInfo):
         return max_video_frames(self.get_hf_config(), None if options is None else options.num_frames)
 
     def tiling(self, width: int, height: int) -> tuple[int, int]:
-        """An anyres image's tiling (columns, rows); (0, 0) for a resized image (no tiles)."""
+        """An image's tiling (columns, rows) as the model's stream cuts it; (0, 0): not tiled."""
+        return PICTURE_STREAMS[self.get_hf_config().streams[0].name].tiling(self, width, height)
+
+    def whole_tiling(self, width: int, height: int) -> tuple[int, int]:
+        return 0, 0
+
+    def anyres_tiling(self, width: int, height: int) -> tuple[int, int]:
         config = self.get_hf_config()
-        if TILES not in config.streams:
-            return 0, 0
         return anyres_grid((width, height), config.mm_image_grid_points, tower_side(self.image_processor))
 
     def visual_tokens(self, width: int, height: int) -> int:
@@ -170,9 +174,7 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
             audio = np.random.default_rng(0).uniform(-0.5, 0.5, longest_sound_track(frames))
             metadata = {"audio": audio.astype(np.float32), PROFILING: True}
             return {"video": [(video, metadata)] * mm_counts.get("video", 0)}
-        columns, rows = (
-            max(config.mm_image_grid_points, key=lambda p: p[0] * p[1]) if TILES in config.streams else (1, 1)
-        )
+        columns, rows = PICTURE_STREAMS[config.streams[0].name].largest(config)
         images = self._get_dummy_images(
             width=columns * size,
             height=rows * size,
@@ -198,19 +200,19 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
                 raise ValueError(f"image of {image.width}x{image.height} pixels: at most {MAX_IMAGE_PIXELS} are taken")
         images = [image.convert("RGB") for image in images]
         digests = image_digests(images)
-        processed = [self.info.processed(d, partial(self.process_image, i)) for d, i in zip(digests, images)]
-        if TILES not in self.info.get_hf_config().streams:
-            return BatchFeature({"pixel_values": torch.cat([pixels for (pixels,) in processed]), "digest": digests})
-        tiles, tilings = zip(*processed)
-        return BatchFeature({"pixel_values": torch.cat(tiles), "tiling": torch.tensor(tilings), "digest": digests})
+        process = PICTURE_STREAMS[self.info.get_hf_config().streams[0].name].process
+        processed = [self.info.processed(d, partial(process, self, i)) for d, i in zip(digests, images)]
+        pixels, tilings = zip(*processed)
+        return BatchFeature({"pixel_values": torch.cat(pixels), "tiling": torch.tensor(tilings), "digest": digests})
 
-    def process_image(self, image: Image.Image) -> tuple:
-        """A picture's pixel values as the released code prepares one (mm_image_aspect_ratio): (1, 3, H, W); an
-        anyres model's, its thumbnail and tiles, and its tiling (columns, rows)."""
-        config, processor = self.info.get_hf_config(), self.info.image_processor
-        if TILES not in config.streams:
-            return (prepare_pictures([image], config.mm_image_aspect_ratio, processor),)
-        return anyres_tiles(image, processor, config.mm_image_grid_points)
+    def whole_part(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
+        """A picture's pixel values as the released code prepares one (mm_image_aspect_ratio): (1, 3, H, W)."""
+        config = self.info.get_hf_config()
+        return prepare_pictures([image], config.mm_image_aspect_ratio, self.info.image_processor), (0, 0)
+
+    def tiles_part(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
+        """An anyres picture's thumbnail and tiles, and its tiling (columns, rows)."""
+        return anyres_tiles(image, self.info.image_processor, self.info.get_hf_config().mm_image_grid_points)
 
     def video_features(self, videos: list[tuple[np.ndarray, dict]]) -> BatchFeature:
         """Each video's processed media, a field per stream (`VIDEO_STREAMS`: the frames as the tower's squares,
@@ -267,14 +269,12 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
                 "sizes": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
                 "digest": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
             }
-        digest = {"digest": MultiModalFieldConfig.batched("image", keep_on_cpu=True)}
-        if "tiling" not in hf_inputs:
-            return {"pixel_values": MultiModalFieldConfig.batched("image")} | digest
-        per_image = 1 + hf_inputs["tiling"].prod(-1)  # the thumbnail and the tiles
+        per_image = 1 + hf_inputs["tiling"].prod(-1)  # the thumbnail and the tiles (none: a picture not tiled)
         return {
             "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", per_image),
             "tiling": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
-        } | digest
+            "digest": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
+        }
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptReplacement]:
         config = self.info.get_hf_config()
@@ -319,13 +319,13 @@ def sound_track(metadata: Mapping[str, object]) -> np.ndarray | None:
 
 def per_item(config, inputs: Mapping[str, object], names: Sequence[str]) -> list[tuple]:
     """The batch's multimodal fields, item by item: vLLM hands a field over as one tensor when its items' shapes
-    agree, else as a list; flat fields (a video's parts of a stream, or an image's tiles, after another's) are split
-    by `sizes` / `tiling`."""
+    agree, else as a list; flat fields (a video's parts of a stream, or an image's thumbnail and tiles, after
+    another's) are split by `sizes` / `tiling`."""
     fields = [inputs[name] for name in names]
     if "sizes" in inputs:
         counts = field_parts(config, inputs["sizes"])
     else:
-        counts = {"pixel_values": 1 + inputs["tiling"].prod(-1)} if "tiling" in inputs else {}
+        counts = {"pixel_values": 1 + inputs["tiling"].prod(-1)}
     fields = [
         x.split(counts[name].tolist()) if name in counts and isinstance(x, torch.Tensor) else x
         for name, x in zip(names, fields)
@@ -676,28 +676,26 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         """Each request's context, (tokens, hidden + 1): the tokens the cross-attention caches are built from, and
         in the last column each token's segment (`streams.py`; 0: masked); a marker for a context cached on this
         rank (`context_cache`), whose towers do not run."""
-        keys, segment = digest_keys(inputs["digest"]), self.config.streams[0].segment
+        keys = digest_keys(inputs["digest"])
         if "sizes" in inputs:
             videos = per_item(self.config, inputs, (*video_fields(self.config), "sizes"))
             return self.context_cache.hand_over(keys, lambda new: [self.video_stream(*videos[i]) for i in new])
-        if "tiling" not in inputs:  # the batch's images through the tower at once
-            images = [image for (image,) in per_item(self.config, inputs, ("pixel_values",))]
+        pictures = per_item(self.config, inputs, ("pixel_values", "tiling"))
+        embed = PICTURE_STREAMS[self.config.streams[0].name].embed
+        return self.context_cache.hand_over(keys, lambda new: embed(self, [pictures[i] for i in new]))
 
-            def image_streams(new: list[int]) -> list[torch.Tensor]:
-                pixels = torch.stack([images[i] for i in new])
-                return [with_segment(stream, segment) for stream in self.model.embed_images(pixels[:, None])]
+    def whole_embeds(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Pictures that are not tiled, (1, 3, H, W) each: through the tower at once."""
+        segment, pixels = self.config.streams[0].segment, torch.stack([pixels for pixels, _ in pictures])
+        return [with_segment(stream, segment) for stream in self.model.embed_images(pixels)]
 
-            return self.context_cache.hand_over(keys, image_streams)
-        tiled = per_item(self.config, inputs, ("pixel_values", "tiling"))
-
-        def anyres_streams(new: list[int]) -> list[torch.Tensor]:
-            streams = []
-            for pixels, (columns, rows) in (tiled[i] for i in new):
-                tiles = pixels[1:].unflatten(0, (rows, columns))
-                streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], segment))
-            return streams
-
-        return self.context_cache.hand_over(keys, anyres_streams)
+    def tiles_embeds(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """anyres pictures, each its thumbnail and tiles (1 + columns x rows, 3, side, side) and its tiling."""
+        streams = []
+        for pixels, (columns, rows) in pictures:
+            tiles = pixels[1:].unflatten(0, (rows, columns))
+            streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], self.config.streams[0].segment))
+        return streams
 
     def video_stream(self, *item: torch.Tensor) -> torch.Tensor:
         """One video's streams end to end in the model's order, from its processed media (a tensor per stream, then
@@ -770,6 +768,34 @@ class VideoStreamPart:
 VIDEO_STREAMS = {  # by stream name
     "frames": VideoStreamPart("frame_pixels", DAttnMultiModalProcessor.frames_part, DAttnForCausalLM.frames_embeds),
     "audio": VideoStreamPart("audio_mels", DAttnMultiModalProcessor.audio_part, DAttnForCausalLM.audio_embeds),
+}
+
+
+@dataclass(frozen=True)
+class PictureStreamPart:
+    """An image model's stream (its only one) in the plugin: a picture's tiling (columns, rows; (0, 0): not tiled),
+    the largest picture's size in tower squares (vLLM's profiling run), how the processor prepares a picture (its
+    pixel values, an anyres picture's thumbnail then tiles, and its tiling) and how the model embeds a batch."""
+
+    tiling: Callable[[DAttnProcessingInfo, int, int], tuple[int, int]]
+    largest: Callable[[object], tuple[int, int]]
+    process: Callable[[DAttnMultiModalProcessor, Image.Image], tuple[torch.Tensor, tuple[int, int]]]
+    embed: Callable[[DAttnForCausalLM, list[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]]
+
+
+PICTURE_STREAMS = {  # by stream name
+    "image": PictureStreamPart(
+        DAttnProcessingInfo.whole_tiling,
+        lambda config: (1, 1),
+        DAttnMultiModalProcessor.whole_part,
+        DAttnForCausalLM.whole_embeds,
+    ),
+    "tiles": PictureStreamPart(
+        DAttnProcessingInfo.anyres_tiling,
+        lambda config: max(config.mm_image_grid_points, key=lambda point: point[0] * point[1]),
+        DAttnMultiModalProcessor.tiles_part,
+        DAttnForCausalLM.tiles_embeds,
+    ),
 }
 
 # one class per architecture name (families.py's model_class_name): vLLM's registry maps each name to a class
