@@ -3,11 +3,7 @@ the released code (bytedance/vidi `dataset/vid_utils.py`, `img_utils.py`); files
 
 from __future__ import annotations
 
-import io
-import os
 import re
-import sys
-import threading
 from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -93,7 +89,6 @@ def normalize_pixels(pixels: torch.Tensor, image_processor) -> torch.Tensor:
 
 VIDEO_FPS = 1.0  # frames kept per second of video (load_video's default)
 PREPARING_AHEAD = 4  # decoded frames waiting for their conversion to RGB and resize, at most
-HELPER_NICENESS = 19  # load_video's helper threads': the lowest priority (yield_to_decoder)
 REORDER_DEPTH = 16  # frames a decoder may hold back to put them in presentation order (H.264's and HEVC's most)
 SKIPPABLE_CODECS = {"h264", "hevc"}  # their non-reference frames are marked, and skipped by skip_frame=NONREF
 AUDIO_RATE = 16000  # Hz, one channel (load_audio, as Whisper)
@@ -109,20 +104,19 @@ def open_media(path: Path | BinaryIO):
 
 
 def load_video(
-    path: Path | io.BytesIO,
+    path: Path | BinaryIO,
     fps: float = VIDEO_FPS,
     limit: int | None = None,
     square: int | None = None,
     sound: bool = True,
 ) -> tuple[list[Image.Image], np.ndarray | None]:
-    """A video file's frames and sound track, each read once however long the video:
+    """A video file's frames and sound track in one pass over its packets, as the ffmpeg command line decodes (the
+    file read once, however long the video):
     - frames: every round(average rate / fps)-th from the first, RGB, turned upright as the stream's display matrix
       says (decord's `VideoReader.get_batch` at load_video's frame indices); with `square`, each resized to the
       tower's square as it is decoded (`tower_square`), so that an hour never holds its full-size frames;
-    - the sound track (with `sound`): `load_audio`'s samples of its first audio stream, None without one; read on
-      a thread of its own from a second reader of the file, as the released code reads it again with the ffmpeg
-      command line.
-    Decoding stops at `limit` frames (the caller then refuses the video; the sound track is then not read: None)."""
+    - the sound track (with `sound`): `load_audio`'s samples of its first audio stream, None without one.
+    Decoding stops at `limit` frames (the caller then refuses the video; the sound track ends there)."""
     try:
         return decode_video(path, fps, limit, square, sound, ranked=True)
     except FrameOrderUnknown:  # rare files; read again, counting frames as they come out
@@ -132,73 +126,42 @@ def load_video(
 
 
 def decode_video(path, fps, limit, square, sound, ranked: bool) -> tuple[list[Image.Image], np.ndarray | None]:
-    """load_video's reading; `ranked`: frames placed by their packets' pts, where the codec allows (FramePicker)."""
+    """load_video's one pass; `ranked`: frames placed by their packets' pts, where the codec allows (FramePicker)."""
     prepare = upright if square is None else lambda frame: tower_square(upright(frame), square)
     # kept frames are converted and resized on a thread of their own while decoding goes on (both release the GIL),
     # at most PREPARING_AHEAD of them waiting, so that a video whose every frame is kept holds few at full size
-    with (
-        open_media(path) as container,
-        ThreadPoolExecutor(1, initializer=yield_to_decoder) as preparing,
-        ThreadPoolExecutor(1, initializer=yield_to_decoder) as hearing,
-    ):
+    with open_media(path) as container, ThreadPoolExecutor(1) as preparing:
         if not container.streams.video:
             raise InputError(path, "has no video stream")
         video = container.streams.video[0]
         if not video.average_rate:
             raise InputError(path, "has no frame rate: cannot sample frames per second")
         video.thread_type = "AUTO"  # frame and slice threads, as the ffmpeg command line decodes
-        stop_hearing = threading.Event()
-        heard = (
-            hearing.submit(load_audio, second_reader(path), stop=stop_hearing)
-            if sound and container.streams.audio
-            else None
-        )
+        track = SoundTrack(container.streams.audio[0]) if sound and container.streams.audio else None
         picker = FramePicker(video, max(1, round(float(video.average_rate) / fps)), ranked)
         pending = []
-        try:
-            for packet in picker.packets(container.demux(video)):
-                try:
-                    decoded = packet.decode()  # a last, empty packet flushes the decoder
-                except av.FFmpegError as e:
-                    raise InputError(path, f"cannot be decoded as video ({str(e).strip()})") from None
-                for frame in decoded:
-                    if picker.keeps(frame):
-                        pending.append(preparing.submit(prepare, frame))
-                        if len(pending) > PREPARING_AHEAD:
-                            pending[-PREPARING_AHEAD - 1].result()
-                        if len(pending) == limit:
-                            break
-                if len(pending) == limit:
-                    stop_hearing.set()
-                    break
-            picker.check(limit)
-            frames = [frame.result() for frame in pending]
-        except BaseException:
-            stop_hearing.set()  # the helper's end is waited for on the way out
-            raise
+        for packet in picker.packets(container.demux(video, *([track.stream] if track else []))):
+            kind = packet.stream.type
+            try:
+                decoded = packet.decode()  # a last, empty packet per stream flushes its decoder
+            except av.FFmpegError as e:
+                raise InputError(path, f"cannot be decoded as {kind} ({str(e).strip()})") from None
+            for frame in decoded:
+                if kind == "audio":
+                    track.push(frame)
+                elif picker.keeps(frame):
+                    pending.append(preparing.submit(prepare, frame))
+                    if len(pending) > PREPARING_AHEAD:
+                        pending[-PREPARING_AHEAD - 1].result()
+                    if len(pending) == limit:
+                        break
+            if len(pending) == limit:
+                break
+        picker.check(limit)
+        frames = [frame.result() for frame in pending]
     if not frames:
         raise InputError(path, "holds no video frames")
-    return frames, None if heard is None else heard.result()
-
-
-def second_reader(path: Path | io.BytesIO) -> Path | io.BytesIO:
-    """Another reader of the same file, for a second thread: the path, or a file object over the same bytes (not
-    copied: a BytesIO made from bytes shares them)."""
-    return io.BytesIO(path.getvalue()) if isinstance(path, io.BytesIO) else path
-
-
-def yield_to_decoder() -> None:
-    """Lowers the calling helper thread's priority (Linux: a thread has a nice value of its own), so that the
-    frames' preparation and the sound track run on what the video decoder's threads leave idle. A frame-threaded
-    decoder's threads wait on each other row by row; a resize that takes a core from one of them stalls them all.
-    On a 480p file without B-frames (2 cores) our reading took 1.25-1.31x ffmpeg's decode with the helpers at the
-    decoder's priority, 1.13-1.27x (median 1.19) at the lowest (docs/guides/video.md). The decoder never waits on
-    them for long: it blocks once PREPARING_AHEAD frames wait."""
-    if sys.platform == "linux":
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HELPER_NICENESS)
-        except OSError:  # a sandbox that refuses it: the same frames and samples, only slower
-            pass
+    return frames, None if track is None else track.samples(path)
 
 
 class FrameOrderUnknown(Exception):
@@ -224,14 +187,15 @@ class FramePicker:
         self.skipping = False
 
     def packets(self, packets: Iterable[av.Packet]) -> Iterator[av.Packet]:
-        """The video stream's `packets` in demux order, each once its frame's place is known, set to be decoded or
-        not."""
+        """`packets` in demux order, each video packet once its frame's place is known, set to be decoded or not."""
         if not self.ranked:
             yield from packets
             return
         waiting: deque[av.Packet] = deque()
         for packet in packets:
-            if packet.size:
+            if packet.stream is not self.video:
+                yield packet
+            elif packet.size:
                 if packet.pts is None or packet.is_discard:
                     raise FrameOrderUnknown
                 insort(self.pts, packet.pts)
@@ -343,11 +307,9 @@ def tower_square(frame: Image.Image, size: int) -> Image.Image:
     return frame.resize((size, size), resample=Image.BICUBIC)
 
 
-def load_audio(
-    path: Path | BinaryIO, missing_ok: bool = False, stop: threading.Event | None = None
-) -> np.ndarray | None:
+def load_audio(path: Path | BinaryIO, missing_ok: bool = False) -> np.ndarray | None:
     """A media file's sound track (its first audio stream): `SoundTrack`'s samples. None for a file without one
-    when `missing_ok`, and once `stop` is set (load_video's reading no longer needs it)."""
+    when `missing_ok`."""
     with open_media(path) as container:
         if not container.streams.audio:
             if missing_ok:
@@ -356,8 +318,6 @@ def load_audio(
         track = SoundTrack(container.streams.audio[0])
         try:
             for frame in container.decode(track.stream):
-                if stop is not None and stop.is_set():
-                    return None
                 track.push(frame)
         except av.FFmpegError as e:
             raise InputError(path, f"cannot be decoded as audio ({str(e).strip()})") from None

@@ -4,7 +4,6 @@ indices (every round(average rate)-th frame), samples as the ffmpeg command line
 static build of imageio-ffmpeg) in the containers, codecs, rates and layouts that cameras, phones and editors
 write."""
 
-import io
 import re
 import subprocess
 
@@ -95,26 +94,13 @@ def test_frames_and_samples_are_the_released_decoder_s(tmp_path, name):
     frames = assert_frames_equal(path)
     assert len(frames) == 5 and frames.std() > 10  # 5 s at 1 frame/s, and pictures, not a blank
     assert abs(media_duration(path) - ffprobe_duration(path)) <= 0.005  # the time ranges' length
-    _, sound = load_video(path)  # the sound track beside the frames, and alone (as an --audio file is read)
+    _, sound = load_video(path)  # the sound track in the frames' pass, and alone (as an --audio file is read)
     if FILES[name][3] is None:
         assert sound is None and load_audio(path, missing_ok=True) is None
         return
     expected = released_samples(path)
     assert len(expected) == 5 * AUDIO_RATE or name.startswith("avi")  # mp3's padding: the command keeps it too
     assert np.array_equal(sound, expected) and np.array_equal(load_audio(path), expected)
-
-
-def test_a_served_file_s_bytes_read_as_its_path_and_a_frame_limit_stops_both_readings(tmp_path):
-    """A served request's video comes as bytes (the sound track then read from a second reader over the same bytes);
-    at `limit` frames the frames stop and the sound track, read on a thread of its own, is given up."""
-    path = make(tmp_path, "mp4, h264 + stereo AAC 44.1 kHz")
-    frames, sound = load_video(path)
-    served_frames, served_sound = load_video(io.BytesIO(path.read_bytes()))
-    assert np.array_equal(served_sound, sound)
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(served_frames, frames, strict=True))
-    first, no_sound = load_video(path, limit=2)
-    assert no_sound is None and len(first) == 2
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, frames))
 
 
 @pytest.mark.parametrize("rotation", list(ROTATIONS))
