@@ -144,10 +144,7 @@ class DAttnProcessingInfo(BaseProcessingInfo):
 
     def tiling(self, width: int, height: int) -> tuple[int, int]:
         """An image's tiling (columns, rows) as the model's stream cuts it; (0, 0): not tiled."""
-        return PICTURE_STREAMS[self.get_hf_config().streams[0].name].tiling(self, width, height)
-
-    def whole_tiling(self, width: int, height: int) -> tuple[int, int]:
-        return 0, 0
+        return picture_stream(self.get_hf_config()).tiling(self, width, height)
 
     def anyres_tiling(self, width: int, height: int) -> tuple[int, int]:
         config = self.get_hf_config()
@@ -174,7 +171,7 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
             audio = np.random.default_rng(0).uniform(-0.5, 0.5, longest_sound_track(frames))
             metadata = {"audio": audio.astype(np.float32), PROFILING: True}
             return {"video": [(video, metadata)] * mm_counts.get("video", 0)}
-        columns, rows = PICTURE_STREAMS[config.streams[0].name].largest(config)
+        columns, rows = picture_stream(config).largest(config)
         images = self._get_dummy_images(
             width=columns * size,
             height=rows * size,
@@ -200,7 +197,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
                 raise ValueError(f"image of {image.width}x{image.height} pixels: at most {MAX_IMAGE_PIXELS} are taken")
         images = [image.convert("RGB") for image in images]
         digests = image_digests(images)
-        process = PICTURE_STREAMS[self.info.get_hf_config().streams[0].name].process
+        process = picture_stream(self.info.get_hf_config()).process
         processed = [self.info.processed(d, partial(process, self, i)) for d, i in zip(digests, images)]
         pixels, tilings = zip(*processed)
         return BatchFeature({"pixel_values": torch.cat(pixels), "tiling": torch.tensor(tilings), "digest": digests})
@@ -681,7 +678,7 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
             videos = per_item(self.config, inputs, (*video_fields(self.config), "sizes"))
             return self.context_cache.hand_over(keys, lambda new: [self.video_stream(*videos[i]) for i in new])
         pictures = per_item(self.config, inputs, ("pixel_values", "tiling"))
-        embed = PICTURE_STREAMS[self.config.streams[0].name].embed
+        embed = picture_stream(self.config).embed
         return self.context_cache.hand_over(keys, lambda new: embed(self, [pictures[i] for i in new]))
 
     def whole_embeds(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -691,10 +688,10 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
 
     def tiles_embeds(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """anyres pictures, each its thumbnail and tiles (1 + columns x rows, 3, side, side) and its tiling."""
-        streams = []
+        segment, streams = self.config.streams[0].segment, []
         for pixels, (columns, rows) in pictures:
             tiles = pixels[1:].unflatten(0, (rows, columns))
-            streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], self.config.streams[0].segment))
+            streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], segment))
         return streams
 
     def video_stream(self, *item: torch.Tensor) -> torch.Tensor:
@@ -785,7 +782,7 @@ class PictureStreamPart:
 
 PICTURE_STREAMS = {  # by stream name
     "image": PictureStreamPart(
-        DAttnProcessingInfo.whole_tiling,
+        lambda info, width, height: (0, 0),
         lambda config: (1, 1),
         DAttnMultiModalProcessor.whole_part,
         DAttnForCausalLM.whole_embeds,
@@ -797,6 +794,12 @@ PICTURE_STREAMS = {  # by stream name
         DAttnForCausalLM.tiles_embeds,
     ),
 }
+
+
+def picture_stream(config) -> PictureStreamPart:
+    """An image model's stream's part (its one stream)."""
+    return PICTURE_STREAMS[config.streams[0].name]
+
 
 # one class per architecture name (families.py's model_class_name): vLLM's registry maps each name to a class
 globals().update({name: type(name, (DAttnForCausalLM,), {"__module__": __name__}) for name in ARCHITECTURES})
