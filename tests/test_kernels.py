@@ -214,7 +214,7 @@ print(json.dumps({"name": name, "ptx": ptx, "num_warps": metadata.num_warps}))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("dtype, merge", [("float16", "alpha"), ("bfloat16", "sum")])
+@pytest.mark.parametrize("dtype, merge", [("float16", "alpha"), ("bfloat16", "sum"), ("float32", "alpha")])
 def test_kernel_compiles_to_ptx_without_a_gpu(arch, dtype, merge):
     """What the TensorRT plugin's ahead-of-time implementation ships: PTX for the target architecture.
     Compiled in a child process: under TRITON_INTERPRET the kernel is interpreted, not compiled."""
@@ -238,3 +238,8 @@ def test_kernel_compiles_to_ptx_without_a_gpu(arch, dtype, merge):
     # TensorRT's AOT order: 8 input pointers, the 14 INT_ARGS, the output pointer (then Triton's scratch pointers)
     assert params[:8] == [".u64"] * 8 and params[8:22] == [".u32"] * 14 and params[22] == ".u64"
     assert compiled["num_warps"] >= 1
+    tensor_core = [line for line in compiled["ptx"].splitlines() if "mma.sync" in line]
+    if dtype == "float32":  # multiplied in fp32, as PyTorch multiplies fp32 by default: not in TF32 on tensor cores
+        assert not tensor_core and "tf32" not in compiled["ptx"]
+    else:
+        assert tensor_core

@@ -55,14 +55,16 @@ LOG2E_: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _tile_update(m, l, acc, s, value):
+def _tile_update(m, l, acc, s, value, DOT_PRECISION: tl.constexpr):
     """One online-softmax step: fold logits `s` (BLOCK_M, BLOCK_N; -inf where masked) and their values."""
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
     p = tl.exp2((s - m_safe[:, None]) * LOG2E_)
     correction = tl.exp2((m - m_safe) * LOG2E_)
     l = l * correction + tl.sum(p, 1)
-    acc = acc * correction[:, None] + tl.dot(p.to(value.dtype), value, out_dtype=tl.float32)
+    acc = acc * correction[:, None] + tl.dot(
+        p.to(value.dtype), value, out_dtype=tl.float32, input_precision=DOT_PRECISION
+    )
     return m_new, l, acc
 
 
@@ -88,6 +90,7 @@ def _segment(
     SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     SEGMENT: tl.constexpr,
 ):
     """Stream the keys [first_key, num_keys) of one segment (K, V at the kv head, MASK at the batch row: the keys
@@ -109,7 +112,7 @@ def _segment(
             v = tl.load(V + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_range[:, None], other=0.0)
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=tl.float32) * scale
             if SOFTCAP:
                 s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
             visible = valid[None, :]
@@ -117,7 +120,7 @@ def _segment(
                 distance = query_slot[:, None] - (key_slot0 + offs_n)[None, :]
                 visible = visible & (distance >= 0) & ((window == 0) | (distance < window))
             s = tl.where(visible, s, float("-inf"))
-            m, l, acc = _tile_update(m, l, acc, s, v)
+            m, l, acc = _tile_update(m, l, acc, s, v, DOT_PRECISION)
     return m, l, acc
 
 
@@ -192,6 +195,7 @@ def dattn_kernel(
     CAUSAL_CONTEXT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     CAUSAL: tl.constexpr,
     NUM_CONTEXTS: tl.constexpr,
     SLOTS: tl.constexpr,
@@ -221,7 +225,7 @@ def dattn_kernel(
     m_t, l_t, acc_t = _segment(
         q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_kb + kv_head * stride_kh,
         KEY_MASK, text_start, text_end, stride_kn, b * num_keys, text_slot, 0, scale, softcap, window, offs_d,
-        HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL, UPCAST, 0,
+        HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL, UPCAST, DOT_PRECISION, 0,
     )  # fmt: skip
     if SPLITS > 1:
         _store_share(PARTIAL, PARTIAL_LSE, 0, SLOTS, out_row, num_rows, offs_d, rows, HEAD_DIM,
@@ -236,7 +240,7 @@ def dattn_kernel(
             m_s, l_s, acc_s = _segment(
                 q_vis, K_context, V_context, VIS_MASK, context_start, context_end, stride_vn, b * num_context,
                 num_context + text_slot, 0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP,
-                CAUSAL_CONTEXT, UPCAST, segment,
+                CAUSAL_CONTEXT, UPCAST, DOT_PRECISION, segment,
             )  # fmt: skip
             if SPLITS > 1:
                 _store_share(PARTIAL, PARTIAL_LSE, segment, SLOTS, out_row, num_rows, offs_d, rows,
@@ -247,7 +251,7 @@ def dattn_kernel(
         m_v, l_v, acc_v = _segment(
             q_vis, K_context, V_context, VIS_MASK, context_start, context_end, stride_vn, b * num_context,
             num_context + text_slot, 0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP,
-            CAUSAL_CONTEXT, UPCAST, 0,
+            CAUSAL_CONTEXT, UPCAST, DOT_PRECISION, 0,
         )  # fmt: skip
         if SPLITS > 1:
             _store_share(PARTIAL, PARTIAL_LSE, 1, SLOTS, out_row, num_rows, offs_d, rows, HEAD_DIM,
@@ -351,15 +355,26 @@ def constants(attributes: Attributes, head_dim: int, block_m: int, block_n: int,
     )
 
 
-def tiles(num_queries: int, head_dim: int) -> dict:
+def dot_precision(dtype: str, tf32: bool = False) -> str | None:
+    """tl.dot's input precision for tiles of `dtype`: fp32 tiles multiplied in full fp32 ("ieee") unless TF32 is
+    allowed, as PyTorch multiplies fp32 (torch.get_float32_matmul_precision()). Triton's own default on a GPU is
+    TF32 (10 mantissa bits): fp32 attention 2e-3 off the reference on an H200, against 1e-6 in fp32. Half-precision
+    tiles: Triton's default (the precision names only fp32 inputs)."""
+    return "ieee" if dtype == "float32" and not tf32 else None
+
+
+def tiles(num_queries: int, head_dim: int, element_bytes: int = 2) -> dict:
     """The tile shape and warps `launch` takes on a GPU: the fastest bench/kernel_blocks.py measured on an H200
     (fp16, 16k and 64k context tokens), 3.3x to 5.1x faster than 16 x 16 tiles. A decode step streams the context
-    through wide key tiles; a prefill of head dim 128 takes 64 queries a program, of 256 (registers) 16."""
+    through wide key tiles; a prefill of head dim 128 takes 64 queries a program, of 256 (registers) 16. fp32 tiles
+    hold half the keys, the same bytes: fp16's shapes in fp32 asked an H200 for up to 288 KiB of shared memory, over
+    its 227 KiB."""
+    per_key = max(1, element_bytes // 2)  # a key's bytes over fp16's
     if num_queries <= BLOCK_M:
-        return dict(block_m=BLOCK_M, block_n=256 if head_dim <= 128 else 128, num_warps=8)
+        return dict(block_m=BLOCK_M, block_n=(256 if head_dim <= 128 else 128) // per_key, num_warps=8)
     if head_dim <= 128:
-        return dict(block_m=64, block_n=128, num_warps=4)
-    return dict(block_m=BLOCK_M, block_n=64, num_warps=4)
+        return dict(block_m=64, block_n=128 // per_key, num_warps=4)
+    return dict(block_m=BLOCK_M, block_n=64 // per_key, num_warps=4)
 
 
 def launch(
@@ -387,7 +402,7 @@ def launch(
 
     batch, heads, queries, head_dim = q.shape
     splits = 1 if return_lse else splits or key_splits(queries, k.shape[2] + k_vis.shape[2])
-    chosen = tiles(queries, head_dim)
+    chosen = tiles(queries, head_dim, q.element_size())
     block_m, block_n = block_m or chosen["block_m"], block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
     contract.check_shapes(heads, k.shape[1], head_dim)
@@ -398,7 +413,9 @@ def launch(
     # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot (loads are exact): there, and only there,
     # bf16 tiles are upcast to fp32 first (exact; accumulation is fp32 either way)
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    fixed = constants(attributes, head_dim, block_m, block_n, WRITE_LSE=return_lse, UPCAST=upcast, SPLITS=splits)
+    precision = dot_precision(str(q.dtype).removeprefix("torch."), torch.get_float32_matmul_precision() != "highest")
+    fixed = constants(attributes, head_dim, block_m, block_n, WRITE_LSE=return_lse, UPCAST=upcast, SPLITS=splits,
+                      DOT_PRECISION=precision)  # fmt: skip
     partial = partial_lse = None
     if splits > 1:
         shape = (splits, fixed["SLOTS"], batch * heads, queries, head_dim)
@@ -455,7 +472,8 @@ def compile_ptx(
         "VIS_MASK": "i32",  # segment ids: int32, what TensorRT carries without quantization
     }
     fixed = dict(LSE=None, PARTIAL=None, PARTIAL_LSE=None)
-    fixed |= constants(attributes, head_dim, block_m, block_n, WRITE_LSE=False, UPCAST=False, SPLITS=1)
+    fixed |= constants(attributes, head_dim, block_m, block_n, WRITE_LSE=False, UPCAST=False, SPLITS=1,
+                       DOT_PRECISION=dot_precision(dtype))  # fmt: skip
     signature = {name: f"*{kind}" for name, kind in pointers.items()}
     signature.update(dict.fromkeys(INT_ARGS, "i32"))
     signature["OUT"] = f"*{element}"
