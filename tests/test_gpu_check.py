@@ -39,10 +39,8 @@ def test_the_dry_run_checks_all_but_the_gpu(tmp_path):
     for part, columns in COLUMNS.items():
         assert report[part] and all(columns <= set(row) for row in report[part]), part
     kernel = report["kernel"]
-    assert {row["dtype"] for row in kernel} == {"float16", "bfloat16"} and {row["merge"] for row in kernel} == {
-        "alpha",
-        "sum",
-    }
+    assert {row["dtype"] for row in kernel} == {"float32", "float16", "bfloat16"}
+    assert {row["merge"] for row in kernel} == {"alpha", "sum"}
     assert {row["phase"] for row in kernel} == {"prefill", "decode"}
     assert all(row["max_abs"] <= row["tolerance"] for row in kernel)
     assert any(row["softcap"] and row["window"] for row in kernel)  # Gemma 2's attention: soft-capped, windowed
