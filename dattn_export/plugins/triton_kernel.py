@@ -358,8 +358,8 @@ def constants(attributes: Attributes, head_dim: int, block_m: int, block_n: int,
 def dot_precision(dtype: str, tf32: bool = False) -> str | None:
     """tl.dot's input precision for tiles of `dtype`: fp32 tiles multiplied in full fp32 ("ieee") unless TF32 is
     allowed, as PyTorch multiplies fp32 (torch.get_float32_matmul_precision()). Triton's own default on a GPU is
-    TF32 (10 mantissa bits): fp32 attention 2e-3 off the reference on an H200, against 1e-6 in fp32. Half-precision
-    tiles: Triton's default (the precision names only fp32 inputs)."""
+    TF32 (10 mantissa bits): fp32 attention up to 3.7e-3 off the reference on an H200, within 1e-4 in full fp32.
+    Half-precision tiles: Triton's default (the precision names only fp32 inputs)."""
     return "ieee" if dtype == "float32" and not tf32 else None
 
 
