@@ -17,6 +17,7 @@ COLUMNS = {
     "models": {"model", "hidden", "layers", "dtype", "logits_max_abs", "relative", "tokens_agree", "passed"},
     "speed": {"attention", "context", "phase", "dattn_ms", "sdpa_ms", "speedup"},
     "prefill": {"model", "context_tokens", "ms"},
+    "tests": {"test", "outcome", "passed"},
     "not_run": {"what", "why"},
 }  # fmt: skip
 
@@ -33,7 +34,10 @@ def test_the_dry_run_checks_all_but_the_gpu(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     dry = json.loads((tmp_path / "dry_run.json").read_text())
-    assert dry["problems"] == [] and dry["travelling_mib"] < 64 and dry["wheels"][0].endswith("py3-none-any.whl")
+    assert dry["problems"] == [] and dry["travelling_mib"] < 64
+    # ours, pure Python, and PyAV's for the machine's Python (the kernel tests import our video decoding)
+    assert [wheel.split("-")[0] for wheel in dry["wheels"]] == ["av", "dattn_export"]
+    assert dry["wheels"][1].endswith("py3-none-any.whl") and "manylinux" in dry["wheels"][0]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["schema"] == 1 and report["dry_run"] and report["passed"]
     for part, columns in COLUMNS.items():
@@ -45,6 +49,10 @@ def test_the_dry_run_checks_all_but_the_gpu(tmp_path):
     assert all(row["max_abs"] <= row["tolerance"] for row in kernel)
     assert any(row["softcap"] and row["window"] for row in kernel)  # Gemma 2's attention: soft-capped, windowed
     assert all(row["tokens_agree"] <= row["tokens"] for row in report["models"])
+    # the kernel tests that run there, collected here: the CUDA dispatch's gpu tests among them
+    tests = [row["test"] for row in report["tests"]]
+    assert any("test_cuda_dispatch_runs_the_kernel" in test for test in tests)
+    assert any("test_kernel_matches_reference" in test for test in tests) and not any("ptx" in test for test in tests)
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "## Kernel against the fp32 reference" in markdown and "## Not run" in markdown
 

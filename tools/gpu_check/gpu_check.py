@@ -14,6 +14,8 @@ What it measures (GPU: the released models' shapes; dry run: tiny shapes through
            kernel as the attention op, against the same weights' fp32 run: logits error, greedy tokens;
   speed    the kernel against PyTorch's SDPA (flash) on the equivalent conventional attention, and the wide model's
            prefill at 2k, 16k and 64k context tokens;
+  tests    the test suite's kernel tests (tests/test_kernels.py, tests/test_torch_op.py, their `gpu` tests too)
+           compiled on the GPU instead of interpreted: each test's outcome (the dry run collects them only);
   not_run  what cannot run there, and why.
 """
 
@@ -33,6 +35,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CARRIED = ROOT / ".gpu_check"  # the wheels that travel (git-ignored, named in the device call's carry)
+CARRIED_PACKAGES = ("av",)  # what the kernel tests import (through our video decoding) that the machine lacks
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")  # the GPU machine's
+# the kernel tests there: compiled, 8 at a time; not the PTX compilations, which need no GPU and run here
+GPU_TESTS = ["tests/test_kernels.py", "tests/test_torch_op.py", "-k", "not ptx"]
 CARRY_LIMIT = 64 << 20  # what travels to the GPU machine: the working tree and the carried folder together
 SCHEMA = 1
 # kernel vs fp32 reference, outputs O(1): as tests/test_kernels.py
@@ -125,12 +131,13 @@ class Report:
     models: list[dict] = field(default_factory=list)
     speed: list[dict] = field(default_factory=list)
     prefill: list[dict] = field(default_factory=list)
+    tests: list[dict] = field(default_factory=list)
     not_run: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def passed(self) -> bool:
-        return all(row["passed"] for row in (*self.kernel, *self.models))
+        return all(row["passed"] for row in (*self.kernel, *self.models, *self.tests))
 
 
 def kernel_rows(sizes: Sizes, device: str) -> list[dict]:
@@ -318,6 +325,38 @@ def prefill_rows(sizes: Sizes, device: str) -> list[dict]:
     return rows
 
 
+def test_rows(sizes: Sizes, device: str) -> list[dict]:
+    """GPU_TESTS run by pytest on `device` (compiled on CUDA), one row per test from its JUnit report; on the CPU
+    (the dry run) collected only: the suite runs them here."""
+    import tempfile
+    import xml.etree.ElementTree as ElementTree
+    from importlib.util import find_spec
+
+    whole = dict(test=" ".join(GPU_TESTS), seconds=0.0, passed=False)
+    if missing := [name for name in ("pytest", "xdist", "hypothesis") if find_spec(name) is None]:
+        return [dict(whole, outcome=f"not run: {', '.join(missing)} missing")]
+    command = [sys.executable, "-m", "pytest", *GPU_TESTS, "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    if device == "cpu":
+        listed = subprocess.run([*command, "--collect-only"], cwd=ROOT, capture_output=True, text=True)
+        return [dict(test=line, outcome="collected", seconds=0.0, passed=listed.returncode == 0)
+                for line in listed.stdout.splitlines() if "::" in line]  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        junit = Path(folder) / "tests.xml"
+        try:
+            subprocess.run([*command, "-n", "8", f"--junitxml={junit}"], cwd=ROOT, timeout=600)
+        except subprocess.TimeoutExpired:
+            return [dict(whole, outcome="timed out after 600 s")]
+        cases = list(ElementTree.parse(junit).getroot().iter("testcase")) if junit.exists() else []
+    rows = []
+    for case in cases:
+        ended = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        outcome = "passed" if ended is None else ended.tag  # a test skipped on a GPU did not run: not a pass
+        message = "" if ended is None else (ended.get("message") or "").strip().split("\n")[0][:160]
+        rows.append(dict(test=f"{case.get('classname')}::{case.get('name')}", outcome=outcome,
+                         seconds=float(case.get("time", 0)), message=message, passed=outcome == "passed"))  # fmt: skip
+    return rows or [dict(whole, outcome="no report")]
+
+
 def versions() -> dict:
     import torch
     import transformers
@@ -344,7 +383,7 @@ def check(out: Path, dry_run: bool) -> Report:
     report = Report(SCHEMA, name, datetime.date.today().isoformat(), versions(), dry_run)
     start = time.perf_counter()
     for part, rows in (("kernel", kernel_rows), ("models", model_rows), ("speed", speed_rows),
-                       ("prefill", prefill_rows)):  # fmt: skip
+                       ("prefill", prefill_rows), ("tests", test_rows)):  # fmt: skip
         part_start = time.perf_counter()
         setattr(report, part, rows(sizes, device))
         print(f"{part}: {len(getattr(report, part))} rows, {time.perf_counter() - part_start:.1f} s", flush=True)
@@ -369,6 +408,8 @@ def table(rows: list[dict], columns: list[str]) -> str:
             return f"{value:.3g}"
         return str(value)
 
+    if not rows:
+        return "none"
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
@@ -389,22 +430,36 @@ def markdown(report: Report) -> str:
         ("Kernel against SDPA (fp16, ms a call)", report.speed,
          ["attention", "context", "phase", "dattn_ms", "sdpa_ms", "speedup"]),
         ("Prefill (bf16, kernel)", report.prefill, ["model", "context_tokens", "prompt_tokens", "ms"]),
+        (f"The kernel tests on this device: {tests_summary(report.tests)}; the ones that did not pass",
+         [row for row in report.tests if not row["passed"]], ["test", "outcome", "message"]),
         ("Not run", report.not_run, ["what", "why"]),
     ]  # fmt: skip
     return head + "".join(f"\n## {title}\n\n{table(rows, columns)}\n" for title, rows, columns in sections)
+
+
+def tests_summary(rows: list[dict]) -> str:
+    counts = {}
+    for row in rows:
+        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    return ", ".join(f"{count} {outcome}" for outcome, count in counts.items()) or "none"
 
 
 # --- here, before the device call ---------------------------------------------------------------------------------
 
 
 def prepare() -> list[Path]:
-    """Our wheel, built as a release builds it (PEP 517, in an isolated environment), into CARRIED: the one wheel
-    that travels."""
+    """Into CARRIED, the wheels that travel: ours, built as a release builds it (PEP 517, in an isolated
+    environment), and CARRIED_PACKAGES' at the versions installed here, for the GPU machine's Python."""
     import shutil
+    from importlib.metadata import version
 
     shutil.rmtree(CARRIED, ignore_errors=True)
     CARRIED.mkdir()
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(CARRIED), str(ROOT)],
+                   check=True)  # fmt: skip
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version=3.12", "--implementation=cp", *(f"--platform={p}" for p in PLATFORMS),
+                    "--dest", str(CARRIED), *(f"{name}=={version(name)}" for name in CARRIED_PACKAGES)],
                    check=True)  # fmt: skip
     return sorted(CARRIED.glob("*.whl"))
 
@@ -420,7 +475,7 @@ def travelling_bytes() -> int:
 def wheels_install_there(wheels: list[Path]) -> str:
     """pip's answer to installing the wheels on the GPU machine's Python (3.12, x86-64, no index)."""
     target = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu-check-target"
-    platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux2014_x86_64", "any")]
+    platforms = [f"--platform={p}" for p in (*PLATFORMS, "any")]
     result = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index", "--only-binary=:all:",
          "--python-version=3.12", *platforms, "--target", str(target), *map(str, wheels)],
@@ -457,7 +512,8 @@ def dry_run(out: Path) -> Report:
     if refused := wheels_install_there(wheels):
         problems.append(f"the carried wheels do not install on Python 3.12 x86-64: {refused}")
     report = check(out, dry_run=True)
-    if foreign := sorted(our_imports() - THERE - set(sys.stdlib_module_names) - {"dattn_export"}):
+    there = THERE | set(CARRIED_PACKAGES) | set(sys.stdlib_module_names) | {"dattn_export"}
+    if foreign := sorted(our_imports() - there):
         problems.append(f"imports what the GPU machine lacks: {', '.join(foreign)}")
     summary = dict(travelling_mib=size / 2**20, wheels=[w.name for w in wheels], problems=problems)
     (out / "dry_run.json").write_text(json.dumps(summary, indent=1))
