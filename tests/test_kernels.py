@@ -205,29 +205,34 @@ PTX_SCRIPT = """
 import json, sys
 from dattn_export.plugins.contract import Attributes
 from dattn_export.plugins.triton_kernel import compile_ptx
-arch, dtype, merge = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-attributes = Attributes(128**-0.5, softcap=50.0, window=4096, merge=merge, num_contexts=2 if merge == "sum" else 1)
-name, ptx, metadata = compile_ptx(dtype, 128, attributes, arch=arch, ptx_version=84)  # drivers of CUDA >= 12.4
-print(json.dumps({"name": name, "ptx": ptx, "num_warps": metadata.num_warps}))
+compiled = {}
+for arch, dtype, merge in json.loads(sys.argv[1]):
+    attributes = Attributes(128**-0.5, softcap=50.0, window=4096, merge=merge, num_contexts=2 if merge == "sum" else 1)
+    name, ptx, metadata = compile_ptx(dtype, 128, attributes, arch=arch, ptx_version=84)  # drivers of CUDA >= 12.4
+    compiled[f"{arch} {dtype} {merge}"] = {"name": name, "ptx": ptx, "num_warps": metadata.num_warps}
+print(json.dumps(compiled))
 """
+# both merges and both architectures in half precision; fp32 (no tensor cores) once
+PTX_CASES = [(80, "float16", "alpha"), (90, "float16", "alpha"), (80, "bfloat16", "sum"), (90, "bfloat16", "sum"),
+             (90, "float32", "alpha")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compiled_ptx():
+    """Every PTX_CASES kernel, compiled in one child process: under TRITON_INTERPRET the kernel is interpreted, not
+    compiled."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", PTX_SCRIPT, json.dumps(PTX_CASES)], capture_output=True, text=True,
+                            env=env, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("dtype, merge", [("float16", "alpha"), ("bfloat16", "sum"), ("float32", "alpha")])
-def test_kernel_compiles_to_ptx_without_a_gpu(arch, dtype, merge):
-    """What the TensorRT plugin's ahead-of-time implementation ships: PTX for the target architecture.
-    Compiled in a child process: under TRITON_INTERPRET the kernel is interpreted, not compiled."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", PTX_SCRIPT, str(arch), dtype, merge],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    compiled = json.loads(result.stdout.strip().splitlines()[-1])
+@pytest.mark.parametrize("arch, dtype, merge", PTX_CASES)
+def test_kernel_compiles_to_ptx_without_a_gpu(compiled_ptx, arch, dtype, merge):
+    """What the TensorRT plugin's ahead-of-time implementation ships: PTX for the target architecture."""
+    compiled = compiled_ptx[f"{arch} {dtype} {merge}"]
     assert f".target sm_{arch}" in compiled["ptx"] and f".entry {compiled['name']}(" in compiled["ptx"]
     assert ".version 8.4" in compiled["ptx"]
     params = [
