@@ -45,7 +45,7 @@ SCHEMA = 1
 TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
 MODEL_TOLERANCE = 0.05  # bf16 model vs its fp32 run: max abs logits error over the largest logit
 # what the GPU machines hold (their image's package list, import names) besides the standard library: the check
-# imports nothing else, and carries only our wheel
+# imports nothing else, and carries our wheel and CARRIED_PACKAGES' (for the kernel tests)
 THERE = {
     "torch", "triton", "transformers", "numpy", "safetensors", "huggingface_hub", "tokenizers", "PIL", "rich",
     "click", "onnx", "onnxruntime", "onnxscript", "onnx_ir", "yaml", "packaging", "filelock", "fsspec", "jinja2",
@@ -438,9 +438,9 @@ def markdown(report: Report) -> str:
 
 
 def tests_summary(rows: list[dict]) -> str:
-    counts = {}
-    for row in rows:
-        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    from collections import Counter
+
+    counts = Counter(row["outcome"] for row in rows)
     return ", ".join(f"{count} {outcome}" for outcome, count in counts.items()) or "none"
 
 
