@@ -25,7 +25,9 @@ from dattn_export.stages.validate import Comparison, validate
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["dattn", "dattn-sum", "sattn", "mmca"])
+@pytest.mark.parametrize(  # with test_wings.py's four (WINGS layers beside plain ones), every family and mode
+    "family, mode", [("mistral", "dattn-sum"), ("mistral", "mmca"), ("gemma2", "dattn-sum"), ("gemma2", "sattn")]
+)
 def test_onnx_runtime_matches_reference(tmp_path, family, mode):
     model = build_model(family, dattn_mode=mode)
     manifest = export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")

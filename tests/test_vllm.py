@@ -43,6 +43,7 @@ from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.media import DecodedMedia, Media, decode_media, encode_media
 from dattn_export.modeling.streams import TILES
 from dattn_export.processing import audio_features, load_audio_processor, load_image_processor, load_tokenizer
+from dattn_export.stages.convert import convert
 from dattn_export.vllm_plugin.video import DEFAULT_MAX_FRAMES, longest_sound_track, max_video_frames
 
 vllm_missing = pytest.mark.skipif(
@@ -57,10 +58,9 @@ LOGPROB_TOLERANCE = 1e-4
 
 
 def converted(root: Path, family: str, **overrides) -> Path:
-    """A Vidi-layout checkpoint (the released code's names and config keys) converted by `dattn-export convert`."""
-    write_demo_checkpoint(root / "released", family, **overrides)
-    result = run_cli("convert", root / "released", "-o", root / "converted")
-    assert result.returncode == 0, result.stderr
+    """A Vidi-layout checkpoint (the released code's names and config keys) converted as `dattn-export convert`
+    converts it (in this process: the command's own runs are tested in test_convert*.py)."""
+    convert(write_demo_checkpoint(root / "released", family, **overrides), root / "converted")
     return root / "converted"
 
 

@@ -218,7 +218,7 @@ def test_converts_from_every_layout_with_the_learners(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # with test_onnx.py's four (no WINGS), every family and mode
     "family, mode", [("mistral", "dattn"), ("gemma2", "dattn"), ("mistral", "sattn"), ("gemma2", "mmca")]
 )
 def test_onnx_runtime_matches_reference(tmp_path, family, mode):
