@@ -124,7 +124,9 @@ def main(
         enforce_eager=True,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=3,
-        distributed_executor_backend="ray" if ray_address else None,
+        # one rank: its worker in the engine's process (test_vllm.py runs the engine in this one): vLLM's CPU platform
+        # spawns each process it starts, which imports vLLM again
+        distributed_executor_backend="ray" if ray_address else "uni" if tensor_parallel == 1 else None,
         # a video model's encoder sequence is as long as the longest video taken: 8 frames, the requests' at most
         limit_mm_per_prompt={"video": {"count": 1, "num_frames": frame_limit}} if video_model else None,
         hf_overrides=None if repeat_gib is None else {"context_cache_gib": repeat_gib},
