@@ -126,10 +126,7 @@ def vllm_requests(
     """REQUESTS through `vllm.LLM` in a process of its own (helpers/vllm_requests.py): each one's greedy tokens and
     their log-probabilities; through a Ray cluster's workers when given its address; with a context cache of
     `repeat_gib`, then REPEATED in the same engine (its cache emptied first) and each rank's cache statistics."""
-    # the engine in the script's process, and at tensor parallel 1 its worker too (vllm_requests.py): 23 s less a run
-    # here, vLLM's CPU platform spawning each process it starts (`serve` keeps vLLM's own processes)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"[: 2 * tensor_parallel - 1]}
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if ray_address:  # the engine in the driver, where the shim is installed; each node binds its own core
         del env["VLLM_CPU_OMP_THREADS_BIND"]
     command = [sys.executable, HELPERS / "vllm_requests.py", folder, str(tensor_parallel), results]
@@ -582,12 +579,7 @@ def test_vllm_past_the_resize_budget_equals_reference(served, tmp_path):
     """A video past the released resize budget (62 minutes of frames and sound, 3760 frames; the demo tower's budget
     is 3750): vLLM resizes every frame's grid as the reference does, and gives its tokens and log-probabilities."""
     folder, frames = served["gemma2-video"], 3760
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     command = [sys.executable, HELPERS / "vllm_requests.py", folder, "1", tmp_path / "long.json", "--long-video"]
     run = subprocess.run([*command, str(frames)], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]

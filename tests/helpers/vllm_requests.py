@@ -124,8 +124,7 @@ def main(
         enforce_eager=True,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=3,
-        # one rank: its worker in the engine's process (test_vllm.py runs the engine in this one): vLLM's CPU platform
-        # spawns each process it starts, which imports vLLM again
+        # one rank: its worker in the engine's process (this one, __main__), not a process of its own
         distributed_executor_backend="ray" if ray_address else "uni" if tensor_parallel == 1 else None,
         # a video model's encoder sequence is as long as the longest video taken: 8 frames, the requests' at most
         limit_mm_per_prompt={"video": {"count": 1, "num_frames": frame_limit}} if video_model else None,
@@ -200,6 +199,9 @@ def ray_worker(worker) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # the engine in this process (and at one rank its worker: `main`), where the Ray shim is installed too: vLLM's
+    # CPU platform spawns each process it starts, which imports vLLM again (23 s a run here; `serve` keeps them)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if "--long-video" in sys.argv:  # FOLDER TENSOR_PARALLEL OUT.json --long-video FRAMES
         main(sys.argv[1], int(sys.argv[2]), sys.argv[3], long_frames=int(sys.argv[sys.argv.index("--long-video") + 1]))
     elif "--repeat" in sys.argv:  # FOLDER TENSOR_PARALLEL OUT.json --repeat GIB
