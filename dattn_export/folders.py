@@ -1,5 +1,6 @@
-"""What a path given to a command is, told before any heavy import: a missing path, a Hub id, or a folder of the
-wrong kind answers at once, naming the command that takes that folder or the one that makes the right one.
+"""What a path given to a command is, told before any heavy import: a missing path, a Hub id, a folder of the
+wrong kind, or training output in no layout we read answers at once, naming the command that takes that folder or
+the one that makes the right one.
 
 The pipeline's folders, in order: training output (a checkpoint) -> a converted folder -> an ONNX export ->
 TensorRT engines. Each `dattn-export` output folder is marked by its manifest.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,65 @@ BACKENDS = {
     "trt": (ENGINES,),  # our graphs as TensorRT engines
     "genai": (ONNX,),  # onnxruntime-genai decoding, the context by our graphs on ONNX Runtime
 }
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A checkpoint layout, told by its file names alone; `checkpoints/` holds the reader registered for each."""
+
+    name: str  # as users see it
+    description: str
+    detect: Callable[[Path], bool]
+
+
+def sharded(single: str, index: str) -> Callable[[Path], bool]:
+    """A Hugging Face layout: one weights file, or shards listed by an index."""
+    return lambda path: path.is_dir() and any((path / name).is_file() for name in (index, single))
+
+
+# in detection order: a Trainer folder also holds HF weights files; an adapter's folder may also hold a config
+LAYOUTS = {
+    layout.name: layout
+    for layout in (
+        Layout(
+            "trainer-checkpoint",
+            "Trainer checkpoint-N/ folder with a DeepSpeed global_stepN/ (and maybe gathered weights)",
+            lambda path: path.is_dir() and ((path / "latest").is_file() or any(path.glob("global_step*/"))),
+        ),
+        Layout(
+            "adapter-only",
+            f"{ADAPTER_FILE} (needs --base)",
+            lambda path: (path / ADAPTER_FILE).is_file() if path.is_dir() else path.name == ADAPTER_FILE,
+        ),
+        Layout(
+            "hf-safetensors",
+            "model.safetensors, or model-*-of-*.safetensors + model.safetensors.index.json",
+            sharded("model.safetensors", "model.safetensors.index.json"),
+        ),
+        Layout(
+            "hf-bin",
+            "pytorch_model.bin, or pytorch_model-*-of-*.bin + pytorch_model.bin.index.json",
+            sharded("pytorch_model.bin", "pytorch_model.bin.index.json"),
+        ),
+        Layout(
+            "deepspeed-zero",
+            "DeepSpeed global_stepN/ folder: *_model_states.pt + *_optim_states.pt (ZeRO-1/2/3)",
+            lambda path: path.is_dir() and any(any(path.glob(p)) for p in ("*_model_states.pt", "*_optim_states.pt")),
+        ),
+    )
+}
+
+
+def checkpoint_layout(path: Path) -> Layout:
+    """The layout of training output at `path` (a folder, or an adapter's file), from file names alone; one
+    InputError line for an empty folder or one in no layout."""
+    if path.is_dir() and not any(path.iterdir()):
+        raise InputError(path, "is an empty folder")
+    for layout in LAYOUTS.values():
+        if layout.detect(path):
+            return layout
+    known = "; ".join(f"{layout.name} ({layout.description})" for layout in LAYOUTS.values())
+    raise InputError(path, f"no checkpoint layout recognised; known layouts: {known}")
 
 
 def kind_of(path: Path) -> FolderKind:
@@ -118,6 +178,8 @@ def check_kind(path: Path, command: str, takes: tuple[FolderKind, ...]) -> None:
     """One InputError line, with the next step, unless the folder `path` is of a kind `command` takes."""
     kind = kind_of(path)
     if kind in takes:
+        if kind is CHECKPOINT:
+            checkpoint_layout(path)
         return
     if inside := [p for p in sorted(path.iterdir()) if p.is_dir() and kind_of(p) in takes and kind_of(p).marker]:
         names = " or ".join(str(p) for p in inside)

@@ -159,6 +159,22 @@ def test_a_file_where_a_folder_is_taken_is_answered_at_once(demo, tmp_path):
         assert "torch imported: False" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["convert", "info", "onnx", "generate"])
+def test_training_output_in_no_layout_is_answered_at_once(tmp_path, command):
+    """Reported: `convert` of an empty folder, or of one holding only a config, said so after 7-9 s of imports. The
+    layouts are told from file names before torch is imported (`folders.LAYOUTS`), in every command that reads one."""
+    empty, config_only = tmp_path / "empty", tmp_path / "config-only"
+    empty.mkdir()
+    config_only.mkdir()
+    (config_only / "config.json").write_text("{}")
+    options = {"convert": ["-o", tmp_path / "out"], "onnx": ["-o", tmp_path / "out"], "generate": ["--prompt", "Hi"]}
+    for folder, problem in ((empty, "is an empty folder"), (config_only, "no checkpoint layout recognised")):
+        result = run_cli_without((), command, folder, *options.get(command, []))
+        assert result.returncode == 2 and error_line(result).startswith(f"Error: {folder}: {problem}"), result.stderr
+        assert "torch imported: False" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_mistyped_local_path_is_not_looked_up_on_the_hub(tmp_path):
     """Reported: `info checkpoints/run1` (a typo under a local folder) went to the Hub and failed with a network
     error after 4 s. A path under a local folder is local: no Hub attempt, the folder named, a close name offered."""

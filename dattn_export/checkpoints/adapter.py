@@ -12,13 +12,7 @@ from .registry import CheckpointReader, register
 @register
 class AdapterReader(CheckpointReader):
     layout = "adapter-only"
-    description = f"{ADAPTER_FILE} (needs --base)"
-    priority = 5  # before the Hugging Face layouts: such a folder may also carry a config
     adapter_only = True
-
-    @classmethod
-    def detect(cls, path: Path) -> bool:
-        return (path.is_dir() and (path / ADAPTER_FILE).is_file()) or (path.is_file() and path.name == ADAPTER_FILE)
 
     def __init__(self, path: Path):
         super().__init__(path)

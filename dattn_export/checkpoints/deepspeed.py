@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
+from ..folders import LAYOUTS
 from .hf import SafetensorsReader, TorchBinReader
 from .lazy import GatheredTensor, LazyTensor, read_torch_file, slice_flat
 from .registry import CheckpointReader, register
@@ -49,11 +50,6 @@ def _as_int(value) -> int:
 @register
 class ZeroReader(CheckpointReader):
     layout = "deepspeed-zero"
-    description = "DeepSpeed global_stepN/ folder: *_model_states.pt + *_optim_states.pt (ZeRO-1/2/3)"
-
-    @classmethod
-    def detect(cls, path: Path) -> bool:
-        return path.is_dir() and any(any(path.glob(pattern)) for pattern in ("*_model_states.pt", "*_optim_states.pt"))
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -201,17 +197,11 @@ class TrainerCheckpointReader(CheckpointReader):
     (named by the `latest` file) - what ZeRO-3 leaves with stage3_gather_16bit_weights_on_model_save=false."""
 
     layout = "trainer-checkpoint"
-    priority = 0
-    description = "Trainer checkpoint-N/ folder with a DeepSpeed global_stepN/ (and maybe gathered weights)"
-
-    @classmethod
-    def detect(cls, path: Path) -> bool:
-        return path.is_dir() and ((path / "latest").is_file() or any(path.glob("global_step*/")))
 
     def __init__(self, path: Path):
         super().__init__(path)
         for weights in (SafetensorsReader, TorchBinReader):
-            if weights.detect(path):
+            if LAYOUTS[weights.layout].detect(path):
                 inner = weights(path)
                 if any(t.numel for t in inner.tensors.values()):  # ZeRO-3 without gathering saves placeholders
                     self.tensors, self.notes = inner.tensors, [f"gathered {weights.layout} weights", *inner.notes]

@@ -25,10 +25,6 @@ class ShardedReader(CheckpointReader):
     single_name: str
     index_name: str
 
-    @classmethod
-    def detect(cls, path: Path) -> bool:
-        return path.is_dir() and any((path / n).is_file() for n in (cls.index_name, cls.single_name))
-
     @staticmethod
     def read_shard(file: Path) -> dict[str, LazyTensor]:
         raise NotImplementedError
@@ -64,7 +60,6 @@ class ShardedReader(CheckpointReader):
 @register
 class SafetensorsReader(ShardedReader):
     layout = "hf-safetensors"
-    description = "model.safetensors, or model-*-of-*.safetensors + model.safetensors.index.json"
     single_name = "model.safetensors"
     index_name = "model.safetensors.index.json"
     read_shard = staticmethod(read_safetensors)
@@ -73,7 +68,6 @@ class SafetensorsReader(ShardedReader):
 @register
 class TorchBinReader(ShardedReader):
     layout = "hf-bin"
-    description = "pytorch_model.bin, or pytorch_model-*-of-*.bin + pytorch_model.bin.index.json"
     single_name = "pytorch_model.bin"
     index_name = "pytorch_model.bin.index.json"
     read_shard = staticmethod(read_state_dict_file)

@@ -1,4 +1,5 @@
-"""One registry of checkpoint layouts: the first reader whose `detect` accepts a path opens it.
+"""One registry of checkpoint readers, one per layout: the reader of the layout `folders.checkpoint_layout` tells from
+a path's file names (before any heavy import) opens it.
 
 A reader exposes every tensor lazily (nothing is read before `.load()`), under the names as stored, and
 the folder that holds config.json and the tokenizer files.
@@ -7,21 +8,19 @@ the folder that holds config.json and the tokenizer files.
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
 from pathlib import Path
 
 from ..errors import InputError, from_os_error
+from ..folders import checkpoint_layout
 from .lazy import GatheredTensor, LazyTensor, LoadedTensor
 from .names import canonical_name
 
-READERS: list[type[CheckpointReader]] = []
+READERS: dict[str, type[CheckpointReader]] = {}  # by layout name
 Lazy = LazyTensor | GatheredTensor | LoadedTensor
 
 
-class CheckpointReader(ABC):
-    layout: str  # short name shown to users
-    description: str
-    priority: int = 10  # detection order: lower first (a Trainer folder also holds HF weights files)
+class CheckpointReader:
+    layout: str  # its name in folders.LAYOUTS, shown to users
     adapter_only = False  # holds only adapter weights: needs a base model
 
     def __init__(self, path: Path):
@@ -31,14 +30,9 @@ class CheckpointReader(ABC):
         self.notes: list[str] = []  # facts worth telling the user (what was read, from where)
         self.paths: list[Path] = [self.path]  # every checkpoint read (an overlay's and its base's)
 
-    @classmethod
-    @abstractmethod
-    def detect(cls, path: Path) -> bool:
-        """Cheap check from file names only that `path` is in this layout."""
-
 
 def register(reader: type[CheckpointReader]) -> type[CheckpointReader]:
-    READERS.append(reader)
+    READERS[reader.layout] = reader
     return reader
 
 
@@ -47,13 +41,7 @@ def detect_reader(path: Path) -> type[CheckpointReader]:
         os.stat(path)
     except OSError as e:  # missing, a symbolic link loop, a path through a file
         raise from_os_error(e, path) from None
-    if path.is_dir() and not any(path.iterdir()):
-        raise InputError(path, "is an empty folder")
-    for reader in sorted(READERS, key=lambda r: r.priority):
-        if reader.detect(path):
-            return reader
-    known = "; ".join(f"{r.layout} ({r.description})" for r in READERS)
-    raise InputError(path, f"no checkpoint layout recognised; known layouts: {known}")
+    return READERS[checkpoint_layout(path).name]
 
 
 def open_checkpoint(path: str | Path, base: str | Path | None = None) -> CheckpointReader:
@@ -69,13 +57,6 @@ def open_checkpoint(path: str | Path, base: str | Path | None = None) -> Checkpo
 
 class OverlayReader(CheckpointReader):
     """A base model with some tensors replaced (LLaVA-style adapter-only saves). Names are canonical."""
-
-    layout = "overlay"
-    description = "adapter weights over a base model (--base)"
-
-    @classmethod
-    def detect(cls, path: Path) -> bool:
-        return False
 
     def __init__(self, base: CheckpointReader, overlay: CheckpointReader):
         super().__init__(overlay.path)
