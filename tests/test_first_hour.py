@@ -175,6 +175,13 @@ def test_training_output_in_no_layout_is_answered_at_once(tmp_path, command):
     assert not (tmp_path / "out").exists()
 
 
+def test_every_layout_told_from_file_names_has_its_reader():
+    from dattn_export.checkpoints import READERS
+    from dattn_export.folders import LAYOUTS
+
+    assert READERS and set(READERS) == set(LAYOUTS)
+
+
 def test_a_mistyped_local_path_is_not_looked_up_on_the_hub(tmp_path):
     """Reported: `info checkpoints/run1` (a typo under a local folder) went to the Hub and failed with a network
     error after 4 s. A path under a local folder is local: no Hub attempt, the folder named, a close name offered."""

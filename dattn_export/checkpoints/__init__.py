@@ -1,4 +1,4 @@
-"""Reading training output (one registry of layouts, lazy tensors, one table of tensor names) and writing
+"""Reading training output (a reader per layout, lazy tensors, one table of tensor names) and writing
 safetensors. Importing the package registers every reader."""
 
 from . import adapter, deepspeed, hf  # noqa: F401  (each module registers its layouts)
