@@ -72,9 +72,15 @@ class Layout:
     detect: Callable[[Path], bool]
 
 
-def sharded(single: str, index: str) -> Callable[[Path], bool]:
-    """A Hugging Face layout: one weights file, or shards listed by an index."""
-    return lambda path: path.is_dir() and any((path / name).is_file() for name in (index, single))
+# the Hugging Face layouts' files: one weights file, or shards listed by an index (their readers read these names)
+SHARDED_FILES = {
+    "hf-safetensors": ("model.safetensors", "model.safetensors.index.json"),
+    "hf-bin": ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+}
+
+
+def sharded(layout: str) -> Callable[[Path], bool]:
+    return lambda path: path.is_dir() and any((path / name).is_file() for name in SHARDED_FILES[layout])
 
 
 # in detection order: a Trainer folder also holds HF weights files; an adapter's folder may also hold a config
@@ -94,12 +100,12 @@ LAYOUTS = {
         Layout(
             "hf-safetensors",
             "model.safetensors, or model-*-of-*.safetensors + model.safetensors.index.json",
-            sharded("model.safetensors", "model.safetensors.index.json"),
+            sharded("hf-safetensors"),
         ),
         Layout(
             "hf-bin",
             "pytorch_model.bin, or pytorch_model-*-of-*.bin + pytorch_model.bin.index.json",
-            sharded("pytorch_model.bin", "pytorch_model.bin.index.json"),
+            sharded("hf-bin"),
         ),
         Layout(
             "deepspeed-zero",

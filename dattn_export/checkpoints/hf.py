@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
+from ..folders import SHARDED_FILES
 from ..sidefiles import read_json
 from .lazy import LazyTensor, LoadedTensor, read_safetensors, read_torch_file
 from .registry import CheckpointReader, register
@@ -60,14 +61,12 @@ class ShardedReader(CheckpointReader):
 @register
 class SafetensorsReader(ShardedReader):
     layout = "hf-safetensors"
-    single_name = "model.safetensors"
-    index_name = "model.safetensors.index.json"
+    single_name, index_name = SHARDED_FILES[layout]
     read_shard = staticmethod(read_safetensors)
 
 
 @register
 class TorchBinReader(ShardedReader):
     layout = "hf-bin"
-    single_name = "pytorch_model.bin"
-    index_name = "pytorch_model.bin.index.json"
+    single_name, index_name = SHARDED_FILES[layout]
     read_shard = staticmethod(read_state_dict_file)
