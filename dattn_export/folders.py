@@ -32,6 +32,8 @@ class FolderKind:
 
 
 ADAPTER_FILE = "mm_projector.bin"  # a LLaVA-style adapter-only save, the one checkpoint that is a file
+ADAPTER_HOLDS = "holds only adapter weights"
+ADAPTER_NEEDS_BASE = f"{ADAPTER_HOLDS}: pass --base with the model folder they were trained on"
 CHECKPOINT = FolderKind(
     "training output (a checkpoint)",
     None,
@@ -136,10 +138,18 @@ def kind_of(path: Path) -> FolderKind:
     return CHECKPOINT
 
 
-def resolve(given: str | Path, command: str, *takes: FolderKind, hub: bool = True) -> Path:
+def resolve(
+    given: str | Path,
+    command: str,
+    *takes: FolderKind,
+    hub: bool = True,
+    base: Path | None = None,
+    base_option: bool = False,
+) -> Path:
     """The local folder (or file) `given` names for `command`, which reads the kinds `takes`: a local path as
     it is, else, where `hub`, a Hub repo id `NS/NAME[@REVISION]` downloaded (see `hub.download`). Raises one
-    InputError line for a missing path or a folder of another kind, with the next step in it."""
+    InputError line for a missing path, a folder of another kind or an adapter-only save without its `base`, with
+    the next step in it. `base_option`: `command` has --base, given as `base`."""
     text = str(given)
     path = Path(given)
     try:
@@ -156,7 +166,18 @@ def resolve(given: str | Path, command: str, *takes: FolderKind, hub: bool = Tru
         check_kind(path, command, takes)
     elif not any(path.name in kind.files for kind in takes):
         raise InputError(path, f"is a file: `{command}` takes a folder; pass the one that holds it, {path.parent}")
+    if base is None and CHECKPOINT in takes and kind_of(path) is CHECKPOINT and is_adapter_only(path):
+        if base_option:
+            raise InputError(path, ADAPTER_NEEDS_BASE)
+        raise InputError(
+            path, f"{ADAPTER_HOLDS}: `{command}` takes a whole model; first run `dattn-export convert {path} --base "
+            "BASE_MODEL -o CONVERTED`, then pass CONVERTED",
+        )  # fmt: skip
     return path
+
+
+def is_adapter_only(path: Path) -> bool:
+    return checkpoint_layout(path).name == "adapter-only"
 
 
 def could_be_repo_id(text: str) -> bool:

@@ -175,6 +175,26 @@ def test_training_output_in_no_layout_is_answered_at_once(tmp_path, command):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["convert", "info", "onnx", "generate"])
+def test_an_adapter_without_its_base_is_answered_at_once(tmp_path, command):
+    """An adapter-only save (its folder, or the file itself) without the model it was trained on: refused before
+    torch is imported, naming --base where the command has it and `convert --base` where it has not."""
+    folder = tmp_path / "stage1"
+    folder.mkdir()
+    (folder / "mm_projector.bin").write_bytes(b"never read")
+    options = {"convert": ["-o", tmp_path / "out"], "onnx": ["-o", tmp_path / "out"], "generate": ["--prompt", "Hi"]}
+    for given in (folder, folder / "mm_projector.bin"):
+        result = run_cli_without((), command, given, *options.get(command, []))
+        line = error_line(result)
+        assert result.returncode == 2 and line.startswith(f"Error: {given}: holds only adapter weights: "), line
+        if command == "generate":
+            assert f"`generate --backend torch` takes a whole model; first run `dattn-export convert {given}" in line
+        else:
+            assert "pass --base with the model folder they were trained on" in line
+        assert "torch imported: False" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_every_layout_told_from_file_names_has_its_reader():
     from dattn_export.checkpoints import READERS
     from dattn_export.folders import LAYOUTS

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..errors import InputError, from_os_error
-from ..folders import checkpoint_layout
+from ..folders import ADAPTER_NEEDS_BASE, checkpoint_layout
 from .lazy import GatheredTensor, LazyTensor, LoadedTensor
 from .names import canonical_name
 
@@ -51,7 +51,7 @@ def open_checkpoint(path: str | Path, base: str | Path | None = None) -> Checkpo
     if base is not None:
         return OverlayReader(open_checkpoint(base), reader)
     if reader.adapter_only:
-        raise InputError(path, "holds only adapter weights: pass --base with the model folder they were trained on")
+        raise InputError(path, ADAPTER_NEEDS_BASE)
     return reader
 
 

@@ -32,7 +32,7 @@ from .common import DTYPE, DTYPE_HELP, examples, output_option, source_options
 @source_options
 def convert(checkpoint: str, out: Path, dtype: str, max_shard_size: str, force: bool, base, vision_heads):
     """Convert training output (HF, Trainer, DeepSpeed ZeRO, adapter-only) to verified sharded safetensors."""
-    checkpoint = resolve(checkpoint, "convert", *TRAINING_OUTPUT)
+    checkpoint = resolve(checkpoint, "convert", *TRAINING_OUTPUT, base=base, base_option=True)
     from ..checkpoints.names import audio_tower_role
     from ..stages.convert import convert as run_convert
     from ..ui import out as stdout

@@ -21,7 +21,7 @@ def info(checkpoint: str, base: Path | None, vision_heads: int | None, as_json: 
     import dataclasses
     import json
 
-    checkpoint = resolve(checkpoint, "info", *TRAINING_OUTPUT)
+    checkpoint = resolve(checkpoint, "info", *TRAINING_OUTPUT, base=base, base_option=True)
     from ..stages.info import describe
     from ..ui import out, summary_table
 

@@ -101,7 +101,7 @@ def onnx_command(
     """Export vision.onnx, context_kv.onnx and decoder.onnx (+ onnx_manifest.json) from any checkpoint convert reads."""
     if quantize is None:
         refuse_quantize_options()
-    checkpoint = resolve(checkpoint, "onnx", *TRAINING_OUTPUT)
+    checkpoint = resolve(checkpoint, "onnx", *TRAINING_OUTPUT, base=base, base_option=True)
     from ..artifacts import Scheme
     from ..stages.onnx_export import export_onnx
     from ..ui import out as stdout

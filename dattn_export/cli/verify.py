@@ -17,7 +17,7 @@ from .common import examples, source_options
 def verify(converted: str, against: str | None, base, vision_heads):
     """Check a converted folder: manifest hashes, every tensor reloads exactly, the model loads and runs."""
     converted = resolve(converted, "verify", CONVERTED)
-    against = against and resolve(against, "verify --against", *TRAINING_OUTPUT)
+    against = against and resolve(against, "verify --against", *TRAINING_OUTPUT, base=base, base_option=True)
     from rich.table import Table
 
     from ..stages.verify import verify as run_verify
