@@ -81,6 +81,10 @@ SHARDED_FILES = {
 }
 
 
+# DeepSpeed's files: each rank's module states and optimizer states in a step's folder, the step folders in a run's
+ZERO_MODEL_STATES, ZERO_OPTIM_STATES, ZERO_STEPS = "*_model_states.pt", "*_optim_states.pt", "global_step*/"
+
+
 def sharded(layout: str) -> Callable[[Path], bool]:
     return lambda path: path.is_dir() and any((path / name).is_file() for name in SHARDED_FILES[layout])
 
@@ -92,7 +96,7 @@ LAYOUTS = {
         Layout(
             "trainer-checkpoint",
             "Trainer checkpoint-N/ folder with a DeepSpeed global_stepN/ (and maybe gathered weights)",
-            lambda path: path.is_dir() and ((path / "latest").is_file() or any(path.glob("global_step*/"))),
+            lambda path: path.is_dir() and ((path / "latest").is_file() or any(path.glob(ZERO_STEPS))),
         ),
         Layout(
             "adapter-only",
@@ -111,8 +115,8 @@ LAYOUTS = {
         ),
         Layout(
             "deepspeed-zero",
-            "DeepSpeed global_stepN/ folder: *_model_states.pt + *_optim_states.pt (ZeRO-1/2/3)",
-            lambda path: path.is_dir() and any(any(path.glob(p)) for p in ("*_model_states.pt", "*_optim_states.pt")),
+            f"DeepSpeed global_stepN/ folder: {ZERO_MODEL_STATES} + {ZERO_OPTIM_STATES} (ZeRO-1/2/3)",
+            lambda path: path.is_dir() and any(any(path.glob(p)) for p in (ZERO_MODEL_STATES, ZERO_OPTIM_STATES)),
         ),
     )
 }

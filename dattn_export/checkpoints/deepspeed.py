@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
-from ..folders import LAYOUTS
+from ..folders import LAYOUTS, ZERO_MODEL_STATES, ZERO_OPTIM_STATES, ZERO_STEPS
 from .hf import SafetensorsReader, TorchBinReader
 from .lazy import GatheredTensor, LazyTensor, read_torch_file, slice_flat
 from .registry import CheckpointReader, register
@@ -55,12 +55,12 @@ class ZeroReader(CheckpointReader):
         super().__init__(path)
         if (path.parent / "config.json").is_file():
             self.config_dir = path.parent  # global_stepN/ inside a Trainer checkpoint-N/ folder
-        model_files = sorted(path.glob("*_model_states.pt"), key=natural_key)
-        optim_files = sorted(path.glob("*_optim_states.pt"), key=natural_key)
+        model_files = sorted(path.glob(ZERO_MODEL_STATES), key=natural_key)
+        optim_files = sorted(path.glob(ZERO_OPTIM_STATES), key=natural_key)
         if not model_files:
-            raise InputError(path, "has optimizer states but no *_model_states.pt: the parameter shapes are missing")
+            raise InputError(path, f"has optimizer states but no {ZERO_MODEL_STATES}: the parameter shapes are missing")
         if not optim_files:
-            raise InputError(path, "has model states but no *_optim_states.pt files: the fp32 weights are missing")
+            raise InputError(path, f"has model states but no {ZERO_OPTIM_STATES} files: the fp32 weights are missing")
         model_states = [_dict(read_torch_file(f), f, "module") for f in model_files]
         optim_states = [
             _dict(read_torch_file(f).get("optimizer_state_dict"), f, "optimizer_state_dict") for f in optim_files
@@ -76,7 +76,7 @@ class ZeroReader(CheckpointReader):
             raise InputError(path, f"ZeRO-{stage} checkpoint of world size {world_size} (partition_count): {problem}")
         if stage == 3 and len(model_files) != world_size:
             raise InputError(
-                path, f"ZeRO-3 needs {world_size} *_model_states.pt files (one per rank), found {len(model_files)}"
+                path, f"ZeRO-3 needs {world_size} {ZERO_MODEL_STATES} files (one per rank), found {len(model_files)}"
             )
         key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
         flat_groups = []
@@ -208,7 +208,7 @@ class TrainerCheckpointReader(CheckpointReader):
                     return
         tag_file = path / "latest"
         tag = tag_file.read_text().strip() if tag_file.is_file() else None
-        steps = [path / tag] if tag else sorted(path.glob("global_step*/"), key=natural_key)[-1:]
+        steps = [path / tag] if tag else sorted(path.glob(ZERO_STEPS), key=natural_key)[-1:]
         if not steps or not steps[0].is_dir():
             raise InputError(tag_file, f"names {tag!r}, which is not a folder here")
         inner = ZeroReader(steps[0])
