@@ -167,10 +167,12 @@ def resolve(
     except OSError as e:  # a symbolic link loop, a path through a file
         raise from_os_error(e, path) from None
     if path.is_dir():
-        check_kind(path, command, takes)
+        layout = check_kind(path, command, takes)
     elif not any(path.name in kind.files for kind in takes):
         raise InputError(path, f"is a file: `{command}` takes a folder; pass the one that holds it, {path.parent}")
-    if base is None and CHECKPOINT in takes and kind_of(path) is CHECKPOINT and is_adapter_only(path):
+    else:  # the adapter's file, the one checkpoint that is a file
+        layout = checkpoint_layout(path)
+    if base is None and layout is LAYOUTS["adapter-only"]:
         if base_option:
             raise InputError(path, ADAPTER_NEEDS_BASE)
         raise InputError(
@@ -178,10 +180,6 @@ def resolve(
             "BASE_MODEL -o CONVERTED`, then pass CONVERTED",
         )  # fmt: skip
     return path
-
-
-def is_adapter_only(path: Path) -> bool:
-    return checkpoint_layout(path).name == "adapter-only"
 
 
 def could_be_repo_id(text: str) -> bool:
@@ -205,13 +203,12 @@ def missing(path: Path) -> str:
     return f"does not exist (no {absent!r} in {existing}{f'; did you mean {close[0]!r}?' if close else ''})"
 
 
-def check_kind(path: Path, command: str, takes: tuple[FolderKind, ...]) -> None:
-    """One InputError line, with the next step, unless the folder `path` is of a kind `command` takes."""
+def check_kind(path: Path, command: str, takes: tuple[FolderKind, ...]) -> Layout | None:
+    """One InputError line, with the next step, unless the folder `path` is of a kind `command` takes; training
+    output's layout (None for the other kinds)."""
     kind = kind_of(path)
     if kind in takes:
-        if kind is CHECKPOINT:
-            checkpoint_layout(path)
-        return
+        return checkpoint_layout(path) if kind is CHECKPOINT else None
     if inside := [p for p in sorted(path.iterdir()) if p.is_dir() and kind_of(p) in takes and kind_of(p).marker]:
         names = " or ".join(str(p) for p in inside)
         raise InputError(path, f"is not {takes[0].what} but holds one: `dattn-export {command} {names}`")
