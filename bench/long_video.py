@@ -10,7 +10,7 @@ YouTube's h264), and our decode skips those it does not keep. Then, side by side
   ffmpeg      `ffmpeg -i FILE -f null -`: the command line's own decode of the whole file, frames and sound
   decode      ours as `generate` runs it (`decode_media`: every frame others are decoded from and one a second
               decoded, those kept at the tower's square, the sound track at 16 kHz mono), and its ratio to
-              ffmpeg's (the goal: <= 1.2)
+              ffmpeg's (the goal: <= 1.2); both the median of --repeats runs, taken in turns
   backends    `dattn-export generate FILE --video ... --max-new-tokens 4` per backend: wall time, peak resident
               memory (/usr/bin/time), the visual and audio tokens, and whether its tokens equal torch's
   --validate  `dattn-export validate ONNX_FOLDER --video FILE --max-new-tokens 4`: the export's graphs (ONNX
@@ -71,19 +71,21 @@ def make_video(path: Path, seconds: int, height: int, preset: str) -> Path:
     return path
 
 
-def ffmpeg_decode_seconds(path: Path) -> float:
-    start = time.perf_counter()
-    subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", str(path), "-f", "null", "-"], check=True)
-    return time.perf_counter() - start
-
-
-def our_decode_seconds(path: Path, checkpoint: Path) -> float:
+def decode_seconds(path: Path, checkpoint: Path, repeats: int) -> tuple[float, float]:
+    """The median seconds of ffmpeg's decode and of ours, run in turns (a shared machine's speed drifts by 15% from
+    one run to the next: in turns, both see the same drift)."""
     from dattn_export.checkpoints.source import open_source
 
     config = open_source(checkpoint).config
-    start = time.perf_counter()
-    decode_media(Media(video=path), checkpoint, config)
-    return time.perf_counter() - start
+    ffmpeg, ours = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", str(path), "-f", "null", "-"], check=True)
+        middle = time.perf_counter()
+        decode_media(Media(video=path), checkpoint, config)
+        ffmpeg.append(middle - start)
+        ours.append(time.perf_counter() - middle)
+    return float(np.median(ffmpeg)), float(np.median(ours))
 
 
 def command_run(*arguments: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -203,6 +205,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, nargs="+", default=[60, 600])
     parser.add_argument("--heights", type=int, nargs="+", default=[480])
     parser.add_argument("--presets", nargs="+", default=["ultrafast", "superfast"], help="x264's, one file each")
+    parser.add_argument("--repeats", type=int, default=3, help="decodes of each file, ffmpeg's and ours in turns")
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
     parser.add_argument("--validate", action="store_true", help="and `validate` of the ONNX export on each video")
     parser.add_argument("--vllm", action="store_true", help="and under vLLM (offline and serve, TP 1 and 2)")
@@ -238,7 +241,7 @@ def main() -> None:
         for seconds in args.seconds:
             for preset in args.presets:
                 video = make_video(args.cache / f"{seconds}s-{height}p-{preset}.mp4", seconds, height, preset)
-                ffmpeg, ours = ffmpeg_decode_seconds(video), our_decode_seconds(video, folders["checkpoint"])
+                ffmpeg, ours = decode_seconds(video, folders["checkpoint"], args.repeats)
                 runs = {b: generate(folders[BACKENDS[b]], b, video) for b in args.backends}
                 if args.validate:
                     runs["validate"] = validate(folders["onnx"], video)
