@@ -12,12 +12,12 @@ track, and `--questions` prompts, for every backend that runs on CPU (torch, ort
 
 The graphs' load time is left out of every column (it is paid once per process either way).
 
-With --vllm-tokens, the same questions under vLLM's offline engine (`vllm.LLM`, fp32, eager, one engine per video
-in a process of its own), on videos sized to about those context tokens (frames + audio), each question alone with
-one token to generate, so that a question's time is its time to first token (processing, towers, context stream
-and prefill):
-  first      the first question's; later: the median of the others', whose video's context the plugin's cache
-             holds (`vllm_plugin/context_cache.py`)
+With --vllm-tokens, the same questions under vLLM's offline engine (`vllm.LLM`, fp32, eager, one engine per size
+in a process of its own), about each of --videos videos sized to about those context tokens (frames + audio, each
+its own content), each question alone with one token to generate, so that a question's time is its time to first
+token (processing, towers, context stream and prefill):
+  first      the median of the videos' first questions'; later: the median of the others', whose video's context
+             the plugin's cache holds (`vllm_plugin/context_cache.py`)
   uncached   later questions' median with the cache off (`context_cache_gib` 0): every question pays the video
   text only  the same questions without the video (median of all but the first): what a question costs the engine
              when its context costs nothing, the floor of `later`
@@ -72,11 +72,11 @@ def encode_seconds(answers) -> float:
     return sum(v for k, v in answers.seconds.items() if k.startswith("encode"))
 
 
-def synthetic_video(path: Path, seconds: int) -> Path:
+def synthetic_video(path: Path, seconds: int, seed: int = 0) -> Path:
     """A QuickTime file of `seconds` random 64x48 frames at 1 frame/s and a sine sound track as long."""
-    rng = np.random.default_rng(seconds)
+    rng = np.random.default_rng((seconds, seed))
     frames = [rng.integers(0, 256, (48, 64, 3), np.uint8) for _ in range(seconds)]
-    sound = (np.sin(np.arange(AUDIO_RATE * seconds) / 7.0) * 8000).astype(np.int16)
+    sound = (np.sin(np.arange(AUDIO_RATE * seconds) / (7.0 + seed)) * 8000).astype(np.int16)
     write_video(path, frames, 1, sound)
     return path
 
@@ -89,56 +89,66 @@ def seconds_for(config, hop: int, tokens: int) -> int:
     return seconds
 
 
-def vllm_engine_run(folder: Path, video: Path, count: int, cache_gib: float, out: Path) -> None:
-    """In a process of its own: one engine, each question alone (one token), then each again without the video;
-    their seconds written to `out`."""
+def vllm_engine_run(folder: Path, videos: list[Path], count: int, cache_gib: float, out: Path) -> None:
+    """In a process of its own: one engine, each question alone (one token) about each video in turn, then each
+    again without a video; their seconds written to `out` (a list per video, and the text-only ones)."""
     from vllm import LLM, SamplingParams
 
     config = folder_config(folder)
-    decoded = decode_media(Media(video=video), folder, config)
-    frames = np.stack([np.asarray(frame) for frame in decoded.frames])
+    decoded = [decode_media(Media(video=video), folder, config) for video in videos]
     hop = load_audio_processor(folder, config).hop_length
+    most = max(len(media.frames) for media in decoded)
     llm = LLM(
         str(folder),
         dtype="float32",
         enforce_eager=True,
         max_model_len=512,
-        limit_mm_per_prompt={"video": {"count": 1, "num_frames": len(frames)}},
-        max_num_batched_tokens=max(2048, encoder_token_budget(config, len(frames), hop)),
+        limit_mm_per_prompt={"video": {"count": 1, "num_frames": most}},
+        max_num_batched_tokens=max(2048, encoder_token_budget(config, most, hop)),
         hf_overrides={"context_cache_gib": cache_gib},
     )
-    video_input = {"video": (frames, {"audio": decoded.samples})}
     params = SamplingParams(temperature=0, max_tokens=1)
+
+    def timed(requests: list[dict]) -> list[float]:
+        seconds = []
+        for request in requests:
+            start = time.perf_counter()
+            llm.generate([request], params, use_tqdm=False)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
     seconds = {"video": [], "text": []}
-    requests = [("video", {"prompt": q, "multi_modal_data": video_input}) for q in questions(count, True)]
-    for kind, request in requests + [("text", {"prompt": q}) for q in questions(count, False)]:
-        start = time.perf_counter()
-        llm.generate([request], params, use_tqdm=False)
-        seconds[kind].append(time.perf_counter() - start)
+    for media in decoded:
+        frames = np.stack([np.asarray(frame) for frame in media.frames])
+        video_input = {"video": (frames, {"audio": media.samples})}
+        seconds["video"].append(timed([{"prompt": q, "multi_modal_data": video_input} for q in questions(count, True)]))
+    seconds["text"] = timed([{"prompt": q} for q in questions(count, False)])
     out.write_text(json.dumps(seconds))
     llm.llm_engine.engine_core.shutdown()
 
 
-def serve_run(folder: Path, video: Path, frames: int, count: int, cache_gib: float, log: Path) -> dict:
-    """One `dattn-export serve` on loopback: `count` questions about `video` -> seconds (a video model's server
-    refuses a chat request without its video, so there is no text-only column here)."""
+def serve_run(folder: Path, videos: list[Path], frames: int, count: int, cache_gib: float, log: Path) -> dict:
+    """One `dattn-export serve` on loopback: `count` questions about each video in turn -> seconds, a list per video
+    (a video model's server refuses a chat request without its video, so there is no text-only column here)."""
     from vllm_parallel import served
 
     limit = json.dumps({"video": {"count": 1, "num_frames": frames}})
-    options = ("--limit-mm-per-prompt", limit, "--allowed-local-media-path", str(video.parent),
+    options = ("--limit-mm-per-prompt", limit, "--allowed-local-media-path", str(videos[0].parent),
                "--context-cache-gib", str(cache_gib))  # fmt: skip
     with served(folder, None, *options, kv_cache_gib="4", log=log) as (client, model):
         seconds = []
-        media = {"type": "video_url", "video_url": {"url": video.resolve().as_uri()}}
-        for question in questions(count, False):
-            start = time.perf_counter()
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": [
-                {"type": "text", "text": question}, media]}], max_tokens=1, temperature=0)  # fmt: skip
-            seconds.append(time.perf_counter() - start)
+        for video in videos:
+            seconds.append([])
+            media = {"type": "video_url", "video_url": {"url": video.resolve().as_uri()}}
+            for question in questions(count, False):
+                start = time.perf_counter()
+                client.chat.completions.create(model=model, messages=[{"role": "user", "content": [
+                    {"type": "text", "text": question}, media]}], max_tokens=1, temperature=0)  # fmt: skip
+                seconds[-1].append(time.perf_counter() - start)
         return {"video": seconds}
 
 
-def vllm_rows(work: Path, family: str, checkpoint: Path, targets: list[int], questions: int, serve: bool) -> list:
+def vllm_rows(work: Path, checkpoint: Path, targets: list[int], questions: int, videos: int, serve: bool) -> list:
     folder = work / "converted"
     convert(checkpoint, folder)
     config = folder_config(folder)
@@ -146,19 +156,20 @@ def vllm_rows(work: Path, family: str, checkpoint: Path, targets: list[int], que
     rows = []
     for target in targets:
         seconds = seconds_for(config, hop, target)
-        video = synthetic_video(work / f"vllm-{seconds}s.mov", seconds)
+        files = [synthetic_video(work / f"vllm-{seconds}s-{seed}.mov", seconds, seed) for seed in range(videos)]
         tokens = video_tokens(config, seconds, longest_sound_track(seconds) // hop)
         times = {}
         for cache_gib in (4.0, 0.0):
             out = work / f"vllm-{seconds}s-{cache_gib}.json"
-            command = [sys.executable, __file__, "--vllm-engine", str(folder), str(video), str(cache_gib), str(out)]
+            listed = os.pathsep.join(map(str, files))
+            command = [sys.executable, __file__, "--vllm-engine", str(folder), listed, str(cache_gib), str(out)]
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
             subprocess.run(command + ["--questions", str(questions)], check=True, env=env)
             times[cache_gib] = json.loads(out.read_text())
         rows.append(("offline", seconds, tokens, times))
         if serve:
-            frames = len(decode_media(Media(video=video), folder, config).frames)
-            times = {gib: serve_run(folder, video, frames, questions, gib, work / f"serve-{seconds}s-{gib}.log")
+            frames = len(decode_media(Media(video=files[0]), folder, config).frames)
+            times = {gib: serve_run(folder, files, frames, questions, gib, work / f"serve-{seconds}s-{gib}.log")
                      for gib in (4.0, 0.0)}  # fmt: skip
             rows.append(("serve", seconds, tokens, times))
     return rows
@@ -173,23 +184,28 @@ def main() -> None:
     parser.add_argument("--backends", default="torch,ort,genai", help="generate's backends ('': none)")
     parser.add_argument("--vllm-tokens", default="", help="context tokens of each video vLLM is timed on, e.g. 16000")
     parser.add_argument("--serve", action="store_true", help="with --vllm-tokens: also under `dattn-export serve`")
-    parser.add_argument("--vllm-engine", nargs=4, help=argparse.SUPPRESS)  # FOLDER VIDEO CACHE_GIB OUT: one engine
+    parser.add_argument("--videos", type=int, default=3, help="with --vllm-tokens: videos of each size, asked in turn")
+    parser.add_argument("--vllm-engine", nargs=4, help=argparse.SUPPRESS)  # FOLDER VIDEOS CACHE_GIB OUT: one engine
     args = parser.parse_args()
     if args.vllm_engine:
-        folder, video, cache_gib, out = args.vllm_engine
-        vllm_engine_run(Path(folder), Path(video), args.questions, float(cache_gib), Path(out))
+        folder, videos, cache_gib, out = args.vllm_engine
+        paths = [Path(video) for video in videos.split(os.pathsep)]
+        vllm_engine_run(Path(folder), paths, args.questions, float(cache_gib), Path(out))
         return
 
     work = Path(tempfile.mkdtemp(prefix="many-questions-"))
     checkpoint = write_demo_checkpoint(work / "checkpoint", args.family, video=True)
     if args.vllm_tokens:
         targets = [int(t) for t in args.vllm_tokens.split(",")]
-        rows = vllm_rows(work, args.family, checkpoint, targets, args.questions, args.serve)
-        print(f"\nvLLM, {args.family} demo video model, {args.questions} questions, seconds to first token")
+        rows = vllm_rows(work, checkpoint, targets, args.questions, args.videos, args.serve)
+        print(f"\nvLLM, {args.family} demo video model, {args.questions} questions about each of {args.videos} videos, "
+              "seconds to first token (medians)")  # fmt: skip
         print("vLLM | video s | context tokens | first | later | uncached later | text only | first / later")
+        later_ones = lambda per_video: [s for seconds in per_video for s in seconds[1:]]  # noqa: E731
         for how, seconds, tokens, times in rows:
-            first, later = times[4.0]["video"][0], statistics.median(times[4.0]["video"][1:])
-            uncached = statistics.median(times[0.0]["video"][1:])
+            first = statistics.median(per_video[0] for per_video in times[4.0]["video"])
+            later = statistics.median(later_ones(times[4.0]["video"]))
+            uncached = statistics.median(later_ones(times[0.0]["video"]))
             text = f"{statistics.median(times[4.0]['text'][1:]):.3f}" if "text" in times[4.0] else "-"
             print(f"{how} | {seconds} | {tokens} | {first:.2f} | {later:.3f} | {uncached:.2f} | {text} | "
                   f"{first / later:.1f}")  # fmt: skip

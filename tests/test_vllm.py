@@ -490,10 +490,11 @@ def test_serve_stays_up_and_right_under_good_and_bad_requests(served, tmp_path):
 @pytest.mark.slow
 @vllm_missing
 def test_serve_answers_about_a_video_file(served, tmp_path):
-    """A video model served: a chat request with a video file (a data URL) is answered as `generate --video`
-    answers it, from the file's frames at 1 frame/s and its sound track, which `serve`'s video loader decodes as
-    our reference does. A corrupt video, one with more frames than the server takes, and a chat request without a
-    video get HTTP 400, and the server keeps serving."""
+    """A video model served: a chat request with a video file (a data URL, or a file:// URL, asked twice: the second
+    time the file is not read again) is answered as `generate --video` answers it, from the file's frames at 1
+    frame/s and its sound track, which `serve`'s video loader decodes as our reference does. A corrupt video, one
+    with more frames than the server takes, and a chat request without a video get HTTP 400, and the server keeps
+    serving."""
     from openai import BadRequestError
 
     folder, clip, long_clip = served["mistral-video"], tmp_path / "clip.mov", tmp_path / "long.mov"
@@ -504,11 +505,14 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
     limit = ("--limit-mm-per-prompt", json.dumps({"video": {"count": 1, "num_frames": most}}))
     # at --max-model-len 256, vLLM's token budget is smaller than the longest video's tokens: serve sizes it
     # the same video asked again at the end reads its context from the plugin's cache
-    with serving(folder, tmp_path / "serve.log", *limit, "--context-cache-gib", "0.5") as chat:
+    local = ("--allowed-local-media-path", str(tmp_path))
+    with serving(folder, tmp_path / "serve.log", *limit, *local, "--context-cache-gib", "0.5") as chat:
         text = "what is in the video"
         expected = expected_ids(folder, text, decode_media(Media(video=clip), folder, folder_config(folder)))
         request = video_part(data_url(clip.read_bytes(), "video/quicktime"))
         assert answer_ids(chat(text, request)) == expected
+        by_path = video_part(clip.resolve().as_uri())  # written before the server started: its times have settled
+        assert answer_ids(chat(text, by_path)) == expected == answer_ids(chat(text, by_path))
         bad = {
             "no video": (text, None),
             "corrupt video": (text, video_part(data_url(b"not a video", "video/quicktime"))),
@@ -650,6 +654,55 @@ def test_video_loader_keeps_decoded_files_within_its_setting(tmp_path, monkeypat
     assert loader.load_bytes(files[0], frame_size=32, cache_gib=one_file)[0] is not first
     assert media.DAttnVideoLoader.decoded.evictions == 2
     assert loader.load_bytes(files[0], frame_size=32)[0] is not loader.load_bytes(files[0], frame_size=32)[0]
+
+
+@vllm_missing
+def test_a_served_video_file_unchanged_since_it_was_read_is_not_read_again(tmp_path, monkeypatch):
+    """Under `serve` (the `dattn` connector and loader, as `serve` sets them) a question on a local video file whose
+    decode is kept does not read the file again while it is unchanged; one rewritten in place (the same inode and
+    size, its modification time put back: only its change time tells) is read again and gives its new sound track;
+    one whose times are recent is read every time; with no cache nothing is remembered."""
+    from vllm.multimodal.media import VideoMediaIO
+
+    import dattn_export.vllm_plugin.media as media
+    from dattn_export.vllm_plugin.model import sound_track
+
+    frames, samples = request_video(4)
+    for name, sign in (("clip", 1), ("negated", -1)):
+        write_video(tmp_path / f"{name}.mov", list(frames), 1, (sign * samples * 32768).astype(np.int16))
+    path, negated = tmp_path / "clip.mov", (tmp_path / "negated.mov").read_bytes()
+    assert len(negated) == path.stat().st_size and negated != path.read_bytes()
+    monkeypatch.setattr(media.UnchangedFiles, "SETTLED_NS", 50_000_000)
+    monkeypatch.setattr(media.DAttnVideoLoader, "decoded", media.ByteBoundCache(0))  # caches of its own
+    monkeypatch.setattr(media.DAttnVideoLoader, "files", {})
+    reads, read = [], VideoMediaIO.load_file
+    monkeypatch.setattr(VideoMediaIO, "load_file", lambda io, file: reads.append(file.name) or read(io, file))
+
+    def fetch(file: Path, cache_gib: float = 1):
+        settings = {"video": {"video_backend": "dattn", "frame_size": 32, "cache_gib": cache_gib}}
+        video = media.DAttnMediaConnector(settings, allowed_local_media_path=str(tmp_path)).fetch_video(file.as_uri())
+        return video.media
+
+    time.sleep(0.1)  # the file's times settled
+    first, metadata = fetch(path)
+    again, metadata_again = fetch(path)
+    assert reads == ["clip.mov"] and again is first and np.array_equal(sound_track(metadata_again), samples)
+    assert torch.equal(metadata_again[media.FILE_DIGEST], metadata[media.FILE_DIGEST])
+    before = path.stat()
+    path.write_bytes(negated)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    time.sleep(0.1)
+    changed, metadata = fetch(path)
+    assert reads == ["clip.mov"] * 2 and np.array_equal(sound_track(metadata), -samples)
+    assert fetch(path)[0] is changed and len(reads) == 2
+    write_video(recent := tmp_path / "recent.mov", list(frames), 1, None)
+    fetch(recent), fetch(recent)
+    assert reads[2:] == ["recent.mov"] * 2
+    time.sleep(0.1)
+    fetch(path, cache_gib=0), fetch(path, cache_gib=0)
+    assert reads[4:] == ["clip.mov"] * 2 and media.DAttnVideoLoader.files == {}
 
 
 @pytest.mark.slow
