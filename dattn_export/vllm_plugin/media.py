@@ -119,10 +119,7 @@ class DAttnVideoLoader(VideoLoader):
         refuses the video). With `cache_gib`, a file decoded before (the same bytes, the same two settings) is
         not decoded again: 16 minutes of video took 0.5 s to decode here, 8 ms to hash."""
         digest = media_digest(data, f"{frame_size} {max_frames}".encode())
-        if cls.decoded.limit_bytes != int(cache_gib * 2**30):  # the server's setting (the same for every call)
-            cls.decoded = ByteBoundCache(int(cache_gib * 2**30))
-            cls.files = {}
-        if (decoded := cls.decoded.get(key := bytes(digest.tolist()))) is None:
+        if (decoded := cls.cache(cache_gib).get(key := bytes(digest.tolist()))) is None:
             try:
                 limit = None if max_frames is None else max_frames + 1
                 pictures, audio = load_video(io.BytesIO(data), limit=limit, square=frame_size)
@@ -134,6 +131,14 @@ class DAttnVideoLoader(VideoLoader):
                     array.flags.writeable = False
             cls.decoded.put(key, decoded, sum(array.nbytes for array in decoded if array is not None))
         return cls.video(decoded, digest)
+
+    @classmethod
+    def cache(cls, cache_gib: float) -> ByteBoundCache:
+        """The decodes kept at the server's setting (the same for every call), made anew with the file table when
+        the setting is another."""
+        if cls.decoded.limit_bytes != int(cache_gib * 2**30):
+            cls.decoded, cls.files = ByteBoundCache(int(cache_gib * 2**30)), {}
+        return cls.decoded
 
     @staticmethod
     def video(decoded: tuple[np.ndarray, np.ndarray | None], digest: torch.Tensor) -> tuple[np.ndarray, dict]:
@@ -155,11 +160,10 @@ class DAttnVideoLoader(VideoLoader):
         cls, identity: tuple, frame_size=None, max_frames=None, cache_gib: float = 0, **_
     ) -> tuple[np.ndarray, dict] | None:
         """The video a file of this identity decoded to before with these settings, while the cache keeps it."""
-        if cls.decoded.limit_bytes != int(cache_gib * 2**30):  # another setting: load_bytes makes the cache anew
-            return None
+        cache = cls.cache(cache_gib)
         if (key := cls.files.get((identity, frame_size, max_frames))) is None:
             return None
-        if (decoded := cls.decoded.get(key)) is None:  # evicted since: the file is read again
+        if (decoded := cache.get(key)) is None:  # evicted since: the file is read again
             cls.files.pop((identity, frame_size, max_frames), None)
             return None
         return cls.video(decoded, torch.frombuffer(bytearray(key), dtype=torch.uint8))
