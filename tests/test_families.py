@@ -1,7 +1,7 @@
-"""A family is one `Family` entry: Qwen2 (q/k/v biases, no o_proj bias, per-layer sliding windows, no head_dim in
-its config, no released D-Attn model) is added by its entry alone. Its reference model equals transformers' own Qwen2
-on text, decodes with D-Attn's cached visual K/V as the released families do, and every backend that runs on CPU
-(ONNX Runtime, onnxruntime-genai; vLLM in test_vllm.py) gives transformers' logits."""
+"""A family is one `Family` entry (and a line naming each class made from it): Qwen2 (q/k/v biases, no o_proj bias,
+per-layer sliding windows, no head_dim in its config, no released D-Attn model) is added so. Its reference model
+equals transformers' own Qwen2 on text, decodes with D-Attn's cached visual K/V as the released families do, and
+every backend that runs on CPU (ONNX Runtime, onnxruntime-genai; vLLM in test_vllm.py) gives transformers' logits."""
 
 from pathlib import Path
 
@@ -21,14 +21,35 @@ PACKAGE = Path(configuration_dattn.__file__).parents[1]
 TOLERANCE = 1e-4  # fp32 logits, against transformers
 
 
-def test_each_family_s_classes_are_named_in_its_entry_and_importable_by_that_name():
-    """config.json's architectures and a Hub repo's auto_map name the classes; grep finds the names in families.py."""
+def test_each_family_s_classes_are_written_out_by_the_names_its_entry_gives():
+    """config.json's architectures, a Hub repo's auto_map and vLLM's pickles name the classes: each is written out
+    by that name in the one module that makes it (grep finds it there), made from its family's entry; a family added
+    without one of those lines fails here, named."""
+    from dattn_export import vllm_plugin  # imports no vLLM: its serving configs are plain config classes
+
+    made = {
+        configuration_dattn: lambda family: family.config_class_name,
+        modeling_dattn: lambda family: family.model_class_name,
+        vllm_plugin: lambda family: family.config_class_name.replace("Config", "ServingConfig"),
+    }
+    sources = {path: path.read_text() for path in PACKAGE.rglob("*.py")}
+    lacking = []
     for family in FAMILIES.values():
-        config_class = getattr(configuration_dattn, family.config_class_name)
-        model_class = getattr(modeling_dattn, family.model_class_name)
-        assert config_class.model_type == family.model_type and model_class.config_class is config_class
-        found = [path.name for path in PACKAGE.rglob("*.py") if f'"{family.model_class_name}"' in path.read_text()]
-        assert found == ["families.py"]
+        for module, name_of in made.items():
+            name = name_of(family)
+            cls = getattr(module, name, None)
+            if cls is None:
+                lacking.append(f"{module.__name__}.{name}")
+                continue
+            assert cls.__name__ == name and cls.__module__ == module.__name__
+            config_class = cls.config_class if module is modeling_dattn else cls
+            assert config_class.model_type == family.model_type
+            written = [path for path, text in sources.items() if f"\n{name} = " in text]
+            assert written == [Path(module.__file__)], (name, written)
+    assert lacking == []
+    assert set(configuration_dattn.CONFIG_CLASSES) == set(modeling_dattn.MODEL_CLASSES) == set(
+        family.model_type for family in FAMILIES.values()
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["sattn", "dattn"])

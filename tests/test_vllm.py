@@ -257,7 +257,7 @@ def test_tensor_parallel_across_two_ray_nodes(served, tmp_path):
         *across, placed = vllm_requests(folder, 2, tmp_path / "ray.json", address)
     workers = placed["workers"]
     assert len({worker["node"] for worker in workers}) == 2, workers
-    assert {worker["model"] for worker in workers} == {"dattn_export.vllm_plugin.model.DAttnMistralForCausalLM"}
+    assert {worker["model"] for worker in workers} == {"dattn_export.vllm_plugin.model.DAttnForCausalLM"}
     assert_equal_reference(folder, REQUESTS, across)
 
 

@@ -303,6 +303,8 @@ def config_class(family: Family) -> type:
     return strict(type(family.config_class_name, (HeadSize, base, DAttnFields), namespace))
 
 
-CONFIG_CLASSES = {family.model_type: config_class(family) for family in FAMILIES.values()}
-# importable by the names families.py gives them: where a Hub repo's auto_map and config.json find them
-globals().update({cls.__name__: cls for cls in CONFIG_CLASSES.values()})
+# one per family, by the name its entry gives (Family.config_class_name): a Hub repo's auto_map imports it by that name
+DAttnMistralConfig = config_class(FAMILIES["mistral"])
+DAttnGemma2Config = config_class(FAMILIES["gemma2"])
+DAttnQwen2Config = config_class(FAMILIES["qwen2"])
+CONFIG_CLASSES = {cls.model_type: cls for cls in (DAttnMistralConfig, DAttnGemma2Config, DAttnQwen2Config)}

@@ -1,9 +1,10 @@
 """The LLM families D-Attn models are built on, one registered spec each: every fact that differs between them.
 
 The configs, the reference model, the released-config reader, the presets, the graphs' runtime, genai's config and
-the vLLM model all read a family's facts from here; adding a family is one `Family` below (and its tests). Plain
-Python, no imports: the CLI lists the families without importing torch, and the file ships in a Hub repo beside
-the model files that import it.
+the vLLM model all read a family's facts from here; adding a family is one `Family` below, a line naming each class
+made from it (in configuration_dattn.py, modeling_dattn.py and the vLLM plugin: grep finds every class by its name),
+and its tests. Plain Python, no imports: the CLI lists the families without importing torch, and the file ships in a
+Hub repo beside the model files that import it.
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ class Family:
     norm_offset: float  # its RMSNorm scales by (offset + weight): weights start at 1 - offset
     window_per_layer: bool  # the sliding window applies to the layers layer_types marks sliding; else to all
     genai_type: str  # onnxruntime-genai's model type
-    # the classes made from this entry (configuration_dattn.config_class, modeling_dattn.model_class, and the vLLM
-    # plugin's): the names config.json's architectures and a Hub repo's auto_map give
-    config_class_name: str
-    model_class_name: str
     # the attention projections that always carry a bias (Qwen2: q, k and v); None: q, k, v and o alike, as the
     # config's attention_bias says (false where the family's config has no such field)
     biased_projections: tuple[str, ...] | None = None
@@ -46,6 +43,16 @@ class Family:
     @property
     def model_type(self) -> str:
         return f"dattn_{self.name}"
+
+    # the classes made from this entry, each written out by this name (configuration_dattn.py, modeling_dattn.py,
+    # the vLLM plugin's serving config): config.json's architectures and a Hub repo's auto_map give these names
+    @property
+    def config_class_name(self) -> str:
+        return f"DAttn{self.prefix}Config"
+
+    @property
+    def model_class_name(self) -> str:
+        return f"DAttn{self.prefix}ForCausalLM"
 
     def projection_has_bias(self, projection: str, attention_bias: bool) -> bool:
         """Whether `projection` (q_proj, k_proj, v_proj, o_proj) has a bias, given the config's attention_bias."""
@@ -74,8 +81,6 @@ FAMILIES = {
             norm_offset=0.0,
             window_per_layer=False,
             genai_type="mistral",
-            config_class_name="DAttnMistralConfig",
-            model_class_name="DAttnMistralForCausalLM",
             released_model="Vidi_7B",
             released_architecture="DattnMistralForCausalLM",
             released_pool_rule="conv-interpolate",
@@ -95,8 +100,6 @@ FAMILIES = {
             norm_offset=1.0,
             window_per_layer=True,
             genai_type="gemma2",
-            config_class_name="DAttnGemma2Config",
-            model_class_name="DAttnGemma2ForCausalLM",
             released_model="Vidi1.5_9B",
             released_architecture="DattnGemma2ForCausalLM",
             released_pool_rule="space-to-depth",
@@ -115,7 +118,7 @@ FAMILIES = {
                 final_logit_softcapping=30.0,
             ),  # fmt: skip
         ),
-        Family(  # no released D-Attn model: a family added by this entry alone
+        Family(  # no released D-Attn model: a family added by this entry (and its class lines)
             name="qwen2",
             transformers_module="qwen2",
             prefix="Qwen2",
@@ -125,8 +128,6 @@ FAMILIES = {
             norm_offset=0.0,
             window_per_layer=True,
             genai_type="qwen2",
-            config_class_name="DAttnQwen2Config",
-            model_class_name="DAttnQwen2ForCausalLM",
             biased_projections=("q_proj", "k_proj", "v_proj"),
             tiny=dict(
                 TINY_SIZES,

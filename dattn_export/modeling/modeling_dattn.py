@@ -923,6 +923,11 @@ def model_class(family: Family) -> type:
     return type(family.model_class_name, (DAttnForCausalLM,), namespace)
 
 
-MODEL_CLASSES = {family.model_type: model_class(family) for family in FAMILIES.values()}
-# importable by the names families.py gives them (model_class_name): where a Hub repo's auto_map finds them
-globals().update({cls.__name__: cls for cls in MODEL_CLASSES.values()})
+# one per family, by the name its entry gives (Family.model_class_name): config.json's architectures and a Hub repo's
+# auto_map name it
+DAttnMistralForCausalLM = model_class(FAMILIES["mistral"])
+DAttnGemma2ForCausalLM = model_class(FAMILIES["gemma2"])
+DAttnQwen2ForCausalLM = model_class(FAMILIES["qwen2"])
+MODEL_CLASSES = {
+    cls.config_class.model_type: cls for cls in (DAttnMistralForCausalLM, DAttnGemma2ForCausalLM, DAttnQwen2ForCausalLM)
+}

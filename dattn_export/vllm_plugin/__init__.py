@@ -7,7 +7,7 @@ vLLM loads it through the `vllm.general_plugins` entry point, in the server and 
 from __future__ import annotations
 
 from ..modeling.configuration_dattn import CONFIG_CLASSES
-from ..modeling.families import FAMILIES
+from ..modeling.families import FAMILIES, Family
 
 ARCHITECTURES = tuple(family.model_class_name for family in FAMILIES.values())
 VIDEO_BACKEND = "dattn"  # the name our video loader (`media.py`) has among vLLM's video backends
@@ -42,11 +42,17 @@ class EncoderDecoder:
         self.is_encoder_decoder = True
 
 
-SERVING_CONFIGS = [
-    type(cls.__name__.replace("Config", "ServingConfig"), (EncoderDecoder, cls), {"__module__": __name__})
-    for cls in CONFIG_CLASSES.values()
-]
-globals().update({cls.__name__: cls for cls in SERVING_CONFIGS})  # vLLM pickles configs: importable by name
+def serving_config(family: Family) -> type:
+    """The family's config as vLLM sees it, named `DAttn{prefix}ServingConfig`."""
+    name = family.config_class_name.replace("Config", "ServingConfig")
+    return type(name, (EncoderDecoder, CONFIG_CLASSES[family.model_type]), {"__module__": __name__})
+
+
+# one per family, written out by name: vLLM pickles configs, so each is importable by its name
+DAttnMistralServingConfig = serving_config(FAMILIES["mistral"])
+DAttnGemma2ServingConfig = serving_config(FAMILIES["gemma2"])
+DAttnQwen2ServingConfig = serving_config(FAMILIES["qwen2"])
+SERVING_CONFIGS = (DAttnMistralServingConfig, DAttnGemma2ServingConfig, DAttnQwen2ServingConfig)
 
 
 def register() -> None:
@@ -59,4 +65,4 @@ def register() -> None:
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     for architecture in ARCHITECTURES:
         if architecture not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(architecture, f"dattn_export.vllm_plugin.model:{architecture}")
+            ModelRegistry.register_model(architecture, "dattn_export.vllm_plugin.model:DAttnForCausalLM")

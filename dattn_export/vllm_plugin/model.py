@@ -71,7 +71,7 @@ from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower
 from ..modeling.modeling_dattn import o_proj_per_kv_head
 from ..modeling.streams import AUDIO, ContextStream
 from ..processing import audio_features, load_audio_processor, load_image_processor, normalize_pixels, picture_bytes
-from . import ARCHITECTURES, DEFAULT_CONTEXT_CACHE_GIB, VIDEO_BACKEND, unsupported
+from . import DEFAULT_CONTEXT_CACHE_GIB, VIDEO_BACKEND, unsupported
 from .context_cache import (
     ByteBoundCache,
     ContextBatch,
@@ -799,7 +799,3 @@ PICTURE_STREAMS = {  # by stream name
 def picture_stream(config) -> PictureStreamPart:
     """An image model's stream's part (its one stream)."""
     return PICTURE_STREAMS[config.streams[0].name]
-
-
-# one class per architecture name (families.py's model_class_name): vLLM's registry maps each name to a class
-globals().update({name: type(name, (DAttnForCausalLM,), {"__module__": __name__}) for name in ARCHITECTURES})
