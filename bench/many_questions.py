@@ -17,7 +17,9 @@ in a process of its own), about each of --videos videos sized to about those con
 its own content), each question alone with one token to generate, so that a question's time is its time to first
 token (processing, towers, context stream and prefill):
   first      the median of the videos' first questions'; later: the median of the others', whose video's context
-             the plugin's cache holds (`vllm_plugin/context_cache.py`)
+             the plugin's cache holds (`vllm_plugin/context_cache.py`); offline, each request names its video
+             (vLLM's multi_modal_uuids: its file's name), which the plugin takes in place of hashing the media
+  later unnamed   offline, the same questions again without the name: the media hashed for every question
   uncached   later questions' median with the cache off (`context_cache_gib` 0): every question pays the video
   text only  the same questions without the video (median of all but the first): what a question costs the engine
              when its context costs nothing, the floor of `later`
@@ -117,11 +119,14 @@ def vllm_engine_run(folder: Path, videos: list[Path], count: int, cache_gib: flo
             seconds.append(time.perf_counter() - start)
         return seconds
 
-    seconds = {"video": [], "text": []}
-    for media in decoded:
+    seconds = {"video": [], "unnamed": [], "text": []}
+    for path, media in zip(videos, decoded):
         frames = np.stack([np.asarray(frame) for frame in media.frames])
         video_input = {"video": (frames, {"audio": media.samples})}
-        seconds["video"].append(timed([{"prompt": q, "multi_modal_data": video_input} for q in questions(count, True)]))
+        asked = [{"prompt": q, "multi_modal_data": video_input} for q in questions(count, True)]
+        # named as vLLM takes a large medium's name in place of its hash (multi_modal_uuids), then not
+        seconds["video"].append(timed([request | {"multi_modal_uuids": {"video": [path.name]}} for request in asked]))
+        seconds["unnamed"].append(timed(asked))
     seconds["text"] = timed([{"prompt": q} for q in questions(count, False)])
     out.write_text(json.dumps(seconds))
     llm.llm_engine.engine_core.shutdown()
@@ -200,14 +205,17 @@ def main() -> None:
         rows = vllm_rows(work, checkpoint, targets, args.questions, args.videos, args.serve)
         print(f"\nvLLM, {args.family} demo video model, {args.questions} questions about each of {args.videos} videos, "
               "seconds to first token (medians)")  # fmt: skip
-        print("vLLM | video s | context tokens | first | later | uncached later | text only | first / later")
+        print("vLLM | video s | context tokens | first | later | later unnamed | uncached later | text only | "
+              "first / later")  # fmt: skip
         later_ones = lambda per_video: [s for seconds in per_video for s in seconds[1:]]  # noqa: E731
         for how, seconds, tokens, times in rows:
             first = statistics.median(per_video[0] for per_video in times[4.0]["video"])
             later = statistics.median(later_ones(times[4.0]["video"]))
             uncached = statistics.median(later_ones(times[0.0]["video"]))
-            text = f"{statistics.median(times[4.0]['text'][1:]):.3f}" if "text" in times[4.0] else "-"
-            print(f"{how} | {seconds} | {tokens} | {first:.2f} | {later:.3f} | {uncached:.2f} | {text} | "
+            offline = lambda key, median: f"{median(times[4.0][key]):.3f}" if key in times[4.0] else "-"  # noqa: E731
+            unnamed = offline("unnamed", lambda per_video: statistics.median(later_ones(per_video)))
+            text = offline("text", lambda text: statistics.median(text[1:]))
+            print(f"{how} | {seconds} | {tokens} | {first:.2f} | {later:.3f} | {unnamed} | {uncached:.2f} | {text} | "
                   f"{first / later:.1f}")  # fmt: skip
     if not args.backends:
         return

@@ -30,6 +30,8 @@ from helpers.released_images import process_images, with_output_size
 from helpers.vllm_requests import (
     ASKED_AGAIN,
     LONG_VIDEO_REQUEST,
+    NAMED,
+    NAMED_AS,
     REPEATED,
     REQUESTS,
     long_video,
@@ -188,12 +190,17 @@ def test_repeated_media_equal_reference_and_reuse_their_context(served, tmp_path
     - then, the context cache emptied, REPEATED: questions on two videos (pictures), interleaved and repeated, three
       in flight. Every answer as the reference gives it for its own medium, so a context or processed pixels read
       under the other's key would show, and the cache was read (hits) on every rank. Its memory stays within its
-      setting: contexts that do not fit leave (least recently used first) and are computed again."""
+      setting: contexts that do not fit leave (least recently used first) and are computed again;
+    - then NAMED, two questions naming their media alike (vLLM's multi_modal_uuids) though the media differ: both
+      answered about the first's medium, the name standing for the medium as vLLM's own caches take it."""
     folder = served[model]
     answers = vllm_requests(folder, tensor_parallel, tmp_path / "vllm.json", repeat_gib=cache_gib)
-    *repeated, last = answers[len(REQUESTS) :]
+    *repeated, last = answers[len(REQUESTS) : -len(NAMED)]
     assert_equal_reference(folder, REQUESTS, answers[: len(REQUESTS)])
     assert_equal_reference(folder, REPEATED + ASKED_AGAIN, repeated)
+    # named media: the name keys the context and the processed media, with no hash of the medium's content
+    assert_equal_reference(folder, NAMED_AS, answers[-len(NAMED) :])
+    assert NAMED[1][1] != NAMED_AS[1][1]
     caches = last["caches"]
     assert len(caches) == tensor_parallel
     for cache in caches:
@@ -491,15 +498,17 @@ def test_serve_stays_up_and_right_under_good_and_bad_requests(served, tmp_path):
 @vllm_missing
 def test_serve_answers_about_a_video_file(served, tmp_path):
     """A video model served: a chat request with a video file (a data URL, or a file:// URL, asked twice: the second
-    time the file is not read again) is answered as `generate --video` answers it, from the file's frames at 1
-    frame/s and its sound track, which `serve`'s video loader decodes as our reference does. A corrupt video, one
-    with more frames than the server takes, and a chat request without a video get HTTP 400, and the server keeps
-    serving."""
+    time the file is not read again; or named by a uuid) is answered as `generate --video` answers it, from the
+    file's frames at 1 frame/s and its sound track, which `serve`'s video loader decodes as our reference does. A
+    corrupt video, one with more frames than the server takes, and a chat request without a video get HTTP 400, and
+    the server keeps serving."""
     from openai import BadRequestError
 
     folder, clip, long_clip = served["mistral-video"], tmp_path / "clip.mov", tmp_path / "long.mov"
     frames, samples = request_video(2)
     write_video(clip, list(frames), 1, (samples * 32768).astype(np.int16))
+    other = tmp_path / "other.mov"
+    write_video(other, list(request_video(3)[0]), 1, None)
     most = 12  # frames this server takes: past them a video is refused with the setting that raises the limit
     write_video(long_clip, [frames[0]] * (most + 1), 1, None)
     limit = ("--limit-mm-per-prompt", json.dumps({"video": {"count": 1, "num_frames": most}}))
@@ -513,6 +522,10 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
         assert answer_ids(chat(text, request)) == expected
         by_path = video_part(clip.resolve().as_uri())  # written before the server started: its times have settled
         assert answer_ids(chat(text, by_path)) == expected == answer_ids(chat(text, by_path))
+        # a content part's uuid names its medium (vLLM requires one name per medium): another video under the
+        # name already used is answered as the first, so the name, not the file, keyed its context
+        for video in (clip, other):
+            assert answer_ids(chat(text, video_part(video.resolve().as_uri()) | {"uuid": "clip"})) == expected
         bad = {
             "no video": (text, None),
             "corrupt video": (text, video_part(data_url(b"not a video", "video/quicktime"))),

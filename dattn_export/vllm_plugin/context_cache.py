@@ -5,7 +5,8 @@ In D-Attn the context never depends on the question, so the K/V that the first r
 cross-attention caches are exactly those every later request on it needs. vLLM's encoder-decoder path shares nothing
 between requests (its encoder cache and prefix caching are off there), so the plugin keeps them itself:
   * the processor gives each image or video a `digest` of its content (`media_digest`; a served video file's is of
-    its bytes, `media.DAttnVideoLoader`), which vLLM's processor cache keeps with the item's other fields;
+    its bytes, `media.DAttnVideoLoader`; an item its request names, vLLM's `multi_modal_uuids`, its name's:
+    `named_digest`), which vLLM's processor cache keeps with the item's other fields;
   * `embed_multimodal` runs the towers only for digests not cached here, and hands over a marker for the others;
   * the model's forward runs the context stream once per distinct new context of the step, stores each one's K/V
     (this rank's heads: tensor parallel ranks each cache their own), and writes cached ones into the step's
@@ -41,6 +42,12 @@ def media_digest(*parts: np.ndarray | bytes | None) -> torch.Tensor:
         digest.update(b"none" if part is None else part)
         digest.update(b"|")
     return torch.frombuffer(bytearray(digest.digest(length=16)), dtype=torch.uint8)
+
+
+def named_digest(uuid: str) -> torch.Tensor:
+    """The digest of an item its request names (vLLM's `multi_modal_uuids`, which vLLM's own caches take in place of
+    the item's hash: one name, one medium), with no hash of its media: 16 bytes, not 64 MB of a sound track."""
+    return media_digest(b"multi_modal_uuid", uuid.encode())
 
 
 def digest_keys(digests: torch.Tensor | Iterable[torch.Tensor]) -> list[bytes]:

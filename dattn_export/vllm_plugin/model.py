@@ -24,7 +24,9 @@ are the reference model's own modules, replicated on every rank.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
@@ -57,7 +59,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader
 from vllm.model_executor.models.whisper import WhisperEncoder, WhisperForConditionalGeneration
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig
-from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataParser
+from vllm.multimodal.parse import MultiModalDataParser
 from vllm.multimodal.processing import (
     BaseDummyInputsBuilder,
     BaseProcessingInfo,
@@ -78,6 +80,7 @@ from .context_cache import (
     ContextCache,
     digest_keys,
     media_digest,
+    named_digest,
 )
 from .media import FILE_DIGEST
 from .video import FRAME_LIMIT_OPTION, longest_sound_track, longest_video, max_video_frames, video_tokens
@@ -100,6 +103,11 @@ VISION_TOWER, AUDIO_TOWER = "model.mm_vis.vision_model.", "model.mm_aud.encoder.
 SERVING_NORMS = {0.0: RMSNorm, 1.0: GemmaRMSNorm}
 IMAGE_MODEL_UNUSED = ("model.mm_aud.",)  # the audio tower a released image checkpoint carries and never runs
 PROFILING = "dattn_profiling"  # in a video's metadata: the dummy video vLLM profiles and warms up with
+# the names (vLLM's multi_modal_uuids) of the items the processor is processing, per item
+ITEM_NAMES: ContextVar[Sequence[str | None]] = ContextVar("dattn_item_names", default=())
+# the name vLLM gives an item its request does not name, where its processor cache and prefix caching are off (ours:
+# encoder-decoder), unique to the request (renderers/base.py `_process_mm_uuids`): not a name of the medium
+UNNAMED = re.compile(r"renderer\d+-mm-\d+-(image|video)-\d+")
 
 
 class DAttnProcessingInfo(BaseProcessingInfo):
@@ -150,11 +158,6 @@ class DAttnProcessingInfo(BaseProcessingInfo):
         config = self.get_hf_config()
         return anyres_grid((width, height), config.mm_image_grid_points, tower_side(self.image_processor))
 
-    def visual_tokens(self, width: int, height: int) -> int:
-        """An image's visual tokens: its thumbnail's grid, then (anyres) its tiles'."""
-        columns, rows = self.tiling(width, height)
-        return self.get_hf_config().tokens_per_image * (1 + columns * rows)
-
 
 class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
     def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
@@ -188,6 +191,25 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         """One placeholder, which becomes one per visual token: the length of the request's cross-attention cache."""
         return [0]
 
+    def apply(self, inputs, timing_ctx):
+        """vLLM's processing, with the request's names for its items (`multi_modal_uuids`) at hand: a named item's
+        digest is its name's (`named_digest`), as vLLM's own caches take the name for the item's hash, so a
+        question about a named video hashes none of its frames and samples."""
+        names = ITEM_NAMES.set((inputs.mm_uuid_items or {}).get(self.info.get_hf_config().modality, ()))
+        try:
+            return super().apply(inputs, timing_ctx)
+        finally:
+            ITEM_NAMES.reset(names)
+
+    @staticmethod
+    def digests(items: Sequence, content_digest: Callable[[object], torch.Tensor]) -> list[torch.Tensor]:
+        """Each item's digest: its name's where its request names it, else `content_digest(item)`."""
+        names = ITEM_NAMES.get() or [None] * len(items)  # vLLM checks that a request names each item or none
+        return [
+            content_digest(item) if name is None or UNNAMED.fullmatch(name) else named_digest(name)
+            for item, name in zip(items, names)
+        ]
+
     def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]) -> BatchFeature:
         if "videos" in hf_data:
             return self.video_features(hf_data["videos"])
@@ -196,7 +218,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise ValueError(f"image of {image.width}x{image.height} pixels: at most {MAX_IMAGE_PIXELS} are taken")
         images = [image.convert("RGB") for image in images]
-        digests = image_digests(images)
+        digests = torch.stack(self.digests(images, lambda image: media_digest(np.asarray(image))))
         process = picture_stream(self.info.get_hf_config()).process
         processed = [self.info.processed(d, partial(process, self, i)) for d, i in zip(digests, images)]
         pixels, tilings = zip(*processed)
@@ -216,16 +238,15 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         uint8 until the model normalizes them, a quarter of the memory and of what is sent to the workers; log-mel
         chunks of the sound track), flat (a video's parts after another's), with `sizes`: per video and stream, its
         parts and the amount its tokens count; and each video's `digest` (`context_cache`)."""
-        most, processed, digests = self.info.max_frames(), [], []
-        for video, metadata in videos:
+        most, processed = self.info.max_frames(), []
+        for video, _ in videos:
             if len(video) > most:
                 raise ValueError(
                     f"video of {len(video)} frames: at most {most} are served ({FRAME_LIMIT_OPTION} raises it)"
                 )
+        digests = self.digests(videos, video_digest)
+        for (video, metadata), digest in zip(videos, digests):
             samples = sound_track(metadata)
-            # a file's digest names its decoded frames and sound as well as their own does, and costs nothing here
-            digest = metadata.get(FILE_DIGEST)
-            digests.append(digest := media_digest(np.asarray(video), samples) if digest is None else digest)
             # vLLM's start-up video (the longest) is never asked about
             process = partial(self.process_video, video, samples)
             processed.append(self.info.processed(digest, process, keep=not metadata.get(PROFILING)))
@@ -274,6 +295,8 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         }
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs) -> Sequence[PromptReplacement]:
+        """One placeholder per visual token, counted from the item as processed (its digest's processed media: a
+        named item's may be another call's), so that the request's cross-attention cache fits its context."""
         config = self.info.get_hf_config()
         if config.modality == "video":
 
@@ -284,8 +307,8 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
             return [PromptReplacement(modality="video", target=[0], replacement=video_placeholders)]
 
         def placeholders(item: int) -> list[int]:
-            size = mm_items.get_items("image", ImageProcessorItems).get_image_size(item)
-            return [0] * self.info.visual_tokens(size.width, size.height)
+            columns, rows = out_mm_kwargs.get_data()["tiling"][item].tolist()  # the thumbnail's grid, then the tiles'
+            return [0] * (config.tokens_per_image * (1 + columns * rows))
 
         return [PromptReplacement(modality="image", target=[0], replacement=placeholders)]
 
@@ -295,9 +318,12 @@ def context_cache_bytes(config) -> int:
     return int(float(getattr(config, "context_cache_gib", DEFAULT_CONTEXT_CACHE_GIB)) * 2**30)
 
 
-def image_digests(images: list[Image.Image]) -> torch.Tensor:
-    """Each picture's `media_digest`: its pixels as decoded (RGB)."""
-    return torch.stack([media_digest(np.asarray(image)) for image in images])
+def video_digest(video: tuple[np.ndarray, Mapping[str, object]]) -> torch.Tensor:
+    """A video's content digest: its file's where it was read from one (which names its decoded frames and sound as
+    well as theirs does, and costs nothing here), else its frames' and samples'."""
+    frames, metadata = video
+    digest = metadata.get(FILE_DIGEST)
+    return media_digest(np.asarray(frames), sound_track(metadata)) if digest is None else digest
 
 
 def sound_track(metadata: Mapping[str, object]) -> np.ndarray | None:

@@ -73,6 +73,10 @@ REPEATED = [
 # asked alone once REPEATED is answered: its medium's context is one the last step kept however the steps fell (with
 # room for one context, the only one), so the cache is read at least once
 ASKED_AGAIN = REPEATED[-1:]
+# asked last, each naming its medium "clip" (vLLM's multi_modal_uuids): the second's medium is another, which the
+# name stands for as vLLM's caches take it (one name, one medium), so it is answered about the first's
+NAMED = [("what is in this video", 2, 4), ("and what now", 3, 5)]
+NAMED_AS = [("what is in this video", 2, 4), ("and what now", 2, 5)]  # what they are answered as
 
 
 def request_media(video_model: bool, seed: int) -> dict:
@@ -140,6 +144,7 @@ def main(
         llm.collective_rpc(empty_context_cache)
         results += answers(llm, video_model, REPEATED) + answers(llm, video_model, ASKED_AGAIN)
         results.append({"caches": llm.collective_rpc(context_cache_stats)})
+        results += answers(llm, video_model, NAMED[:1], name="clip") + answers(llm, video_model, NAMED[1:], name="clip")
     if ray_address:  # which node each worker ran on, and the model it built (the plugin's, loaded there)
         results.append({"workers": llm.collective_rpc(ray_worker)})
     with open(out, "w") as f:
@@ -152,9 +157,9 @@ def main(
         ray.shutdown()
 
 
-def answers(llm, video_model: bool, requests: list, long_frames: int = 0) -> list[dict]:
+def answers(llm, video_model: bool, requests: list, long_frames: int = 0, name: str | None = None) -> list[dict]:
     """Each request's prompt ids, greedy tokens and their log-probabilities; a request's media seed "long": a
-    `long_video` of `long_frames` frames."""
+    `long_video` of `long_frames` frames; `name`: each request names its medium so (multi_modal_uuids)."""
     from vllm import SamplingParams
 
     prompts = []
@@ -164,7 +169,8 @@ def answers(llm, video_model: bool, requests: list, long_frames: int = 0) -> lis
             media = {"multi_modal_data": {"video": (frames, {"audio": samples})}}
         else:
             media = {} if seed is None else {"multi_modal_data": request_media(video_model, seed)}
-        prompts.append(prompt_of(text) | media)
+        named = {} if name is None else {"multi_modal_uuids": {"video" if video_model else "image": [name]}}
+        prompts.append(prompt_of(text) | media | named)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for *_, n in requests]
     results = []
     for output in llm.generate(prompts, params):
