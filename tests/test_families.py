@@ -30,7 +30,7 @@ def test_each_family_s_classes_are_written_out_by_the_names_its_entry_gives():
     made = {
         configuration_dattn: lambda family: family.config_class_name,
         modeling_dattn: lambda family: family.model_class_name,
-        vllm_plugin: lambda family: family.config_class_name.replace("Config", "ServingConfig"),
+        vllm_plugin: vllm_plugin.serving_config_name,
     }
     sources = {path: path.read_text() for path in PACKAGE.rglob("*.py")}
     lacking = []

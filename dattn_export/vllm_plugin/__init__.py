@@ -42,10 +42,14 @@ class EncoderDecoder:
         self.is_encoder_decoder = True
 
 
+def serving_config_name(family: Family) -> str:
+    return family.config_class_name.replace("Config", "ServingConfig")  # DAttn{prefix}ServingConfig
+
+
 def serving_config(family: Family) -> type:
-    """The family's config as vLLM sees it, named `DAttn{prefix}ServingConfig`."""
-    name = family.config_class_name.replace("Config", "ServingConfig")
-    return type(name, (EncoderDecoder, CONFIG_CLASSES[family.model_type]), {"__module__": __name__})
+    """The family's config as vLLM sees it, named `serving_config_name(family)`."""
+    config_class = CONFIG_CLASSES[family.model_type]
+    return type(serving_config_name(family), (EncoderDecoder, config_class), {"__module__": __name__})
 
 
 # one per family, written out by name: vLLM pickles configs, so each is importable by its name

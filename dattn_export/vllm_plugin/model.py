@@ -69,7 +69,7 @@ from vllm.multimodal.processing import (
 from vllm.v1.attention.backend import AttentionType
 
 from ..modeling import modeling_dattn
-from ..modeling.images import anyres_grid, anyres_tiles, prepare_pictures, tower_side
+from ..modeling.images import anyres_tiles, prepare_pictures
 from ..modeling.modeling_dattn import o_proj_per_kv_head
 from ..modeling.streams import AUDIO, ContextStream
 from ..processing import audio_features, load_audio_processor, load_image_processor, normalize_pixels, picture_bytes
@@ -149,14 +149,6 @@ class DAttnProcessingInfo(BaseProcessingInfo):
     def max_frames(self) -> int:
         options = self.ctx.get_mm_config().limit_per_prompt.get("video")
         return max_video_frames(self.get_hf_config(), None if options is None else options.num_frames)
-
-    def tiling(self, width: int, height: int) -> tuple[int, int]:
-        """An image's tiling (columns, rows) as the model's stream cuts it; (0, 0): not tiled."""
-        return picture_stream(self.get_hf_config()).tiling(self, width, height)
-
-    def anyres_tiling(self, width: int, height: int) -> tuple[int, int]:
-        config = self.get_hf_config()
-        return anyres_grid((width, height), config.mm_image_grid_points, tower_side(self.image_processor))
 
 
 class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
@@ -244,9 +236,9 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
                 raise ValueError(
                     f"video of {len(video)} frames: at most {most} are served ({FRAME_LIMIT_OPTION} raises it)"
                 )
-        digests = self.digests(videos, video_digest)
-        for (video, metadata), digest in zip(videos, digests):
-            samples = sound_track(metadata)
+        tracks = [sound_track(metadata) for _, metadata in videos]
+        digests = self.digests(range(len(videos)), lambda i: video_digest(videos[i], tracks[i]))
+        for (video, metadata), samples, digest in zip(videos, tracks, digests):
             # vLLM's start-up video (the longest) is never asked about
             process = partial(self.process_video, video, samples)
             processed.append(self.info.processed(digest, process, keep=not metadata.get(PROFILING)))
@@ -318,12 +310,12 @@ def context_cache_bytes(config) -> int:
     return int(float(getattr(config, "context_cache_gib", DEFAULT_CONTEXT_CACHE_GIB)) * 2**30)
 
 
-def video_digest(video: tuple[np.ndarray, Mapping[str, object]]) -> torch.Tensor:
+def video_digest(video: tuple[np.ndarray, Mapping[str, object]], samples: np.ndarray | None) -> torch.Tensor:
     """A video's content digest: its file's where it was read from one (which names its decoded frames and sound as
-    well as theirs does, and costs nothing here), else its frames' and samples'."""
+    well as theirs does, and costs nothing here), else its frames' and `samples`'."""
     frames, metadata = video
     digest = metadata.get(FILE_DIGEST)
-    return media_digest(np.asarray(frames), sound_track(metadata)) if digest is None else digest
+    return media_digest(np.asarray(frames), samples) if digest is None else digest
 
 
 def sound_track(metadata: Mapping[str, object]) -> np.ndarray | None:
@@ -796,11 +788,10 @@ VIDEO_STREAMS = {  # by stream name
 
 @dataclass(frozen=True)
 class PictureStreamPart:
-    """An image model's stream (its only one) in the plugin: a picture's tiling (columns, rows; (0, 0): not tiled),
-    the largest picture's size in tower squares (vLLM's profiling run), how the processor prepares a picture (its
-    pixel values, an anyres picture's thumbnail then tiles, and its tiling) and how the model embeds a batch."""
+    """An image model's stream (its only one) in the plugin: the largest picture's size in tower squares (vLLM's
+    profiling run), how the processor prepares a picture (its pixel values, an anyres picture's thumbnail then tiles,
+    and its tiling: columns, rows; (0, 0): not tiled) and how the model embeds a batch."""
 
-    tiling: Callable[[DAttnProcessingInfo, int, int], tuple[int, int]]
     largest: Callable[[object], tuple[int, int]]
     process: Callable[[DAttnMultiModalProcessor, Image.Image], tuple[torch.Tensor, tuple[int, int]]]
     embed: Callable[[DAttnForCausalLM, list[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]]
@@ -808,13 +799,11 @@ class PictureStreamPart:
 
 PICTURE_STREAMS = {  # by stream name
     "image": PictureStreamPart(
-        lambda info, width, height: (0, 0),
         lambda config: (1, 1),
         DAttnMultiModalProcessor.whole_part,
         DAttnForCausalLM.whole_embeds,
     ),
     "tiles": PictureStreamPart(
-        DAttnProcessingInfo.anyres_tiling,
         lambda config: max(config.mm_image_grid_points, key=lambda point: point[0] * point[1]),
         DAttnMultiModalProcessor.tiles_part,
         DAttnForCausalLM.tiles_embeds,

@@ -73,8 +73,9 @@ REPEATED = [
 # asked alone once REPEATED is answered: its medium's context is one the last step kept however the steps fell (with
 # room for one context, the only one), so the cache is read at least once
 ASKED_AGAIN = REPEATED[-1:]
-# asked last, each naming its medium "clip" (vLLM's multi_modal_uuids): the second's medium is another, which the
-# name stands for as vLLM's caches take it (one name, one medium), so it is answered about the first's
+# asked last, one after the other, each naming its medium "clip" (vLLM's multi_modal_uuids): the second's medium is
+# another, which the name stands for as vLLM's caches take it (one name, one medium), so it is answered about the
+# first's (whose context and processed media the first request left in the caches)
 NAMED = [("what is in this video", 2, 4), ("and what now", 3, 5)]
 NAMED_AS = [("what is in this video", 2, 4), ("and what now", 2, 5)]  # what they are answered as
 
