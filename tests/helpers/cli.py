@@ -1,14 +1,80 @@
-"""The CLI as a user runs it: a real subprocess."""
+"""The CLI as a user runs it: a process of its own, `python -m dattn_export`; forked from a process that has
+imported torch and transformers already (`cli_forkserver.py`) where the command's environment is the one the imports
+saw, started fresh otherwise."""
 
+import atexit
+import json
+import os
 import re
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+FORKSERVER = Path(__file__).with_name("cli_forkserver.py")
+PER_TEST = "PYTEST_CURRENT_TEST"  # pytest names the running test in the environment; nothing imported reads it
 
 
-def run_cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "dattn_export", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
-    )
+def imports_see(env) -> dict:
+    return {name: value for name, value in env.items() if name != PER_TEST}
+
+
+class ForkServer:
+    """One per test process, started at its first command; None (every command started fresh) if the server could
+    not start or its imports printed anything."""
+
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="dattn-cli-"))
+        self.env = imports_see(os.environ)
+        imports_log = self.folder / "imports.log"
+        self.process = subprocess.Popen(
+            [sys.executable, str(FORKSERVER), str(imports_log)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        atexit.register(self.process.kill)
+        self.ready = self.reply(timeout=120) == {"ready": True} and imports_log.read_bytes() == b""
+
+    def reply(self, timeout: float) -> dict | None:
+        if not select.select([self.process.stdout], [], [], timeout)[0]:
+            return None
+        line = self.process.stdout.readline()
+        return json.loads(line) if line else None
+
+    def run(self, args: list[str], cwd, timeout: float) -> subprocess.CompletedProcess:
+        out, err = (self.folder / "stdout", self.folder / "stderr")
+        request = {"argv": args, "cwd": str(cwd or os.getcwd()), "stdout": str(out), "stderr": str(err)}
+        out.write_bytes(b"")
+        err.write_bytes(b"")
+        self.process.stdin.write((json.dumps(request) + "\n").encode())
+        self.process.stdin.flush()
+        pid = self.reply(timeout=30)["pid"]
+        status = self.reply(timeout)
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            self.reply(timeout=30)
+            raise subprocess.TimeoutExpired(args, timeout)
+        read = lambda path: path.read_text(errors="replace")  # as text=True decodes: universal newlines
+        command = [sys.executable, "-m", "dattn_export", *args]
+        return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status["status"]), read(out), read(err))
+
+
+_server: ForkServer | None = None
+
+
+def run_cli(*args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+    global _server
+    env = dict(os.environ if env is None else env)
+    if _server is None:
+        _server = ForkServer()
+    if _server.ready and imports_see(env) == _server.env:
+        return _server.run(list(map(str, args)), cwd, timeout)
+    return run_fresh(*args, cwd=cwd, env=env, timeout=timeout)
+
+
+def run_fresh(*args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "dattn_export", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
 # what a command prints on stderr in a log besides its error: a line for each step, graph or engine done
