@@ -7,6 +7,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,8 +23,8 @@ def imports_see(env) -> dict:
 
 
 class ForkServer:
-    """One per test process, started at its first command; None (every command started fresh) if the server could
-    not start or its imports printed anything."""
+    """One per test process, started at its first command; not `ready` (every command then starts fresh) if the
+    server did not start or its imports printed anything."""
 
     def __init__(self):
         self.folder = Path(tempfile.mkdtemp(prefix="dattn-cli-"))
@@ -32,6 +33,7 @@ class ForkServer:
         self.process = subprocess.Popen(
             [sys.executable, str(FORKSERVER), str(imports_log)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
+        atexit.register(shutil.rmtree, self.folder, ignore_errors=True)
         atexit.register(self.process.kill)
         self.ready = self.reply(timeout=120) == {"ready": True} and imports_log.read_bytes() == b""
 
