@@ -10,7 +10,7 @@ import sys
 import click
 import pytest
 import torch
-from helpers.cli import run_cli, run_fresh
+from helpers.cli import fork_server, run_cli, run_fresh
 from safetensors.torch import load_file, save_file
 
 from dattn_export import __version__
@@ -57,6 +57,7 @@ def test_debug_switch_shows_the_traceback(tmp_path):
 def test_a_forked_command_is_a_fresh_one(demo_checkpoint, tmp_path):
     """The tests' commands fork from a process that has imported torch and transformers (helpers/cli_forkserver.py):
     what each prints and returns is what `python -m dattn_export` started fresh prints and returns."""
+    assert fork_server().ready, "the fork server did not start, or its imports printed something"
     for args in (["info", demo_checkpoint], ["info", tmp_path / "missing"], ["convert", demo_checkpoint]):
         forked, fresh = run_cli(*args, cwd=tmp_path), run_fresh(*args, cwd=tmp_path)
         assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)

@@ -64,13 +64,17 @@ class ForkServer:
 _server: ForkServer | None = None
 
 
-def run_cli(*args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+def fork_server() -> ForkServer:
     global _server
-    env = dict(os.environ if env is None else env)
     if _server is None:
         _server = ForkServer()
-    if _server.ready and imports_see(env) == _server.env:
-        return _server.run(list(map(str, args)), cwd, timeout)
+    return _server
+
+
+def run_cli(*args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+    env = dict(os.environ if env is None else env)
+    if fork_server().ready and imports_see(env) == fork_server().env:
+        return fork_server().run(list(map(str, args)), cwd, timeout)
     return run_fresh(*args, cwd=cwd, env=env, timeout=timeout)
 
 
