@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers.checks import assert_converted_equals
+from helpers.cli import cli_command
 from helpers.hub_server import start
 
 from dattn_export.checkpoints.source import load_model, saved_state_dict
@@ -46,10 +47,6 @@ def on_tmpfs(mount: Path, size: str, command: list, read_only: bool = False, cwd
     )
 
 
-def cli(*args) -> list:
-    return [sys.executable, "-m", "dattn_export", *map(str, args)]
-
-
 def one_line(result, code: int) -> str:
     """The error's line: the last on stderr, the only one that is an error (progress lines of work done before a
     failure mid-way may precede it), no traceback."""
@@ -66,8 +63,8 @@ def test_output_on_another_filesystem_converts_and_verifies(checkpoint, tmp_path
     instead, hashed the same way, and the folder verifies bit for bit against the checkpoint."""
     mount, out = tmp_path / "other-fs", tmp_path / "other-fs" / "converted"
     steps = [
-        cli("convert", checkpoint, "-o", out),
-        cli("verify", out, "--against", checkpoint),
+        cli_command("convert", checkpoint, "-o", out),
+        cli_command("verify", out, "--against", checkpoint),
         [sys.executable, "-c", CHECK_CONVERTED, out, checkpoint],  # the folder lives as long as the mount
     ]
     result = on_tmpfs(mount, "64m", ["sh", "-c", " && ".join(shlex.join(map(str, step)) for step in steps)])
@@ -81,6 +78,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from helpers.checks import assert_converted_equals
+from helpers.cli import cli_command
 from dattn_export.checkpoints.source import load_model, saved_state_dict
 assert_converted_equals(Path(sys.argv[1]), saved_state_dict(load_model(sys.argv[2])))
 print("the converted tensors equal the checkpoint's")
@@ -89,14 +87,18 @@ print("the converted tensors equal the checkpoint's")
 
 def test_same_filesystem_copies_in_the_kernel(checkpoint, tmp_path):
     env = {**os.environ, "COLUMNS": "250"}
-    result = subprocess.run(cli("convert", checkpoint, "-o", tmp_path / "out"), capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        cli_command("convert", checkpoint, "-o", tmp_path / "out"), capture_output=True, text=True, env=env
+    )
     assert result.returncode == 0 and "in the kernel (copy_file_range)" in result.stdout, result.stdout
     assert_converted_equals(tmp_path / "out", saved_state_dict(load_model(checkpoint)))
 
 
 def test_disk_too_small_is_refused_before_writing(checkpoint, tmp_path):
     mount = tmp_path / "small"
-    result = on_tmpfs(mount, "256k", cli("convert", checkpoint, "-o", mount / "out") + ["--max-shard-size", "100kB"])
+    result = on_tmpfs(
+        mount, "256k", cli_command("convert", checkpoint, "-o", mount / "out") + ["--max-shard-size", "100kB"]
+    )
     line = one_line(result, 3)
     assert "needs about" in line and "for the output but its disk has" in line and "free" in line, line
     assert str(mount) in line
@@ -105,7 +107,7 @@ def test_disk_too_small_is_refused_before_writing(checkpoint, tmp_path):
 def test_disk_filling_up_while_writing(checkpoint, tmp_path):
     """analyze's plots have no size known in advance: the disk fills while writing them."""
     mount = tmp_path / "tiny"
-    command = cli("analyze", checkpoint, "--image", checkpoint / "demo.png", "--prompt", "a <image> b", "-o")
+    command = cli_command("analyze", checkpoint, "--image", checkpoint / "demo.png", "--prompt", "a <image> b", "-o")
     result = on_tmpfs(mount, "24k", command + [mount / "report"])
     line = one_line(result, 3)
     assert "the disk filled up while writing" in line and str(mount / "report") in line, line
@@ -114,7 +116,7 @@ def test_disk_filling_up_while_writing(checkpoint, tmp_path):
 
 def test_read_only_output(checkpoint, tmp_path):
     mount = tmp_path / "ro"
-    result = on_tmpfs(mount, "8m", cli("convert", checkpoint, "-o", mount / "out"), read_only=True)
+    result = on_tmpfs(mount, "8m", cli_command("convert", checkpoint, "-o", mount / "out"), read_only=True)
     line = one_line(result, 3)
     assert "read-only file system" in line and str(mount) in line, line
 
@@ -123,7 +125,7 @@ def test_read_only_output(checkpoint, tmp_path):
 def test_output_without_permission(checkpoint, tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    result = subprocess.run(cli("convert", checkpoint, "-o", locked / "out"), capture_output=True, text=True)
+    result = subprocess.run(cli_command("convert", checkpoint, "-o", locked / "out"), capture_output=True, text=True)
     assert "permission denied" in one_line(result, 3)
 
 
@@ -139,7 +141,13 @@ def test_permission_denied_as_another_user(checkpoint, tmp_path):
             parent.chmod(parent.stat().st_mode | 0o005)
     write_demo_checkpoint(tmp_path / "ckpt")  # its tower folders beside it, in tmp_path/towers
     env = {**os.environ, "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf")}
-    command = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *cli("info", tmp_path / "ckpt")]
+    command = [
+        "setpriv",
+        "--reuid=nobody",
+        "--regid=nogroup",
+        "--clear-groups",
+        *cli_command("info", tmp_path / "ckpt"),
+    ]
     probe = subprocess.run(command, capture_output=True, text=True, env=env)
     if probe.returncode != 0:
         pytest.skip(f"user nobody cannot run this environment here ({probe.stderr.strip()[-200:]})")
@@ -192,7 +200,7 @@ def test_hub_failures_say_whose_they_are(checkpoint, tmp_path, fault, token, cod
         env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": token}
         env["HF_HOME"] = str(tmp_path / "hf")
         result = subprocess.run(
-            cli("push", tmp_path / "converted", "--repo-id", "alice/x"), capture_output=True, text=True, env=env
+            cli_command("push", tmp_path / "converted", "--repo-id", "alice/x"), capture_output=True, text=True, env=env
         )
     finally:
         server.shutdown()

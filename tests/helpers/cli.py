@@ -18,6 +18,11 @@ FORKSERVER = Path(__file__).with_name("cli_forkserver.py")
 PER_TEST = "PYTEST_CURRENT_TEST"  # pytest names the running test in the environment; nothing imported reads it
 
 
+def cli_command(*args) -> list[str]:
+    """A command's line as a user's shell starts it: `python -m dattn_export ARGS`."""
+    return [sys.executable, "-m", "dattn_export", *map(str, args)]
+
+
 def imports_see(env) -> dict:
     return {name: value for name, value in env.items() if name != PER_TEST}
 
@@ -55,10 +60,10 @@ class ForkServer:
         if status is None:
             os.kill(pid, signal.SIGKILL)
             self.reply(timeout=30)
-            raise subprocess.TimeoutExpired(args, timeout)
+            raise subprocess.TimeoutExpired(cli_command(*args), timeout)
         read = lambda path: path.read_text(errors="replace")  # as text=True decodes: universal newlines
-        command = [sys.executable, "-m", "dattn_export", *args]
-        return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status["status"]), read(out), read(err))
+        code = os.waitstatus_to_exitcode(status["status"])
+        return subprocess.CompletedProcess(cli_command(*args), code, read(out), read(err))
 
 
 _server: ForkServer | None = None
@@ -72,15 +77,14 @@ def fork_server() -> ForkServer:
 
 
 def run_cli(*args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
-    env = dict(os.environ if env is None else env)
-    if fork_server().ready and imports_see(env) == fork_server().env:
-        return fork_server().run(list(map(str, args)), cwd, timeout)
+    env, server = dict(os.environ if env is None else env), fork_server()
+    if server.ready and imports_see(env) == server.env:
+        return server.run(list(map(str, args)), cwd, timeout)
     return run_fresh(*args, cwd=cwd, env=env, timeout=timeout)
 
 
 def run_fresh(*args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "dattn_export", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    return subprocess.run(cli_command(*args), capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
 # what a command prints on stderr in a log besides its error: a line for each step, graph or engine done
