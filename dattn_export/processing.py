@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProces
 
 from .checkpoints.towers import tower_folder
 from .errors import InputError
-from .modeling.images import prepare_pictures, squared, tower_side
+from .modeling.images import anyres_tiles, prepare_pictures, squared, tower_side
 from .sidefiles import read_json, reading
 
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -63,12 +63,25 @@ def load_images(paths: list[Path], config, image_processor) -> torch.Tensor:
     return prepare_pictures([open_image(path) for path in paths], config.mm_image_aspect_ratio, image_processor)[None]
 
 
+UNSCALED = {"do_rescale": False, "do_normalize": False}  # a processor's call that stops at the pixels' bytes
+
+
 def picture_bytes(pictures: list[Image.Image], rule: str, image_processor) -> torch.Tensor:
     """(N, 3, H, W) uint8: the pictures as `prepare_pictures` prepares them, before the processor rescales and
     normalizes them (`normalize_pixels`): a quarter of the bytes, for many frames held or sent at once."""
-    pixels = image_processor(
-        squared(pictures, rule, image_processor), do_rescale=False, do_normalize=False, return_tensors="pt"
-    )["pixel_values"]
+    pixels = image_processor(squared(pictures, rule, image_processor), return_tensors="pt", **UNSCALED)
+    return as_bytes(pixels["pixel_values"])
+
+
+def tiles_bytes(picture: Image.Image, image_processor, grid_points: list) -> tuple[torch.Tensor, tuple[int, int]]:
+    """`anyres_tiles`' thumbnail and tiles as uint8, before the processor rescales and normalizes them, and the
+    tiling."""
+    pixels, tiling = anyres_tiles(picture, image_processor, grid_points, **UNSCALED)
+    return as_bytes(pixels), tiling
+
+
+def as_bytes(pixels: torch.Tensor) -> torch.Tensor:
+    """A processor's pixel values that it neither rescaled nor normalized (whole numbers 0-255) as uint8."""
     return pixels.round().to(torch.uint8) if pixels.is_floating_point() else pixels.to(torch.uint8)
 
 

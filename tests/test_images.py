@@ -27,6 +27,7 @@ from dattn_export.processing import (
     normalize_pixels,
     open_image,
     picture_bytes,
+    tiles_bytes,
 )
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.onnx_export import export_onnx
@@ -80,13 +81,16 @@ def test_pictures_become_the_released_pixels(tmp_path, processor, rule):
                 got, (columns, rows) = anyres_tiles(ours, made, GRID_POINTS)
                 assert got.shape[0] == 1 + columns * rows
                 expected = expected[0]
+                as_bytes, tiling = tiles_bytes(ours, made, GRID_POINTS)
+                assert tiling == (columns, rows)
             else:
                 got = prepare_pictures([ours], rule, made)
-                # vLLM's frames travel as bytes and are normalized on the workers: the same pixels, bit for bit
                 as_bytes = picture_bytes([ours], rule, made)
-                assert as_bytes.dtype == torch.uint8
-                assert torch.equal(normalize_pixels(as_bytes, made), expected), (name, mode, rule)
             assert got.shape == expected.shape and torch.equal(got, expected), (name, mode, rule)
+            # vLLM's pictures and frames travel as bytes and are normalized on the workers: the same pixels, bit for
+            # bit
+            assert as_bytes.dtype == torch.uint8
+            assert torch.equal(normalize_pixels(as_bytes, made), expected), (name, mode, rule)
 
 
 def test_the_rules_make_different_pixels(tmp_path):

@@ -93,14 +93,14 @@ def anyres_grid(image_size: tuple[int, int], grid_points: list, tile: int) -> tu
     return best
 
 
-def anyres_tiles(picture: Image.Image, processor, grid_points: list) -> tuple[torch.Tensor, tuple[int, int]]:
+def anyres_tiles(picture: Image.Image, processor, grid_points: list, **options) -> tuple[torch.Tensor, tuple[int, int]]:
     """(1 + columns x rows, 3, side, side): the picture resized to one tile (the thumbnail), then the picture resized
     to the best tiling's resolution and cut into tiles row by row (img_utils.process_anyres_image); and that tiling
-    (columns, rows)."""
+    (columns, rows). `options` go to the processor's call."""
     side = tower_side(processor)
     columns, rows = anyres_grid(picture.size, grid_points, side)
     resized = picture.resize((columns * side, rows * side), resample=Image.BICUBIC)
     corners = [(x, y) for y in range(0, rows * side, side) for x in range(0, columns * side, side)]
     tiles = [resized.crop((x, y, x + side, y + side)) for x, y in corners]
     thumbnail = picture.resize((side, side), resample=Image.BICUBIC)
-    return processor([thumbnail, *tiles], return_tensors="pt")["pixel_values"], (columns, rows)
+    return processor([thumbnail, *tiles], return_tensors="pt", **options)["pixel_values"], (columns, rows)

@@ -69,10 +69,16 @@ from vllm.multimodal.processing import (
 from vllm.v1.attention.backend import AttentionType
 
 from ..modeling import modeling_dattn
-from ..modeling.images import anyres_tiles, prepare_pictures
 from ..modeling.modeling_dattn import o_proj_per_kv_head
 from ..modeling.streams import AUDIO, ContextStream
-from ..processing import audio_features, load_audio_processor, load_image_processor, normalize_pixels, picture_bytes
+from ..processing import (
+    audio_features,
+    load_audio_processor,
+    load_image_processor,
+    normalize_pixels,
+    picture_bytes,
+    tiles_bytes,
+)
 from . import DEFAULT_CONTEXT_CACHE_GIB, VIDEO_BACKEND, unsupported
 from .context_cache import (
     ByteBoundCache,
@@ -131,7 +137,7 @@ class DAttnProcessingInfo(BaseProcessingInfo):
 
     @cached_property
     def processed_media(self) -> ByteBoundCache:
-        """Pictures and videos as processed (pixel values, tiles; frames, log-mel chunks) by digest, within the
+        """Pictures and videos as processed (pictures, tiles and frames as bytes; log-mel chunks) by digest, within the
         context cache's size: vLLM keeps no processed media for encoder-decoder models, so a question on a picture
         seen before would resize and normalize it again (15 ms of a 672-pixel one here, half a later question's
         time), one on a video would process its every frame and its whole sound track."""
@@ -209,7 +215,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         for image in images:
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise ValueError(f"image of {image.width}x{image.height} pixels: at most {MAX_IMAGE_PIXELS} are taken")
-        images = [image.convert("RGB") for image in images]
+        images = [image if image.mode == "RGB" else image.convert("RGB") for image in images]
         digests = torch.stack(self.digests(images, lambda image: media_digest(np.asarray(image))))
         process = picture_stream(self.info.get_hf_config()).process
         processed = [self.info.processed(d, partial(process, self, i)) for d, i in zip(digests, images)]
@@ -217,13 +223,14 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         return BatchFeature({"pixel_values": torch.cat(pixels), "tiling": torch.tensor(tilings), "digest": digests})
 
     def whole_part(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
-        """A picture's pixel values as the released code prepares one (mm_image_aspect_ratio): (1, 3, H, W)."""
+        """A picture as the released code prepares one (mm_image_aspect_ratio), as bytes until the model normalizes
+        it (a quarter of what is kept, sent and batched): (1, 3, H, W)."""
         config = self.info.get_hf_config()
-        return prepare_pictures([image], config.mm_image_aspect_ratio, self.info.image_processor), (0, 0)
+        return picture_bytes([image], config.mm_image_aspect_ratio, self.info.image_processor), (0, 0)
 
     def tiles_part(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
-        """An anyres picture's thumbnail and tiles, and its tiling (columns, rows)."""
-        return anyres_tiles(image, self.info.image_processor, self.info.get_hf_config().mm_image_grid_points)
+        """An anyres picture's thumbnail and tiles, as bytes, and its tiling (columns, rows)."""
+        return tiles_bytes(image, self.info.image_processor, self.info.get_hf_config().mm_image_grid_points)
 
     def video_features(self, videos: list[tuple[np.ndarray, dict]]) -> BatchFeature:
         """Each video's processed media, a field per stream (`VIDEO_STREAMS`: the frames as the tower's squares,
@@ -680,8 +687,8 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.logits_softcap)
         self.context_cache = ContextCache(context_cache_bytes(config))
-        if config.modality == "video":  # frames arrive as bytes (`frames_embeds`)
-            self.image_processor = load_image_processor(Path(vllm_config.model_config.model), config)
+        # pictures and frames arrive as bytes (`pixels`)
+        self.image_processor = load_image_processor(Path(vllm_config.model_config.model), config)
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
@@ -701,16 +708,21 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
 
     def whole_embeds(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Pictures that are not tiled, (1, 3, H, W) each: through the tower at once."""
-        segment, pixels = self.config.streams[0].segment, torch.stack([pixels for pixels, _ in pictures])
+        segment, pixels = self.config.streams[0].segment, torch.stack([self.pixels(p) for p, _ in pictures])
         return [with_segment(stream, segment) for stream in self.model.embed_images(pixels)]
 
     def tiles_embeds(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """anyres pictures, each its thumbnail and tiles (1 + columns x rows, 3, side, side) and its tiling."""
         segment, streams = self.config.streams[0].segment, []
         for pixels, (columns, rows) in pictures:
+            pixels = self.pixels(pixels)
             tiles = pixels[1:].unflatten(0, (rows, columns))
             streams.append(with_segment(self.model.anyres_stream(pixels[:1], tiles)[0], segment))
         return streams
+
+    def pixels(self, pictures: torch.Tensor) -> torch.Tensor:
+        """Pictures or frames as the processor sends them (bytes) -> their pixel values in the model's dtype."""
+        return normalize_pixels(pictures, self.image_processor).to(self.model.dtype)
 
     def video_stream(self, *item: torch.Tensor) -> torch.Tensor:
         """One video's streams end to end in the model's order, from its processed media (a tensor per stream, then
@@ -725,7 +737,7 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
 
     def frames_embeds(self, frames: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The frames' stream tokens and mask: the frames come as bytes, normalized as the processor would have."""
-        return self.model.embed_video([normalize_pixels(frames, self.image_processor).to(self.model.dtype)])
+        return self.model.embed_video([self.pixels(frames)])
 
     def audio_embeds(self, mels: torch.Tensor, mel_frames: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sound track's stream tokens and mask (None: a video without one)."""
@@ -789,7 +801,7 @@ VIDEO_STREAMS = {  # by stream name
 @dataclass(frozen=True)
 class PictureStreamPart:
     """An image model's stream (its only one) in the plugin: the largest picture's size in tower squares (vLLM's
-    profiling run), how the processor prepares a picture (its pixel values, an anyres picture's thumbnail then tiles,
+    profiling run), how the processor prepares a picture (its bytes, an anyres picture's thumbnail then tiles,
     and its tiling: columns, rows; (0, 0): not tiled) and how the model embeds a batch."""
 
     largest: Callable[[object], tuple[int, int]]
