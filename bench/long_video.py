@@ -3,9 +3,11 @@ sound track) from a minute to two hours, past the resize budget of Vidi1.5's poo
 3750 for the demo model's tiny tower).
 
 Each video is made once by the ffmpeg command line (imageio-ffmpeg's static build: testsrc2 and a 44.1 kHz stereo
-sine, h264 + AAC in mp4, 30 fps) and kept in `--cache`, in x264's `--presets`: ultrafast writes no B-frames (every
-frame is decoded from, so every frame must be decoded), superfast writes them as most encoders do (cameras, editors,
-YouTube's h264), and our decode skips those it does not keep. Then, side by side for each length, height and preset:
+sine, h264 + AAC in mp4, 30 fps) and kept in `--cache`, in `--presets` (`ENCODINGS`): x264's ultrafast writes no
+B-frames (every frame is decoded from) and an IDR picture every 250 frames, superfast writes B-frames as most encoders
+do (cameras, editors, YouTube's h264), and "phone" is superfast with an IDR picture a second, as phones and cameras
+write them. Our decode skips the B-frames it does not keep, and the frames between a second's kept frame and the next
+IDR. Then, side by side for each length, height and preset:
 
   ffmpeg      `ffmpeg -i FILE -f null -`: the command line's own decode of the whole file, frames and sound
   decode      ours as `generate` runs it (`decode_media`: every frame others are decoded from and one a second
@@ -56,6 +58,13 @@ VLLM_RUNS = {
 PROMPT = "USER: <video>\nDuring which time segments in the video can we see a clock?\nASSISTANT:"
 
 
+ENCODINGS = {  # a preset's x264 options
+    "ultrafast": ["-preset", "ultrafast"],
+    "superfast": ["-preset", "superfast"],
+    "phone": ["-preset", "superfast", "-g", "30"],
+}
+
+
 def make_video(path: Path, seconds: int, height: int, preset: str) -> Path:
     if not path.is_file():
         width = height * 16 // 9 // 2 * 2
@@ -63,7 +72,7 @@ def make_video(path: Path, seconds: int, height: int, preset: str) -> Path:
             [imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-y",
              "-f", "lavfi", "-i", f"testsrc2=size={width}x{height}:rate=30",
              "-f", "lavfi", "-i", "sine=frequency=440:sample_rate=44100", "-t", str(seconds),
-             "-c:v", "libx264", "-preset", preset, "-pix_fmt", "yuv420p", "-c:a", "aac", "-ac", "2",
+             "-c:v", "libx264", *ENCODINGS[preset], "-pix_fmt", "yuv420p", "-c:a", "aac", "-ac", "2",
              str(path) + ".partial.mp4"],
             check=True,
         )  # fmt: skip
@@ -204,7 +213,7 @@ def main() -> None:
     parser.add_argument("--family", choices=list(FAMILIES), default="gemma2")
     parser.add_argument("--seconds", type=int, nargs="+", default=[60, 600])
     parser.add_argument("--heights", type=int, nargs="+", default=[480])
-    parser.add_argument("--presets", nargs="+", default=["ultrafast", "superfast"], help="x264's, one file each")
+    parser.add_argument("--presets", nargs="+", choices=list(ENCODINGS), default=list(ENCODINGS), help="a file each")
     parser.add_argument("--repeats", type=int, default=3, help="decodes of each file, ffmpeg's and ours in turns")
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
     parser.add_argument("--validate", action="store_true", help="and `validate` of the ONNX export on each video")
@@ -226,7 +235,7 @@ def main() -> None:
         convert(folders["checkpoint"], model / "converted")
     columns = [
         "video",
-        "x264 preset",
+        "encoding",
         "ffmpeg decode",
         "our decode",
         "ratio",

@@ -182,25 +182,67 @@ class FrameOrderUnknown(Exception):
     drops): its frames are counted as they come out instead."""
 
 
+class IdrFinder:
+    """Which packets of an H.264 or HEVC stream start with an IDR picture, from their NAL units' types: MP4's
+    length-prefixed units (the size of the prefix from the stream's avcC / hvcC record), else Annex B's start codes
+    (MPEG-TS, raw streams). Only a packet the container marks as a key frame is read; a recovery point that is not
+    an IDR (an open GOP's I-frame, a CRA) is not one: frames after it may be decoded from frames before it."""
+
+    NAL_TYPE = {"h264": lambda header: header & 0x1F, "hevc": lambda header: (header >> 1) & 0x3F}
+    IDR_TYPES = {"h264": {5}, "hevc": {19, 20}}  # IDR; IDR_W_RADL, IDR_N_LP
+    LENGTH_SIZE_AT = {"h264": 4, "hevc": 21}  # the avcC / hvcC byte whose low two bits are the prefix's size - 1
+
+    def __init__(self, video: av.video.stream.VideoStream):
+        codec, record = video.codec_context.name, video.codec_context.extradata or b""
+        self.nal_type, self.idr_types = self.NAL_TYPE[codec], self.IDR_TYPES[codec]
+        at = self.LENGTH_SIZE_AT[codec]
+        self.length_size = (record[at] & 3) + 1 if len(record) > at and record[0] == 1 else None
+
+    def starts(self, packet: av.Packet) -> bool:
+        if not packet.is_keyframe:
+            return False
+        data = bytes(packet)
+        return any(self.nal_type(header) in self.idr_types for header in self.nal_headers(data))
+
+    def nal_headers(self, data: bytes) -> Iterator[int]:
+        """Each NAL unit's first byte (its type's)."""
+        if self.length_size is None:
+            yield from (data[m.end()] for m in re.finditer(b"\x00\x00\x01", data) if m.end() < len(data))
+            return
+        at = 0
+        while at + self.length_size < len(data):
+            yield data[at + self.length_size]
+            at += self.length_size + int.from_bytes(data[at : at + self.length_size], "big")
+
+
 class FramePicker:
     """Which frames load_video keeps: every `step`-th from the first, in presentation order (decord's indices).
 
-    For codecs with non-reference frames (SKIPPABLE_CODECS: B-frames, which no other frame is decoded from), a
-    frame's place is its packet's pts's rank among the stream's, known REORDER_DEPTH packets after it is read, and the
-    decoder skips the non-reference frames that are not kept: the kept frames are the same, found sooner (a 30 fps
-    file with B-frames, sampled at 1 frame/s, skips about two frames in three). Where a file does not allow it
-    (`check`, FrameOrderUnknown) or without `ranked`, frames are counted as they come out."""
+    For codecs with non-reference frames (SKIPPABLE_CODECS), a frame's place is its packet's pts's rank among the
+    stream's, known REORDER_DEPTH packets after it is read, and frames that no kept frame needs are not decoded:
+    - a non-reference frame (a B-frame, which no other frame is decoded from) that is not kept is skipped by the
+      decoder (`skip_frame`): a 30 fps file with B-frames, sampled at 1 frame/s, skips about two frames in three;
+    - a packet whose frame is not kept is held back until a kept frame follows it (then it goes to the decoder
+      first: the kept frame may be decoded from it) or an IDR picture does (no frame after an IDR is decoded from
+      one before it): then it is never decoded. So the frames between a GOP's last kept frame and the next IDR are
+      dropped: in a 30 fps file with an IDR picture a second, as phones write them, each second's kept frame is its
+      IDR, and the rest of the second is not decoded.
+    The kept frames are the same, found sooner. Where a file does not allow it (`check`, FrameOrderUnknown) or
+    without `ranked`, every frame is decoded and counted as it comes out."""
 
     def __init__(self, video: av.video.stream.VideoStream, step: int, ranked: bool):
         self.video, self.step = video, step
         self.ranked = ranked and video.codec_context.name in SKIPPABLE_CODECS
+        self.idr = IdrFinder(video) if self.ranked else None
         self.pts: list[int] = []  # the video packets' pts read so far, in order
         self.kept: list[int] = []  # the kept frames' places
+        self.held: list[av.Packet] = []  # packets whose frames are not kept, until a kept frame or an IDR follows
         self.count = 0  # frames out so far (unranked)
         self.skipping = False
 
     def packets(self, packets: Iterable[av.Packet]) -> Iterator[av.Packet]:
-        """`packets` in demux order, each video packet once its frame's place is known, set to be decoded or not."""
+        """`packets` in demux order, each video packet that a kept frame needs once its frame's place is known, set
+        to be decoded or not."""
         if not self.ranked:
             yield from packets
             return
@@ -214,16 +256,27 @@ class FramePicker:
                 insort(self.pts, packet.pts)
                 waiting.append(packet)
                 if len(waiting) > REORDER_DEPTH:
-                    yield self.marked(waiting.popleft())
+                    yield from self.placed(waiting.popleft())
             else:  # the stream's last, empty packet, which flushes its decoder
                 while waiting:
-                    yield self.marked(waiting.popleft())
+                    yield from self.placed(waiting.popleft())
                 yield packet
         while waiting:  # a demuxer that gave no flushing packet
-            yield self.marked(waiting.popleft())
+            yield from self.placed(waiting.popleft())
 
-    def marked(self, packet: av.Packet) -> av.Packet:
-        skip = self.place(packet.pts) % self.step != 0
+    def placed(self, packet: av.Packet) -> Iterator[av.Packet]:
+        """A packet whose place is known, and the packets held back before it that a kept frame needs."""
+        if self.idr.starts(packet):
+            self.held.clear()
+        if self.place(packet.pts) % self.step:
+            self.held.append(packet)
+            return
+        for held in self.held:
+            yield self.marked(held, skip=True)
+        self.held.clear()
+        yield self.marked(packet, skip=False)
+
+    def marked(self, packet: av.Packet, skip: bool) -> av.Packet:
         if skip != self.skipping:  # the decoder's threads take the setting with each packet
             self.video.codec_context.skip_frame = "NONREF" if skip else "DEFAULT"
             self.skipping = skip

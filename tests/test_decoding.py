@@ -126,6 +126,49 @@ def test_frames_neither_kept_nor_referenced_are_not_decoded(tmp_path, name, monk
     assert passes == [True] and len(decoded) < 0.6 * len(decord.VideoReader(str(path)))
 
 
+# files whose GOPs start with an IDR picture a second (phones, cameras: -g 30 at 30 fps), and one whose key frames are
+# recovery points instead (an open GOP: frames after one may be decoded from frames before it)
+X265_IDR = ["-c:v", "libx265", "-pix_fmt", "yuv420p", "-x265-params", "keyint=30:open-gop=0:log-level=error"]
+GOPS = {  # name: (file, what ffmpeg is given, frames decoded at most: the 5 kept; None: as many as before)
+    "mp4, h264, B-frames": ("gop.mp4", [*H264, "-g", 30], 5),
+    "mp4, h264, no B-frames": ("gop.mp4", [*H264, "-g", 30, "-bf", 0], 5),
+    "mp4, HEVC": ("gop.mp4", X265_IDR, 5),
+    "MPEG-TS (Annex B start codes)": ("gop.ts", [*H264, "-g", 30], 5),
+    "mp4, h264, open GOPs": ("gop.mp4", [*H264, "-g", 30, "-x264-params", "open-gop=1"], None),
+}
+
+
+def command_line_frames(path, step: int = 30) -> np.ndarray:
+    """Every `step`-th frame of the ffmpeg command line's decode of the whole file, RGB."""
+    size = decord.VideoReader(str(path)).get_batch([0]).shape[1:]
+    out = ffmpeg("-i", path, "-vf", f"select=not(mod(n\\,{step}))", "-fps_mode", "passthrough", "-pix_fmt", "rgb24",
+                 "-f", "rawvideo", "-")  # fmt: skip
+    return np.frombuffer(out, np.uint8).reshape(-1, *size)
+
+
+@pytest.mark.parametrize("name", list(GOPS))
+def test_frames_after_a_gop_s_last_kept_frame_are_not_decoded(tmp_path, name, monkeypatch):
+    """Where each second starts with an IDR picture, no frame after it is decoded from one before it: the frames
+    between a kept frame and the next IDR are never decoded, so only the kept ones are (5 of 150), and they are the
+    ffmpeg command line's frames, and decord's where decord reads the file right. Key frames that are not IDR
+    pictures (an open GOP's) drop nothing."""
+    file, codecs, most = GOPS[name]
+    path = tmp_path / file
+    ffmpeg(*[arg.format(rate=30) for arg in SOURCE], "-t", 5, *map(str, codecs), path)
+    passes, decoded = [], []
+    decode, keeps = processing.decode_video, processing.FramePicker.keeps
+    monkeypatch.setattr(processing, "decode_video", lambda *a, **k: passes.append(k["ranked"]) or decode(*a, **k))
+    monkeypatch.setattr(processing.FramePicker, "keeps", lambda self, f: decoded.append(f.pts) or keeps(self, f))
+    ours = np.stack([np.asarray(frame) for frame in load_video(path)[0]])
+    assert ours.shape[0] == 5 and np.array_equal(ours, command_line_frames(path))
+    if file.endswith(".mp4"):  # decord's own frames, decoded in order (its seeks garble an open GOP's frames)
+        reader = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=0)
+        assert np.array_equal(ours, reader.get_batch(list(range(len(reader)))).asnumpy()[::30])
+    # one pass (a kept frame that did not come out would have made it read the file again), decoding the kept frames
+    # only; with open GOPs, all but the B-frames not kept
+    assert passes == [True] and (len(decoded) <= most if most else 40 < len(decoded) < 90)
+
+
 def test_a_kept_frame_that_did_not_come_out_is_read_again(tmp_path, monkeypatch):
     """Where the packets mislead (here: every packet set to skip its frame unless others are decoded from it), a
     kept frame that did not come out of the decoder makes the file read again, counting frames as they come out:
@@ -133,7 +176,7 @@ def test_a_kept_frame_that_did_not_come_out_is_read_again(tmp_path, monkeypatch)
     path = make(tmp_path, "mp4, h264 + stereo AAC 44.1 kHz")
     passes, decode = [], processing.decode_video
 
-    def skipping_all(picker, packet):
+    def skipping_all(picker, packet, skip):
         picker.video.codec_context.skip_frame = "NONREF"
         return packet
 
