@@ -196,7 +196,9 @@ class IdrFinder:
         codec, record = video.codec_context.name, video.codec_context.extradata or b""
         self.nal_type, self.idr_types = self.NAL_TYPE[codec], self.IDR_TYPES[codec]
         at = self.LENGTH_SIZE_AT[codec]
-        self.length_size = (record[at] & 3) + 1 if len(record) > at and record[0] == 1 else None
+        # as FFmpeg's decoders tell them: a record that does not open with a start code is avcC / hvcC
+        annex_b = len(record) <= at or record.startswith((b"\x00\x00\x01", b"\x00\x00\x00\x01"))
+        self.length_size = None if annex_b else (record[at] & 3) + 1
 
     def starts(self, packet: av.Packet) -> bool:
         if not packet.is_keyframe:
