@@ -714,7 +714,7 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
 
     def whole_embeds(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Pictures that are not tiled, (1, 3, H, W) each: through the tower at once."""
-        segment, pixels = self.config.streams[0].segment, torch.stack([self.pixels(p) for p, _ in pictures])
+        segment, pixels = self.config.streams[0].segment, self.pixels(torch.stack([p for p, _ in pictures]))
         return [with_segment(stream, segment) for stream in self.model.embed_images(pixels)]
 
     def tiles_embeds(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
