@@ -163,9 +163,44 @@ def test_frames_after_a_gop_s_last_kept_frame_are_not_decoded(tmp_path, name, mo
     if file.endswith(".mp4"):  # decord's own frames, decoded in order (its seeks garble an open GOP's frames)
         reader = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=0)
         assert np.array_equal(ours, reader.get_batch(list(range(len(reader)))).asnumpy()[::30])
-    # one pass (a kept frame that did not come out would have made it read the file again), decoding the kept frames
-    # only; with open GOPs, all but the B-frames not kept
-    assert passes == [True] and (len(decoded) <= most if most else 40 < len(decoded) < 90)
+    # one pass over each piece (a kept frame that did not come out would have made it read the file again), decoding
+    # the kept frames only; with open GOPs (no IDR picture to cut at: one piece), all but the B-frames not kept
+    pieces = processing.video_pieces(path, 1.0, None)
+    assert passes == [True] * len(pieces) and (len(pieces) == 1) == (not file.endswith(".mp4") or not most)
+    assert len(decoded) <= most if most else 40 < len(decoded) < 90
+
+
+# 5 s at 30 fps with an IDR picture a second and a sound track, in MP4, whose index lists every frame
+PIECES = {
+    "h264, B-frames": [*H264, "-g", 30],
+    "h264, no B-frames": [*H264, "-g", 30, "-bf", 0],
+    "HEVC": X265_IDR,
+    "h264, B-frames, a phone's rotated 90": [*H264, "-g", 30],
+}
+
+
+@pytest.mark.parametrize("cores", [2, 3])
+@pytest.mark.parametrize("name", list(PIECES))
+def test_a_stream_cut_into_pieces_decodes_as_one_pass(tmp_path, name, cores, monkeypatch):
+    """Where the index lists every frame, the stream is cut at IDR pictures into a piece a core, each decoded by a
+    decoder of its own: each piece read once, and the frames and the sound track are decord's and the ffmpeg
+    command line's, as in one pass."""
+    path = tmp_path / "pieces.mp4"
+    sound = [arg.format(hz=44100, channels=2) for arg in SOUND]
+    ffmpeg(*[arg.format(rate=30) for arg in SOURCE], *sound, "-t", 5, *map(str, PIECES[name]), "-c:a", "aac", path)
+    if "rotated" in name:
+        path = path.rename(tmp_path / "stored.mp4").with_name("turned.mp4")
+        ffmpeg(*ROTATIONS["rotate 90"], "-i", tmp_path / "stored.mp4", "-c", "copy", path)
+    monkeypatch.setattr(processing, "usable_cores", lambda: cores)
+    pieces = processing.video_pieces(path, 1.0, None)
+    assert len(pieces) == cores and [piece.start % 30 for piece in pieces] == [0] * cores
+    passes, decode = [], processing.decode_video
+    monkeypatch.setattr(processing, "decode_video", lambda *a, **k: passes.append(k.get("piece")) or decode(*a, **k))
+    frames, samples = load_video(path)
+    assert passes == pieces
+    ours = np.stack([np.asarray(frame) for frame in frames])
+    assert ours.shape[0] == 5 and np.array_equal(ours, released_frames(path))
+    assert np.array_equal(samples, released_samples(path))
 
 
 def test_a_kept_frame_that_did_not_come_out_is_read_again(tmp_path, monkeypatch):
