@@ -126,15 +126,15 @@ def load_video(
     square: int | None = None,
     sound: bool = True,
 ) -> tuple[list[Image.Image], np.ndarray | None]:
-    """A video file's frames and sound track, as the ffmpeg command line decodes them (the file read once, however
-    long the video):
+    """A video file's frames and sound track, as the ffmpeg command line decodes them, in one pass over the file
+    however long the video (or one a piece, below):
     - frames: every round(average rate / fps)-th from the first, RGB, turned upright as the stream's display matrix
       says (decord's `VideoReader.get_batch` at load_video's frame indices); with `square`, each resized to the
       tower's square as it is decoded (`tower_square`), so that an hour never holds its full-size frames;
     - the sound track (with `sound`): `load_audio`'s samples of its first audio stream, None without one.
-    Where a file's index lists every frame, the stream is cut at IDR pictures into a piece per core, each decoded on
-    a thread of its own (`video_pieces`); else in one pass. Decoding stops at `limit` frames (the caller then
-    refuses the video; the sound track ends there)."""
+    Where a file's index lists every frame, the stream is cut at IDR pictures into a piece a core, each decoded on a
+    thread of its own (`video_pieces`; the first piece's pass reads on to the end for the sound track). Decoding
+    stops at `limit` frames (the caller then refuses the video; the sound track ends there)."""
     prepare = upright if square is None else lambda frame: tower_square(upright(frame), square)
     # kept frames are converted and resized on a thread of their own while decoding goes on (both release the GIL),
     # at most PREPARING_AHEAD of them waiting a piece, so that a video whose every frame is kept holds few at full size
