@@ -213,6 +213,11 @@ def starts_at(packet: av.Packet, dts: int, idr: IdrFinder) -> bool:
     return packet.dts == dts and idr.starts(packet)
 
 
+def frame_step(video, fps: float) -> int:
+    """Every how many frames one is kept: round(average rate / fps), the released load_video's indices."""
+    return max(1, round(float(video.average_rate) / fps))
+
+
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -236,9 +241,7 @@ def video_pieces(path: Path | BinaryIO, fps: float, limit: int | None) -> list[P
         count = len(entries)
         if video.codec_context.name not in SKIPPABLE_CODECS or not video.average_rate or not count:
             return whole
-        if count != video.frames or (
-            limit is not None and -(-count // max(1, round(video.average_rate / fps))) > limit
-        ):
+        if count != video.frames or (limit is not None and -(-count // frame_step(video, fps)) > limit):
             return whole
         # the key frame at or before each equal part's first entry, where it is an IDR picture (each piece checks its
         # own first packet again)
@@ -277,7 +280,7 @@ def decode_video(
         track = SoundTrack(container.streams.audio[0]) if sound and container.streams.audio else None
         if piece.start_dts is not None:
             container.seek(piece.start_dts, stream=video)
-        picker = FramePicker(video, max(1, round(float(video.average_rate) / fps)), ranked, offset=piece.start)
+        picker = FramePicker(video, frame_step(video, fps), ranked, offset=piece.start)
         demuxed = piece.packets(
             container.demux(video, *([track.stream] if track else [])), video, picker.idr, bool(track)
         )
