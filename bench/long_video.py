@@ -13,6 +13,8 @@ IDR. Then, side by side for each length, height and preset:
   decode      ours as `generate` runs it (`decode_media`: every frame others are decoded from and one a second
               decoded, those kept at the tower's square, the sound track at 16 kHz mono), and its ratio to
               ffmpeg's (the goal: <= 1.2); both the median of --repeats runs, taken in turns
+  --bytes     and the same decode from the file's bytes in memory, as `serve`'s video loader gets a request's
+              (`processing.FileBytes`; the file read beforehand, not timed), in the same turns
   backends    `dattn-export generate FILE --video ... --max-new-tokens 4` per backend: wall time, peak resident
               memory (/usr/bin/time), the visual and audio tokens, and whether its tokens equal torch's
   --validate  `dattn-export validate ONNX_FOLDER --video FILE --max-new-tokens 4`: the export's graphs (ONNX
@@ -45,6 +47,7 @@ from dattn_export.checkpoints.source import folder_config
 from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.media import Media, decode_media
 from dattn_export.modeling.families import FAMILIES
+from dattn_export.processing import FileBytes, frame_square, load_video
 from dattn_export.stages.convert import convert
 from dattn_export.stages.onnx_export import export_onnx
 
@@ -80,21 +83,27 @@ def make_video(path: Path, seconds: int, height: int, preset: str) -> Path:
     return path
 
 
-def decode_seconds(path: Path, checkpoint: Path, repeats: int) -> tuple[float, float]:
-    """The median seconds of ffmpeg's decode and of ours, run in turns (a shared machine's speed drifts by 15% from
-    one run to the next: in turns, both see the same drift)."""
+def decode_seconds(path: Path, checkpoint: Path, repeats: int, from_bytes: bool) -> list[float]:
+    """The median seconds of ffmpeg's decode, of ours and (`from_bytes`) of ours from the file's bytes, run in turns
+    (a shared machine's speed drifts by 15% from one run to the next: in turns, all see the same drift)."""
     from dattn_export.checkpoints.source import open_source
 
     config = open_source(checkpoint).config
-    ffmpeg, ours = [], []
+    data, square = path.read_bytes() if from_bytes else None, frame_square(checkpoint, config)
+    runs = [
+        lambda: subprocess.run(
+            [imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", str(path), "-f", "null", "-"], check=True
+        ),
+        lambda: decode_media(Media(video=path), checkpoint, config),
+        *([lambda: load_video(FileBytes(data), square=square)] if from_bytes else []),
+    ]
+    seconds = [[] for _ in runs]
     for _ in range(repeats):
-        start = time.perf_counter()
-        subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", str(path), "-f", "null", "-"], check=True)
-        middle = time.perf_counter()
-        decode_media(Media(video=path), checkpoint, config)
-        ffmpeg.append(middle - start)
-        ours.append(time.perf_counter() - middle)
-    return float(np.median(ffmpeg)), float(np.median(ours))
+        for run, taken in zip(runs, seconds):
+            start = time.perf_counter()
+            run()
+            taken.append(time.perf_counter() - start)
+    return [float(np.median(taken)) for taken in seconds]
 
 
 def command_run(*arguments: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -216,6 +225,7 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", choices=list(ENCODINGS), default=list(ENCODINGS), help="a file each")
     parser.add_argument("--repeats", type=int, default=3, help="decodes of each file, ffmpeg's and ours in turns")
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
+    parser.add_argument("--bytes", action="store_true", help="and our decode from the file's bytes (as serve's)")
     parser.add_argument("--validate", action="store_true", help="and `validate` of the ONNX export on each video")
     parser.add_argument("--vllm", action="store_true", help="and under vLLM (offline and serve, TP 1 and 2)")
     parser.add_argument("--cache", type=Path, default=Path("bench-long-video"))
@@ -239,6 +249,7 @@ def main() -> None:
         "ffmpeg decode",
         "our decode",
         "ratio",
+        *(["from bytes", "ratio"] if args.bytes else []),
         *args.backends,
         *(["validate"] if args.validate else []),
         *vllm_runs,
@@ -250,7 +261,7 @@ def main() -> None:
         for seconds in args.seconds:
             for preset in args.presets:
                 video = make_video(args.cache / f"{seconds}s-{height}p-{preset}.mp4", seconds, height, preset)
-                ffmpeg, ours = decode_seconds(video, folders["checkpoint"], args.repeats)
+                ffmpeg, *ours = decode_seconds(video, folders["checkpoint"], args.repeats, args.bytes)
                 runs = {b: generate(folders[BACKENDS[b]], b, video) for b in args.backends}
                 if args.validate:
                     runs["validate"] = validate(folders["onnx"], video)
@@ -260,7 +271,7 @@ def main() -> None:
                 cells = [cell(run, reference) for run in runs.values()]
                 first = next((run for run in runs.values() if "visual" in run), None)
                 tokens = "-" if first is None else f"{first['visual']:,} + {first['audio']:,}"
-                decode = f"{ffmpeg:.1f} s | {ours:.1f} s | {ours / ffmpeg:.2f}"
+                decode = " | ".join([f"{ffmpeg:.1f} s", *(f"{taken:.1f} s | {taken / ffmpeg:.2f}" for taken in ours)])
                 print(f"| {' | '.join([f'{seconds} s, {height}p', preset, decode, *cells, tokens])} |", flush=True)
 
 

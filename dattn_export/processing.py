@@ -3,16 +3,16 @@ the released code (bytedance/vidi `dataset/vid_utils.py`, `img_utils.py`); files
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import BinaryIO
 
 import av
 import numpy as np
@@ -111,16 +111,30 @@ AUDIO_RATE = 16000  # Hz, one channel (load_audio, as Whisper)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
 
 
-def open_media(path: Path | BinaryIO):
-    """A media file, or its bytes as a file object (a served request's video: errors then name its repr)."""
+@dataclass(frozen=True, repr=False)
+class FileBytes:
+    """A media file's bytes in memory (a served request's video), named in errors by `name`: each reader opens them
+    anew, so that they decode in pieces as the file on disk would."""
+
+    data: bytes
+    name: str = "<bytes>"
+
+    def __str__(self) -> str:
+        return self.name
+
+    __repr__ = __str__
+
+
+def open_media(path: Path | FileBytes):
+    """A media file, or its bytes."""
     try:
-        return av.open(path if hasattr(path, "read") else str(path))
+        return av.open(io.BytesIO(path.data) if isinstance(path, FileBytes) else str(path))
     except (av.FFmpegError, OSError) as e:
         raise InputError(path, f"cannot be decoded ({str(e).strip()})") from None
 
 
 def load_video(
-    path: Path | BinaryIO,
+    path: Path | FileBytes,
     fps: float = VIDEO_FPS,
     limit: int | None = None,
     square: int | None = None,
@@ -148,8 +162,7 @@ def load_video(
                 decoded = attempt()
                 break
             except FrameOrderUnknown:  # rare files; read again in one pass, at last counting frames as they come out
-                if hasattr(path, "seek"):
-                    path.seek(0)
+                continue
         else:
             decoded = passes[-1]()
         frames = [frame.result() for pending, _ in decoded for frame in pending]
@@ -222,16 +235,16 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def video_pieces(path: Path | BinaryIO, fps: float, limit: int | None) -> list[Piece]:
+def video_pieces(path: Path | FileBytes, fps: float, limit: int | None) -> list[Piece]:
     """The pieces a video file's stream is cut into, one a core, at the IDR pictures nearest to equal parts: where
     its index lists every packet in decode order (MP4, MOV: each piece's first frame's place is then its entry's
     number) and it is H.264 or HEVC (no frame after an IDR picture is decoded from one before it). A frame-threaded
     decoder's threads wait on each other row by row; decoders of their own on pieces do not (600 s of 480p H.264
     without B-frames: 0.78x the ffmpeg command line's decode, against 1.14x in one pass, 2 cores). One piece (the
-    whole stream) otherwise: a file object, a single core, a stream past `limit` frames (decoded in one pass up to
-    it)."""
+    whole stream) otherwise: a single core, a stream past `limit` frames (decoded in one pass up to it). A file's
+    bytes in memory (`FileBytes`) are cut as the file is."""
     whole = [Piece()]
-    if hasattr(path, "read") or (cores := usable_cores()) < 2:
+    if (cores := usable_cores()) < 2:
         return whole
     with open_media(path) as container:
         if not container.streams.video:
@@ -312,20 +325,31 @@ class FrameOrderUnknown(Exception):
     drops): its frames are counted as they come out instead."""
 
 
+@dataclass(frozen=True)
+class NalSyntax:
+    """What finding a codec's IDR pictures needs of its NAL units' syntax."""
+
+    nal_type: Callable[[int], int]  # a unit's type, from its first byte
+    idr_types: frozenset[int]
+    length_size_at: int  # the avcC / hvcC record's byte whose low two bits are the length prefix's size - 1
+
+
+NAL_SYNTAX = {  # by codec: SKIPPABLE_CODECS
+    "h264": NalSyntax(lambda header: header & 0x1F, frozenset({5}), 4),  # IDR
+    "hevc": NalSyntax(lambda header: (header >> 1) & 0x3F, frozenset({19, 20}), 21),  # IDR_W_RADL, IDR_N_LP
+}
+
+
 class IdrFinder:
     """Which packets of an H.264 or HEVC stream start with an IDR picture, from their NAL units' types: MP4's
     length-prefixed units (the size of the prefix from the stream's avcC / hvcC record), else Annex B's start codes
     (MPEG-TS, raw streams). Only a packet the container marks as a key frame is read; a recovery point that is not
     an IDR (an open GOP's I-frame, a CRA) is not one: frames after it may be decoded from frames before it."""
 
-    NAL_TYPE = {"h264": lambda header: header & 0x1F, "hevc": lambda header: (header >> 1) & 0x3F}
-    IDR_TYPES = {"h264": {5}, "hevc": {19, 20}}  # IDR; IDR_W_RADL, IDR_N_LP
-    LENGTH_SIZE_AT = {"h264": 4, "hevc": 21}  # the avcC / hvcC byte whose low two bits are the prefix's size - 1
-
     def __init__(self, video: av.video.stream.VideoStream):
         codec, record = video.codec_context.name, video.codec_context.extradata or b""
-        self.nal_type, self.idr_types = self.NAL_TYPE[codec], self.IDR_TYPES[codec]
-        at = self.LENGTH_SIZE_AT[codec]
+        self.syntax = NAL_SYNTAX[codec]
+        at = self.syntax.length_size_at
         # as FFmpeg's decoders tell them: a record that does not open with a start code is avcC / hvcC
         annex_b = len(record) <= at or record.startswith((b"\x00\x00\x01", b"\x00\x00\x00\x01"))
         self.length_size = None if annex_b else (record[at] & 3) + 1
@@ -334,7 +358,7 @@ class IdrFinder:
         if not packet.is_keyframe:
             return False
         data = bytes(packet)
-        return any(self.nal_type(header) in self.idr_types for header in self.nal_headers(data))
+        return any(self.syntax.nal_type(header) in self.syntax.idr_types for header in self.nal_headers(data))
 
     def nal_headers(self, data: bytes) -> Iterator[int]:
         """Each NAL unit's first byte (its type's)."""
@@ -449,7 +473,7 @@ def upright(frame: av.VideoFrame) -> Image.Image:
     return image if turn is None else image.transpose(turn)
 
 
-def media_duration(path: Path | BinaryIO) -> float:
+def media_duration(path: Path | FileBytes) -> float:
     """A media file's duration in seconds as ffprobe's `format=duration` gives it (the container's)."""
     with open_media(path) as container:
         if container.duration is None:
@@ -506,7 +530,7 @@ def tower_square(frame: Image.Image, size: int) -> Image.Image:
     return frame.resize((size, size), resample=Image.BICUBIC)
 
 
-def load_audio(path: Path | BinaryIO, missing_ok: bool = False) -> np.ndarray | None:
+def load_audio(path: Path | FileBytes, missing_ok: bool = False) -> np.ndarray | None:
     """A media file's sound track (its first audio stream): `SoundTrack`'s samples. None for a file without one
     when `missing_ok`."""
     with open_media(path) as container:
@@ -562,7 +586,7 @@ class SoundTrack:
                 except (av.BlockingIOError, av.EOFError):
                     return
 
-    def samples(self, path: Path | BinaryIO) -> np.ndarray:
+    def samples(self, path: Path | FileBytes) -> np.ndarray:
         self.push(None)
         if not sum(piece.size for piece in self.pieces):
             raise InputError(path, "holds no audio samples")

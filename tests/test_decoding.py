@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dattn_export import processing
-from dattn_export.processing import AUDIO_RATE, load_audio, load_video, media_duration
+from dattn_export.processing import AUDIO_RATE, FileBytes, load_audio, load_video, media_duration
 
 decord = pytest.importorskip("decord", reason="decord, the released decoder, is in the test extra")
 imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg", reason="the ffmpeg command line is in the test extra")
@@ -184,7 +184,7 @@ PIECES = {
 def test_a_stream_cut_into_pieces_decodes_as_one_pass(tmp_path, name, cores, monkeypatch):
     """Where the index lists every frame, the stream is cut at IDR pictures into a piece a core, each decoded by a
     decoder of its own: each piece read once, and the frames and the sound track are decord's and the ffmpeg
-    command line's, as in one pass."""
+    command line's, as in one pass; the same from the file's bytes in memory, as a served request's video comes."""
     path = tmp_path / "pieces.mp4"
     sound = [arg.format(hz=44100, channels=2) for arg in SOUND]
     ffmpeg(*[arg.format(rate=30) for arg in SOURCE], *sound, "-t", 5, *map(str, PIECES[name]), "-c:a", "aac", path)
@@ -196,11 +196,14 @@ def test_a_stream_cut_into_pieces_decodes_as_one_pass(tmp_path, name, cores, mon
     assert len(pieces) == cores and [piece.start % 30 for piece in pieces] == [0] * cores
     passes, decode = [], processing.decode_video
     monkeypatch.setattr(processing, "decode_video", lambda *a, **k: passes.append(k.get("piece")) or decode(*a, **k))
-    frames, samples = load_video(path)
-    assert passes == pieces
-    ours = np.stack([np.asarray(frame) for frame in frames])
-    assert ours.shape[0] == 5 and np.array_equal(ours, released_frames(path))
-    assert np.array_equal(samples, released_samples(path))
+    expected_frames, expected_samples = released_frames(path), released_samples(path)
+    for source in (path, FileBytes(path.read_bytes(), "the request's video")):  # a file, and its bytes (serve's)
+        passes.clear()
+        frames, samples = load_video(source)
+        assert passes == pieces
+        ours = np.stack([np.asarray(frame) for frame in frames])
+        assert ours.shape[0] == 5 and np.array_equal(ours, expected_frames)
+        assert np.array_equal(samples, expected_samples)
 
 
 def test_a_kept_frame_that_did_not_come_out_is_read_again(tmp_path, monkeypatch):

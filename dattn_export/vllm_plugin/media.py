@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import time
 
@@ -25,7 +24,7 @@ from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector, Medi
 from vllm.multimodal.video import VIDEO_LOADER_REGISTRY, VideoLoader
 
 from ..errors import InputError
-from ..processing import VIDEO_FPS, load_video
+from ..processing import VIDEO_FPS, FileBytes, load_video
 from . import MEDIA_CONNECTOR, VIDEO_BACKEND
 from .context_cache import ByteBoundCache, media_digest
 
@@ -122,7 +121,7 @@ class DAttnVideoLoader(VideoLoader):
         if (decoded := cls.cache(cache_gib).get(key := bytes(digest.tolist()))) is None:
             try:
                 limit = None if max_frames is None else max_frames + 1
-                pictures, audio = load_video(io.BytesIO(data), limit=limit, square=frame_size)
+                pictures, audio = load_video(FileBytes(data, "the request's video"), limit=limit, square=frame_size)
             except InputError as e:
                 raise ValueError(f"the request's video {e.problem}") from None
             decoded = np.stack([np.asarray(picture) for picture in pictures]), audio
