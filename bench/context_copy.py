@@ -10,6 +10,8 @@ ways side by side in one run, then the question's own attention over them, on vL
   reads       the question's cross-attention over the context in those blocks (`cpu_attention_with_kv_cache`, every
               layer and read; `--query-tokens` queries, the model's softcap): what a later question cannot skip
   a read      one of them: a layer's least (one softmax over the whole context), were its streams' reads one
+  torch       the same read in plain torch over the context's contiguous K/V (`bmm`, softcap, softmax, `bmm`): what a
+              plugin that attended to its kept K/V itself, outside vLLM's cache and kernels, would pay
 
 per request (every layer and cross-attention read), and the write's ratio to the floor. Shapes: the LLM of
 `bench/vllm_serving.py` at 2304 visual tokens (8 layers, 8 heads, 4 KV heads of 64, one read a layer; bf16, its
@@ -90,6 +92,15 @@ def measure(tokens: int, calls: int, heads: int, kv_heads: int, head_dim: int, s
             blocks.to(torch.int32)[None], softcap, plan, None,
         )  # fmt: skip
 
+    grouped = query.view(queries, kv_heads, heads // kv_heads, head_dim).transpose(0, 1).flatten(1, 2)
+
+    def torch_read(i: int) -> torch.Tensor:
+        k, v = contexts[i % RING][0].unbind()
+        scores = torch.bmm(grouped, k.permute(1, 2, 0)) * head_dim**-0.5
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        return torch.bmm(scores.softmax(-1), v.transpose(0, 1))
+
     write(0)
     return (
         per_request_ms(write, repeats),
@@ -97,6 +108,7 @@ def measure(tokens: int, calls: int, heads: int, kv_heads: int, head_dim: int, s
         per_request_ms(lambda i: flat.copy_(contexts[i % RING]), repeats),
         per_request_ms(lambda i: [read(blocks) for blocks in shuffled[i % RING]], max(1, repeats // 10)),
         per_request_ms(lambda i: read(shuffled[i % RING][0]), max(1, repeats // 10)),
+        per_request_ms(torch_read, max(1, repeats // 10)),
     )
 
 
@@ -111,22 +123,23 @@ def main() -> None:
     print(f"torch threads: {torch.get_num_threads()}")
     print(
         "| context tokens | layers x reads | dtype | MB a request | write | blocks | memcpy | write / memcpy | reads "
-        "| a read |"
+        "| a read | torch |"
     )
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in args.sizes:
         *shape, softcap = size.split(":")
         tokens, layers, heads, kv_heads, head_dim, reads = map(int, shape)
         for name in args.dtypes:
             dtype, calls = DTYPES[name], layers * reads
-            write, blocks, memcpy, attention, one = measure(
+            write, blocks, memcpy, attention, one, plain = measure(
                 tokens, calls, heads, kv_heads, head_dim, float(softcap), dtype, args.block_size, args.query_tokens,
                 args.repeats,
             )  # fmt: skip
             megabytes = calls * 2 * tokens * kv_heads * head_dim * dtype.itemsize / 1e6
             print(
                 f"| {tokens:,} | {layers} x {reads} | {name} | {megabytes:.1f} | {write:.2f} ms | {blocks:.2f} ms "
-                f"| {memcpy:.2f} ms | {write / memcpy:.2f} | {attention:.1f} ms | {one:.1f} ms |",
+                f"| {memcpy:.2f} ms | {write / memcpy:.2f} | {attention:.1f} ms | {one:.1f} ms "
+                f"| {plain:.1f} ms |",
                 flush=True,
             )
 
