@@ -27,6 +27,7 @@ IDR. Then, side by side for each length, height and preset:
     python bench/long_video.py                                   # gemma2, 60 s and 600 s at 480p
     python bench/long_video.py --seconds 3600 7200 --heights 480 1080 --family mistral
     python bench/long_video.py --seconds 7200 --heights 240 --presets superfast --validate --vllm   # two hours
+    python bench/long_video.py --seconds 120 600 --backends --plot docs/bench-decode.png   # the decode alone, drawn
 """
 
 from __future__ import annotations
@@ -224,11 +225,12 @@ def main() -> None:
     parser.add_argument("--heights", type=int, nargs="+", default=[480])
     parser.add_argument("--presets", nargs="+", choices=list(ENCODINGS), default=list(ENCODINGS), help="a file each")
     parser.add_argument("--repeats", type=int, default=3, help="decodes of each file, ffmpeg's and ours in turns")
-    parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
+    parser.add_argument("--backends", nargs="*", choices=list(BACKENDS), default=list(BACKENDS))
     parser.add_argument("--bytes", action="store_true", help="and our decode from the file's bytes (as serve's)")
     parser.add_argument("--validate", action="store_true", help="and `validate` of the ONNX export on each video")
     parser.add_argument("--vllm", action="store_true", help="and under vLLM (offline and serve, TP 1 and 2)")
     parser.add_argument("--cache", type=Path, default=Path("bench-long-video"))
+    parser.add_argument("--plot", type=Path, help="draw our decode's time beside ffmpeg's here (a PNG)")
     parser.add_argument("--vllm-engine", nargs=4, help=argparse.SUPPRESS)  # FOLDER VIDEO TP OUT: one engine's run
     args = parser.parse_args()
     if args.vllm_engine:
@@ -257,6 +259,7 @@ def main() -> None:
     ]
     print(f"| {' | '.join(columns)} |")
     print(f"| {' | '.join(['---', '---'] + ['---:'] * (len(columns) - 2))} |")
+    decodes = {}  # (video, encoding) -> (ffmpeg's, ours)
     for height in args.heights:
         for seconds in args.seconds:
             for preset in args.presets:
@@ -271,8 +274,16 @@ def main() -> None:
                 cells = [cell(run, reference) for run in runs.values()]
                 first = next((run for run in runs.values() if "visual" in run), None)
                 tokens = "-" if first is None else f"{first['visual']:,} + {first['audio']:,}"
+                decodes[f"{seconds} s, {height}p\n{preset}"] = (ffmpeg, ours[0])
                 decode = " | ".join([f"{ffmpeg:.1f} s", *(f"{taken:.1f} s | {taken / ffmpeg:.2f}" for taken in ours)])
                 print(f"| {' | '.join([f'{seconds} s, {height}p', preset, decode, *cells, tokens])} |", flush=True)
+    if args.plot:
+        from plots import grouped_bars
+
+        title = "Decoding a video at 1 frame/s with its sound track: ffmpeg's own decode of the file, and ours"
+        series = {"ffmpeg -i FILE -f null -": [f for f, _ in decodes.values()],
+                  "dattn-export (the frames and samples generate reads)": [o for _, o in decodes.values()]}  # fmt: skip
+        grouped_bars(args.plot, title, list(decodes), series, "seconds (median)")
 
 
 if __name__ == "__main__":

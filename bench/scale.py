@@ -19,7 +19,8 @@ about 50 GB at most for Vidi1.5-9B):
   convert    the safetensors checkpoint (5 GB shards), and the same model as Trainer `.bin` shards; timed with a
              `sync` after it, as cp is (each starts with nothing left to write back); floor and convert in turn,
              --rounds times (3), the medians reported
-  info, verify, onnx --dtype fp16, onnx --quantize int4, validate (the int4 export against the converted folder),
+  info, verify, onnx --dtype fp16, onnx --quantize int4, validate --weights-only (the int4 export's weights against
+  the converted folder), validate (the int4 export against the converted folder),
   generate (an image, or a video with its sound for the video model), analyze, push --dry-run
 Each command runs in its own process; its peak anonymous memory (RssAnon of it and its children) is sampled every
 20 ms (not the kernel's peak RSS: a child forked from this process starts with this process's, and the mapped
@@ -272,8 +273,8 @@ def cli(*args) -> list:
 
 
 COMMANDS = [
-    "convert", "info", "verify", "onnx fp16", "validate fp16", "onnx int4", "validate int4", "generate", "analyze",
-    "push --dry-run",
+    "convert", "info", "verify", "onnx fp16", "validate fp16", "onnx int4", "weight check int4", "validate int4",
+    "generate", "analyze", "push --dry-run",
 ]  # fmt: skip
 
 
@@ -314,6 +315,7 @@ def run_model(name: str, work: Path, commands: list[str], rounds: int) -> list[d
     run("validate fp16", "validate", fp16, "--max-new-tokens", "2", *media_args)  # refused on this machine: too big
     shutil.rmtree(fp16, ignore_errors=True)
     run("onnx int4", "onnx", converted, "-o", int4, "--force", "--quantize", "int4", output=int4)
+    run("weight check int4", "validate", int4, "--against", converted, "--weights-only")
     run("validate int4", "validate", int4, "--against", converted, "--max-new-tokens", "4", *media_args)
     run("generate", "generate", converted, "--prompt", PROMPT, "--max-new-tokens", "8", *media_args)
     analysis = ("analyze", converted, "--prompt", f"<image> {PROMPT}", "-o", root / "analysis", "--force")

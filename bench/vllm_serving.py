@@ -284,6 +284,7 @@ def main() -> None:
     parser.add_argument("--torchvision", type=Path, help="Where LLaVA's torchvision goes (default: under --work).")
     parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds (an engine per model each).")
     parser.add_argument("--questions", type=int, help="Ask this many questions about one picture instead.")
+    parser.add_argument("--plot", type=Path, help="draw prefill and a decode step, ours beside LLaVA's, here (PNG)")
     parser.add_argument("--measure", nargs=4, help=argparse.SUPPRESS)  # KIND FOLDER TOKENS OUT: one engine's run
     args = parser.parse_args()
     if args.measure:
@@ -350,6 +351,16 @@ def main() -> None:
             f"| {', '.join(f'{x:.2f}' for x in paired['prefill_rps'])}; "
             f"{', '.join(f'{x:.3f}' for x in paired['step_ms'])} |"
         )
+    if args.plot:
+        from plots import grouped_bars
+
+        groups = [f"{tokens:,} visual tokens" for tokens, *_ in rows]
+        series = {f"{name}: prefill, 8 requests": [1000 * 8 / row[k]["prefill_rps"] for row in rows]
+                  for name, k in (("D-Attn (ours)", 1), ("vLLM's LLaVA", 2))}  # fmt: skip
+        series |= {f"{name}: a decode step, 8 requests": [row[k]["step_ms"] for row in rows]
+                   for name, k in (("D-Attn (ours)", 1), ("vLLM's LLaVA", 2))}  # fmt: skip
+        title = "One LLM and tower under vLLM (bf16, eager): as our D-Attn model, and as vLLM's own LLaVA"
+        grouped_bars(args.plot, title, groups, series, "milliseconds (median)", log=True)
 
 
 if __name__ == "__main__":

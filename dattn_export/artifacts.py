@@ -276,11 +276,49 @@ class Scheme:
 
 
 @dataclass(frozen=True)
+class WeightSource:
+    """How a graph's weight is computed from the checkpoint, as the export's constant folding computed it: one of a
+    checkpoint tensor (`tensor`, its canonical name), an ONNX op of the default domain (`op`, `attributes`) over
+    `inputs`, or a small constant (a Reshape's shape, a ReduceSum's axes: `constant`, flat, of numpy `dtype` and
+    `shape`). A Linear's weight is Transpose(tensor); a diagonal V2V's o_proj, its per-KV-head sum."""
+
+    tensor: str | None = None
+    op: str | None = None
+    attributes: dict = field(default_factory=dict)
+    inputs: list[WeightSource | None] = field(default_factory=list)  # None: an optional input left out
+    constant: list | None = None
+    dtype: str | None = None
+    shape: list[int] | None = None
+
+    def describe(self) -> str:
+        """`layers.0.mlp.up_proj.weight`, `ReduceSum(Reshape(layers.0.self_attn.o_proj.weight))`: constants and a
+        Linear's transpose left out."""
+        if self.tensor is not None or self.op is None:
+            return self.tensor or "a constant"
+        named = [s.describe() for s in self.inputs if s is not None and s.constant is None]
+        inner = ", ".join(named)
+        return inner if self.op == "Transpose" else f"{self.op}({inner})"
+
+
+def without_empty(source: dict | None) -> dict | None:
+    """A WeightSource's JSON without its empty fields, at every depth."""
+    if source is None:
+        return None
+    source = {key: value for key, value in source.items() if value is not None and (key == "constant" or value)}
+    if "inputs" in source:
+        source["inputs"] = [without_empty(s) for s in source["inputs"]]
+    return source
+
+
+@dataclass(frozen=True)
 class Quantization(Scheme):
     """How context_kv.onnx and decoder.onnx were quantized, as the export's manifest records it."""
 
     matmuls: dict[str, int] = field(default_factory=dict)  # per graph: MatMuls turned into MatMulNBits
     kept: str = ""  # what keeps the export's dtype, and why
+    # per graph, each quantized node's weight as computed from the checkpoint: what `validate` checks its
+    # dequantized values against (stages/weight_check.py)
+    sources: dict[str, dict[str, WeightSource]] = field(default_factory=dict)
 
 
 @dataclass
@@ -309,6 +347,15 @@ class OnnxManifest(Manifest):
     files: list[str]
     quantization: Quantization | None = None
     genai: str | None = None  # genai_config.json (onnxruntime-genai drives the decoder), or why it cannot
+
+    def to_json(self) -> dict:
+        fields = dataclasses.asdict(self)
+        if fields["quantization"]:  # each weight's source without the fields its kind leaves empty
+            fields["quantization"]["sources"] = {
+                graph: {node: without_empty(source) for node, source in nodes.items()}
+                for graph, nodes in fields["quantization"]["sources"].items()
+            }
+        return fields
 
     def check(self, path: Path) -> None:
         if self.format != ONNX_FORMAT:

@@ -20,8 +20,8 @@ from .modeling.modeling_dattn import MODEL_CLASSES
 from .presets import randomize_weights, tiny_config
 from .processing import AUDIO_RATE, IMAGE_PROCESSORS, default_audio_processor
 
-DEMO_PROMPT = "USER: Describe the image in one sentence.\nASSISTANT:"
-DEMO_VIDEO_PROMPT = "USER: What happens in the video, and what do you hear?\nASSISTANT:"
+DEMO_PROMPT = "USER: <image>\nDescribe the image in one sentence.\nASSISTANT:"  # the released models' form
+DEMO_VIDEO_PROMPT = "USER: <image>\nWhat happens in the video, and what do you hear?\nASSISTANT:"
 DEMO_PROMPTS = {"image": DEMO_PROMPT, "video": DEMO_VIDEO_PROMPT}  # by what the model takes (its modality)
 DEMO_VIDEO_FPS = 2  # the file's rate: generate takes one frame a second
 TOWER_FOLDER_SUFFIX = {"image": "", "video": "-video"}  # a video model's tower: smaller frames

@@ -169,7 +169,7 @@ def resolve(
     if path.is_dir():
         layout = check_kind(path, command, takes)
     elif not any(path.name in kind.files for kind in takes):
-        raise InputError(path, f"is a file: `{command}` takes a folder; pass the one that holds it, {path.parent}")
+        raise InputError(path, file_for_folder(path, command, takes))
     else:  # the adapter's file, the one checkpoint that is a file
         layout = checkpoint_layout(path)
     if base is None and layout is LAYOUTS["adapter-only"]:
@@ -180,6 +180,17 @@ def resolve(
             "BASE_MODEL -o CONVERTED`, then pass CONVERTED",
         )  # fmt: skip
     return path
+
+
+def file_for_folder(path: Path, command: str, takes: tuple[FolderKind, ...]) -> str:
+    """What to say of a file given where `command` takes a folder: pass its folder, where that is one of the kinds
+    `command` takes (a shard, a manifest), else what the command takes."""
+    try:
+        check_kind(path.parent, command, takes)
+    except InputError:
+        accepted = " or ".join(kind.what for kind in takes)
+        return f"is a file: `{command}` takes a folder, {accepted}, and the one that holds it is none"
+    return f"is a file: `{command}` takes a folder; pass the one that holds it, {path.parent}"
 
 
 def could_be_repo_id(text: str) -> bool:

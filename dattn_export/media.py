@@ -15,6 +15,7 @@ from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
 from .modeling.streams import AUDIO
 from .processing import (
     AUDIO_RATE,
+    MEDIA_MARKERS,
     audio_features,
     frame_square,
     load_audio,
@@ -26,12 +27,18 @@ from .processing import (
     open_image,
     time_ranges,
 )
-from .ui import stage
+from .ui import err, stage
 
-MEDIA_MARKERS = ("<image>", "<video>")  # where a prompt says its picture or video sits (text, not special tokens)
 MEDIA_OPTIONS = {"images": "--image", "video": "--video", "frames": "--frames", "audio": "--audio"}  # Media's fields
 MEDIA_KINDS = {"images": "an image", "video": "video or audio", "frames": "video or audio", "audio": "video or audio"}
 MODEL_KINDS = {"image": "an image model", "video": "a video model"}  # by modality
+
+
+UNMARKED = (
+    "note: the prompt {prompt!r} has no <image> before its question: the released models were trained on "
+    "'<image>' and a newline there (for a video too), which dattn-export cuts out as their code does; without "
+    "it their answers may differ"
+)
 
 
 @dataclass
@@ -44,13 +51,18 @@ class Media:
     frames: Path | None = None
     audio: Path | None = None
 
+    @property
+    def given(self) -> bool:
+        return bool(self.images or self.video or self.frames or self.audio)
+
     def check(self, config, prompt: str = "") -> None:
         """What the model cannot take, one line each; `prompt`: one that names media (`<image>`, `<video>`) comes
         with them."""
         takes = [kind for kind in MEDIA_OPTIONS if any(kind in stream.media for stream in config.streams)]
         options = " or ".join(", ".join(MEDIA_OPTIONS[kind] for kind in takes).rsplit(", ", 1))
-        if marker := next((m for m in MEDIA_MARKERS if m in prompt), None):
-            if not (self.images or self.video or self.frames or self.audio):
+        marker = next((m for m in MEDIA_MARKERS if m in prompt), None)
+        if marker:
+            if not self.given:
                 raise InputError(
                     "--prompt",
                     f"names {marker} but no media was given: pass it with {options} (or drop {marker} to ask about "
@@ -63,6 +75,8 @@ class Media:
             )
         if self.video and self.frames:
             raise InputError(self.frames, "and --video both give frames: pass one")
+        if prompt and self.given and marker is None:
+            err.print(UNMARKED.format(prompt=prompt), markup=False)
         for stream in config.streams:
             if stream.pictures is not None and len(self.images) > stream.pictures:
                 most = stream.pictures

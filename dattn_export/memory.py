@@ -66,6 +66,20 @@ def require(needed: int, what: str, way_out: str) -> None:
         )
 
 
+def require_gpu(needed: int, what: str) -> None:
+    """A CUDA GPU that can hold `needed` bytes besides what it holds now, or one line saying what is missing."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EnvironmentFailure("--device cuda", "no CUDA GPU is visible: run on a GPU machine, or without --device")
+    free, total = torch.cuda.mem_get_info()
+    if needed + HEADROOM > free:
+        raise EnvironmentFailure(
+            "GPU memory",
+            f"{what} needs about {gib(needed + HEADROOM)} but the GPU has {gib(free)} free of {gib(total)}",
+        )
+
+
 class AnonPeak(threading.Thread):
     """The largest anonymous memory (RssAnon: not the mapped checkpoint's pages, which the kernel can drop) of a
     process and its children, sampled every `interval` seconds while it runs; for the benchmarks and the tests."""

@@ -42,6 +42,46 @@ def load_tokenizer(folder: Path, config):
         return AutoTokenizer.from_pretrained(str(folder), config=config, local_files_only=True)
 
 
+MEDIA_MARKERS = ("<image>", "<video>")  # where a prompt says its picture or video sits: text, cut out of the ids
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt's token ids as the released code makes them (Vidi's `tokenizer_image_token`, then its model's
+    multimodal input preparation): the text before the media marker with the tokenizer's special tokens, each piece
+    after one without, and the marker itself, which stands for the media's own stream, cut out. The released models
+    were trained on `<image>` and a newline before the question (Vidi's one marker, for a picture or a video;
+    `<video>` reads the same here)."""
+    first, *rest = re.split("|".join(map(re.escape, MEDIA_MARKERS)), prompt)
+    ids = tokenizer(first)["input_ids"]
+    for piece in rest:
+        ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens (Llama, Mistral, Gemma)
+
+
+def answer_text(tokenizer, ids: list[int]) -> str:
+    """The tokens' text; where their bytes are no UTF-8 (a random model's answer, or one cut inside a character),
+    each such byte as a \\xNN escape instead of the replacement character, which would hide what was generated."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if "\ufffd" not in text:
+        return text
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_level = {char: byte for byte, char in bytes_to_unicode().items()}  # GPT-2's byte-level BPE alphabet
+
+    def token_bytes(token: str) -> bytes:
+        if match := BYTE_FALLBACK.fullmatch(token):
+            return bytes([int(match.group(1), 16)])
+        if all(char in byte_level for char in token):
+            return bytes(byte_level[char] for char in token)
+        return token.replace("\u2581", " ").encode()  # SentencePiece's word start
+
+    tokens = tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=True)  # None: past the vocabulary, no text
+    return b"".join(token_bytes(t) for t in tokens if t is not None).decode("utf-8", errors="backslashreplace")
+
+
 def processor_folder(folder: Path, config) -> Path | None:
     """Where the image preprocessor is: the checkpoint's preprocessor_config.json, else the vision tower folder's
     (released checkpoints name the tower and load its processor from there)."""

@@ -22,6 +22,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 LOG_WIDTH = 10_000  # a log's lines are as long as their content: no wrapping, no cut values
 LOG_EVERY_SECONDS = 10.0
@@ -91,8 +92,11 @@ class LogProgress:
         share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         left = f", {(self.total - self.done) / rate:.0f} s left" if rate and self.done < self.total else ""
         where = f": {detail}" if detail else ""
-        counts = f"{self.amount(self.done)} of {self.amount(self.total)}{share}"
-        pace = f"{elapsed / self.done:.1f} s each" if self.unit != "B" and 0 < rate < 1 else f"{self.amount(rate)}/s"
+        if self.unit == "B":
+            counts, pace = f"{self.amount(self.done)} of {self.amount(self.total)}{share}", f"{self.amount(rate)}/s"
+        else:  # items (graphs, layers): few and slow, each's time
+            counts = f"{self.done:,} of {self.amount(self.total)}{share}"
+            pace = f"{elapsed / self.done:.2f} s each" if self.done else "none done yet"
         return f"{self.description}: {counts}, {pace}{left}{where}"
 
     def advance(self, amount: int, detail: str = "") -> None:
@@ -126,7 +130,16 @@ def quiet(description: str, total: int, unit: str = "B") -> Iterator[Callable[..
     yield lambda amount, detail="": None
 
 
-def summary_table(title: str, rows: list[tuple[str, str]]) -> Table:
+def summary_table(title: str, rows: list[tuple[str, str]]) -> Table | Text:
+    """A command's closing summary: a table in a terminal; in a log, its title and a line a value (`key  value`,
+    a value's further lines under it), as wide as their content and no wider."""
+    if not out.is_terminal:
+        width = max((len(key) for key, _ in rows), default=0)
+        lines = [title]
+        for key, value in rows:
+            first, *more = str(value).splitlines() or [""]
+            lines += [f"  {key:<{width}}  {first}".rstrip(), *(f"  {'':<{width}}  {line}" for line in more)]
+        return Text("\n".join(lines))
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()

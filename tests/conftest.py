@@ -44,13 +44,13 @@ def family(request):
 
 @pytest.fixture(scope="session")
 def pipeline(tmp_path_factory, worker_id):
-    """Getting started's pipeline (docs/getting-started.md), run once per test run as a user runs it: its folder
-    (dattn-demo/, converted/, onnx/), each command's stdout and stderr kept in commands/. The xdist workers share it;
-    tests copy what they change."""
-    from helpers.guides import run_getting_started
+    """The README's set-up line, its quickstart and getting started's blocks, run once per test run on a fresh clone
+    as a user runs them: its folder (dattn-demo/, converted/, onnx/, video-demo/), each command's stdout and stderr
+    kept in commands/. The xdist workers share it; tests copy what they change."""
+    from helpers.guides import run_the_docs_pipeline
 
     base = tmp_path_factory.getbasetemp()
-    return run_getting_started(base if worker_id == "master" else base.parent)
+    return run_the_docs_pipeline(base if worker_id == "master" else base.parent)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from urllib.parse import unquote, urlparse
 
 import click
 import pytest
-from helpers.guides import run_block, runnable
+from helpers.guides import NOT_RUN, bash_blocks, joined_lines, readme_blocks, run_block, runnable
 
 from dattn_export.cli import main
 
@@ -117,18 +117,44 @@ def test_the_python_api_is_documented_from_docstrings(site):
         assert f'id="dattn_export.{name}"' in page, name
 
 
-def test_the_readme_quickstart_is_getting_started_s_pipeline():
-    readme = (ROOT / "README.md").read_text().split("## Quickstart")[1]
-    quickstart = re.search(r"```bash\n(.*?)```", readme, re.S).group(1)
-    assert quickstart == runnable(ROOT / "docs" / "getting-started.md")[1]  # the first block installs
+def test_getting_started_shows_the_readme_quickstart_as_written():
+    """Getting started explains the README's quickstart step by step, showing the same block (run there)."""
+    shown = next(b for b in bash_blocks(ROOT / "docs" / "getting-started.md") if "README's quickstart" in b)
+    assert shown.split("\n", 1)[1] == readme_blocks()["quickstart"] and shown.startswith(NOT_RUN[1])
 
 
 @pytest.mark.slow
-def test_the_pipeline_leaves_what_the_guides_start_from(pipeline):
+def test_the_readme_and_getting_started_run_as_written_on_a_fresh_clone(pipeline):
+    """The README's set-up line (a venv, the install, the demo), then its quickstart, which goes on from the demo's
+    folder, then getting started's blocks: each command exits 0 (the fixture asserts it), in one fresh clone."""
+    logs = pipeline / "commands"
+    assert "validation passed" in (logs / "setup" / "0.out").read_text()  # the demo, at the end of the set-up line
+    assert (pipeline / ".venv" / "bin" / "dattn-export").is_file()  # the set-up line's own install
+    quickstart = [c for c in joined_lines(readme_blocks()["quickstart"]) if c.strip()]
+    assert sorted(logs.glob("quickstart/*.out")) == [logs / "quickstart" / f"{n}.out" for n in range(len(quickstart))]
     assert (pipeline / "converted" / "dattn_manifest.json").is_file()
     assert (pipeline / "onnx" / "validation_report.json").is_file()
-    pushed = (pipeline / "commands" / "6.out").read_text()  # push --dry-run
+    pushed = (logs / "quickstart" / f"{len(quickstart) - 1}.out").read_text()  # push --dry-run
     assert "dry run:" in pushed and "would be committed to me/my-dattn" in pushed
+    assert len(list(logs.glob("getting-started-*"))) == len(runnable(ROOT / "docs" / "getting-started.md")) >= 2
+    assert (pipeline / "video-demo" / "onnx" / "validation_report.json").is_file()
+
+
+README_FIGURES = {
+    "a date": r"\b20\d\d-\d\d-\d\d\b",
+    "an issue number": r"(?i)\bissues? #?\d+|#\d+\b",
+    "a time measured": r"\b\d+(\.\d+)?\s?(s|ms|min|sec|seconds|minutes)\b",
+    "a speed ratio": r"\b\d+\.\d+x\b",
+    "a run-to-run spread": r"\b\d+(\.\d+)?\s?-\s?\d+(\.\d+)?\s?(s|ms|x|GiB|GB|%)\b",
+}
+
+
+@pytest.mark.parametrize("kind", list(README_FIGURES))
+def test_the_readme_holds_no_dated_figure(kind):
+    """The README says what the tool does, how to install and run it and what it supports; figures, with their
+    commands, dates and machines, live in docs/benchmarks.md."""
+    found = re.findall(README_FIGURES[kind], (ROOT / "README.md").read_text())
+    assert not found, found
 
 
 @pytest.mark.slow
@@ -137,6 +163,6 @@ def test_every_guide_runs_as_written(pipeline, tmp_path, guide):
     """Each guide's blocks in order, in a copy of the folder the pipeline left (a guide whose every block needs what
     this machine lacks, vLLM's and the GPU check's, is not listed: its blocks say what they need)."""
     work = tmp_path / "work"
-    shutil.copytree(pipeline, work, ignore=shutil.ignore_patterns("commands", "done"))
+    shutil.copytree(pipeline, work, ignore=shutil.ignore_patterns(".venv", "commands", "done"))
     for block in runnable(ROOT / "docs" / "guides" / f"{guide}.md"):
         run_block(block, work)

@@ -129,12 +129,13 @@ def test_generate_sees_the_released_pixels(clip_model, tmp_path):
     assert result.returncode == 0, result.stderr
     generated = json.loads(re.search(r"generated ids \(\d+\): (\[.*\])", result.stdout).group(1))
     model = load_model(checkpoint)
-    inputs = load_tokenizer(checkpoint, model.config)(DEMO_PROMPT, return_tensors="pt")
+    tokenizer = load_tokenizer(checkpoint, model.config)
+    before, _, after = DEMO_PROMPT.partition("<image>")  # the released tokenization: the marker cut out
+    ids = torch.tensor([tokenizer(before)["input_ids"] + tokenizer(after, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         expected = model.generate(
-            inputs["input_ids"], released_pixels(checkpoint, rule, path), inputs["attention_mask"], max_new_tokens=6,
-            eos_token_id=2,
-        )  # fmt: skip
+            ids, released_pixels(checkpoint, rule, path), torch.ones_like(ids), max_new_tokens=6, eos_token_id=2
+        )
     assert generated == expected[0].tolist()
 
 

@@ -204,17 +204,23 @@ def test_kernel_causal_visual_and_lse(merge):
 PTX_SCRIPT = """
 import json, sys
 from dattn_export.plugins.contract import Attributes
-from dattn_export.plugins.triton_kernel import compile_ptx
+from dattn_export.plugins.tensorrt_plugin import tactics
+from dattn_export.plugins.triton_kernel import compile_attention, compile_merge
 compiled = {}
-for arch, dtype, merge in json.loads(sys.argv[1]):
-    attributes = Attributes(128**-0.5, softcap=50.0, window=4096, merge=merge, num_contexts=2 if merge == "sum" else 1)
-    name, ptx, metadata = compile_ptx(dtype, 128, attributes, arch=arch, ptx_version=84)  # drivers of CUDA >= 12.4
-    compiled[f"{arch} {dtype} {merge}"] = {"name": name, "ptx": ptx, "num_warps": metadata.num_warps}
+for arch, dtype, merge, head_dim in json.loads(sys.argv[1]):
+    attributes = Attributes(head_dim**-0.5, softcap=50.0, window=4096, merge=merge,
+                            num_contexts=2 if merge == "sum" else 1)
+    for tactic, tiles in enumerate(tactics(head_dim, 4 if dtype == "float32" else 2)):
+        for split in (True, False) if tactic == 0 else (True,):  # what `trt` builds; the one-kernel plugin once
+            kernel = compile_attention(dtype, head_dim, attributes, tiles, split, arch=arch)
+            compiled[f"{arch} {dtype} {merge} {head_dim}|{tactic} {split}"] = kernel.__dict__
+    kernel = compile_merge(dtype, head_dim, attributes, arch=arch)
+    compiled[f"{arch} {dtype} {merge} {head_dim}|merge"] = kernel.__dict__
 print(json.dumps(compiled))
 """
-# both merges and both architectures in half precision; fp32 (no tensor cores) once
-PTX_CASES = [(80, "float16", "alpha"), (90, "float16", "alpha"), (80, "bfloat16", "sum"), (90, "bfloat16", "sum"),
-             (90, "float32", "alpha")]  # fmt: skip
+# every tactic at both head-dim classes; both merges and both architectures in half precision; fp32 (no tensor cores)
+PTX_CASES = [(90, "float16", "alpha", 128), (90, "float16", "sum", 256), (80, "bfloat16", "sum", 128),
+             (90, "float32", "alpha", 128)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -223,28 +229,39 @@ def compiled_ptx():
     compiled."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", PTX_SCRIPT, json.dumps(PTX_CASES)], capture_output=True, text=True,
-                            env=env, timeout=600)  # fmt: skip
+                            env=env, timeout=900)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def entry_parameters(kernel: dict) -> list[str]:
+    entry = kernel["ptx"].split(f".entry {kernel['name']}(")[1].split(")")[0]
+    return [line.split()[1] for line in entry.splitlines() if ".param" in line]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, dtype, merge", PTX_CASES)
-def test_kernel_compiles_to_ptx_without_a_gpu(compiled_ptx, arch, dtype, merge):
-    """What the TensorRT plugin's ahead-of-time implementation ships: PTX for the target architecture."""
-    compiled = compiled_ptx[f"{arch} {dtype} {merge}"]
-    assert f".target sm_{arch}" in compiled["ptx"] and f".entry {compiled['name']}(" in compiled["ptx"]
-    assert ".version 8.4" in compiled["ptx"]
-    params = [
-        line.split()[1]
-        for line in compiled["ptx"].split(f".entry {compiled['name']}(")[1].split(")")[0].splitlines()
-        if ".param" in line
-    ]
-    # TensorRT's AOT order: 8 input pointers, the 14 INT_ARGS, the output pointer (then Triton's scratch pointers)
-    assert params[:8] == [".u64"] * 8 and params[8:22] == [".u32"] * 14 and params[22] == ".u64"
-    assert compiled["num_warps"] >= 1
-    tensor_core = [line for line in compiled["ptx"].splitlines() if "mma.sync" in line]
-    if dtype == "float32":  # multiplied in fp32, as PyTorch multiplies fp32 by default: not in TF32 on tensor cores
-        assert not tensor_core and "tf32" not in compiled["ptx"]
-    else:
-        assert tensor_core
+@pytest.mark.parametrize("arch, dtype, merge, head_dim", PTX_CASES)
+def test_every_tactic_compiles_to_ptx_without_a_gpu(compiled_ptx, arch, dtype, merge, head_dim):
+    """What the TensorRT plugins' ahead-of-time implementations ship, for every tactic: PTX for the target
+    architecture at the PTX version deployment drivers load (CUDA 12.4's and later), its entry taking exactly what
+    TensorRT passes (input pointers, the integers, output pointers; Triton's scratch pointers dropped)."""
+    from dattn_export.plugins.tensorrt_plugin import tactics
+
+    case = f"{arch} {dtype} {merge} {head_dim}"
+    kernels = {key.split("|")[1]: value for key, value in compiled_ptx.items() if key.split("|")[0] == case}
+    assert len(kernels) == len(tactics(head_dim, 4 if dtype == "float32" else 2)) + 2
+    for key, kernel in kernels.items():
+        ptx = kernel["ptx"]
+        assert f".target sm_{arch}" in ptx and f".entry {kernel['name']}(" in ptx and ".version 8.4" in ptx, key
+        params = entry_parameters(kernel)
+        assert len(params) == kernel["parameters"], key
+        if key == "merge":  # the shares, their log-sum-exps, rows and shares, the output
+            assert params == [".u64", ".u64", ".u32", ".u32", ".u64"]
+            continue
+        outputs = 2 if key.endswith("True") else 1  # the shares and their log-sum-exps, or the op's output
+        assert params == [".u64"] * 8 + [".u32"] * 14 + [".u64"] * outputs, key
+        tensor_core = [line for line in ptx.splitlines() if "mma.sync" in line or "wgmma" in line]
+        if dtype == "float32":  # multiplied in fp32, as PyTorch multiplies fp32 by default: not in TF32 on tensor cores
+            assert not tensor_core and "tf32" not in ptx, key
+        else:
+            assert tensor_core, key

@@ -206,3 +206,20 @@ def test_model_runs_on_the_device_of_its_weights(family):
         first = model(ids, pixels)
         step = model(ids[:, :1], past_key_values=first.cache, context_key_values=first.context_key_values)
     assert step.logits.device.type == "meta" and step.logits.shape == (1, 1, config.vocab_size)
+
+
+def test_media_prepared_on_the_cpu_reach_the_model_s_device(family):
+    """Pixels are prepared on the CPU (decoding, the processors); the model moves them to its own device as its tower
+    reads them: a model on the meta device (as on a GPU) encodes a CPU picture and CPU frames, and its context K/V and
+    masks are on its device. (The audio's tokens are selected by their values, which the meta device cannot do.)"""
+    with torch.device("meta"):
+        image_model = MODEL_CLASSES[tiny_config(family).model_type](tiny_config(family)).eval()
+        video_config = tiny_config(family, audio=True, video=True)
+        video_model = MODEL_CLASSES[video_config.model_type](video_config).eval()
+    size = video_config.vision_config["image_size"]
+    picture = image_model.config.vision_config["image_size"]
+    with torch.no_grad():
+        keys, mask = image_model.model.encode_images(torch.rand(1, 1, 3, picture, picture))
+        frames = video_model.model.encode_video([torch.rand(3, 3, size, size)])
+    for context, segments in ((keys, mask), frames):
+        assert context[0][0].device.type == "meta" and segments.device.type == "meta"

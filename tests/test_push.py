@@ -178,7 +178,7 @@ def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp
     assert (
         "| tensors reload | ok |" in card.text
         and "trust_remote_code=True" in card.text
-        and DEMO_PROMPT[:20] in card.text
+        and all(repr(piece) in card.text for piece in DEMO_PROMPT.split("<image>"))  # released: the marker cut out
     )
 
 

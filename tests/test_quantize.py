@@ -1,8 +1,8 @@
 """onnx --quantize int4|int8 (ONNX Runtime's MatMulNBits) and validate's accuracy gate.
 
 The gate is held on tiny models trained first on two corpora (`helpers/quantized.py`): healthy int4 and int8 exports
-of both pass it, exports whose scales are shifted a row or whose layers are swapped fail it, and graphs of another
-model fail it, so passing is not automatic."""
+of both pass it (and the weight check), exports whose scales are shifted a row or whose layers are swapped fail the
+weight check and the gate alone, and graphs of another model fail it, so passing is not automatic."""
 
 import json
 
@@ -21,6 +21,7 @@ from dattn_export.stages import quantize
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.quantize import GATES, QUANTIZED_GRAPHS, gate
 from dattn_export.stages.validate import validate
+from dattn_export.stages.weight_check import check_weights
 
 
 @pytest.fixture(scope="module", params=list(CORPORA))
@@ -49,6 +50,8 @@ def test_quantized_decoder_passes_the_gate(trained, scheme):
     report = validate(out, checkpoint, steps=12)
     assert report.passed, report.gate
     assert report.gate.positions == 48 and report.gate.thresholds == GATES[scheme]
+    assert report.weights.passed and len(report.weights.matrices) == sum(manifest["quantization"]["matmuls"].values())
+    print(f"{scheme}: weights' worst ratio to the rounding bound {report.weights.worst.worst_ratio:.6f}")
     refused = run_cli("trt", out, "-o", work / f"{scheme}-engines")  # TensorRT's parser has no MatMulNBits
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1 and "MatMulNBits" in lines[0], refused.stderr
@@ -71,24 +74,34 @@ def test_quantized_embedding_passes_the_gate(trained):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["shift-one", "swap"])
-def test_broken_exports_fail_the_gate(trained, damage):
-    """One matrix's scales shifted a row (a quantizer that misaligns them), or two layers exchanged."""
+@pytest.mark.parametrize("damage", ["shift-one", "swap", "shift-three"])
+def test_broken_exports_fail(trained, damage):
+    """One matrix's scales shifted a row (a quantizer that misaligns them), or two layers exchanged: the weight check
+    fails first, naming the first damaged matrix, and the accuracy gate alone fails them too. Three matrices' scales
+    a row off in the second layer: the weight check fails it (a gate over a few prompts once passed it)."""
     checkpoint, work = trained
     healthy = work / "int4"
     if not healthy.exists():
         export_onnx(checkpoint, healthy, quantize=Scheme("int4"))
-    report = validate(broken_export(healthy, work / f"int4-{damage}", damage), checkpoint, steps=12)
-    assert not report.passed, report.gate
-    assert report.gate.top5_mass < GATES["int4"].top5_mass and report.gate.mean_kl > GATES["int4"].mean_kl
+    broken = broken_export(healthy, work / f"int4-{damage}", damage)
+    report = validate(broken, checkpoint, steps=12)
+    first = {"shift-one": "layers.0.mlp.down_proj", "swap": "layers.0.self_attn.q_proj",
+             "shift-three": "layers.1.self_attn.q_proj"}[damage]  # fmt: skip
+    assert not report.passed and report.gate is None and f"model.{first}.weight" in report.weights.first_failure()
+    if damage != "shift-three":
+        report = validate(broken, checkpoint, steps=12, weight_check=False)
+        assert not report.passed, report.gate
+        assert report.gate.top5_mass < GATES["int4"].top5_mass and report.gate.mean_kl > GATES["int4"].mean_kl
 
 
 @pytest.mark.slow
 def test_the_gate_fails_for_graphs_of_another_model(trained):
-    """Graphs of the base (untrained) model validated against the trained one: the same gate fails."""
+    """Graphs of the base (untrained) model validated against the trained one: the weight check fails, and so does
+    the same gate alone."""
     checkpoint, work = trained
     export_onnx(work / "base", work / "other", quantize=Scheme("int8"))
-    report = validate(work / "other", checkpoint, steps=12)
+    assert not validate(work / "other", checkpoint, steps=12).weights.passed
+    report = validate(work / "other", checkpoint, steps=12, weight_check=False)
     assert not report.passed and report.gate.greedy_mass < GATES["int8"].greedy_mass
 
 
@@ -170,6 +183,10 @@ def test_streamed_quantization_writes_what_onnx_runtimes_quantizer_writes(tmp_pa
     monkeypatch.setattr(quantize, "EMBEDDING_ROWS_BYTES", 1000)  # the table in many chunks of rows
     manifest = export_onnx(checkpoint, tmp_path / "streamed", quantize=scheme)
     export_onnx(checkpoint, tmp_path / "plain")
+    weights = check_weights(tmp_path / "streamed", checkpoint)  # every matrix within the scheme's rounding
+    assert weights.passed and len(weights.matrices) == sum(manifest.quantization.matmuls.values()) + scheme.embedding
+    # the decoder's matrices whose bytes context_kv.onnx reads too are checked once, there
+    assert {m.same_as.split()[0] for m in weights.matrices if m.same_as} == {"context_kv.onnx"}
     # the manifest reads back as written, its optional parts typed (quantization, a video model's fields)
     assert OnnxManifest.read(tmp_path / "streamed") == manifest and isinstance(manifest.quantization, Quantization)
     config = model.config

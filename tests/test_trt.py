@@ -1,6 +1,7 @@
 """TensorRT: the plugin's TensorRT-free parts on CPU; engines, TRT-vs-PyTorch and timings on a GPU only."""
 
 import importlib.util
+import itertools
 import subprocess
 import sys
 
@@ -149,3 +150,99 @@ def test_fp16_and_bf16_ask_for_an_export_of_that_type(pipeline, tmp_path):
         with pytest.raises(EnvironmentFailure, match="tensorrt: is not installed"):
             build_engines(onnx, tmp_path / "engines", "fp32", Limits(), None, False)
     assert not (tmp_path / "engines").exists()
+
+
+def plugin_launch():
+    """tools/gpu_check/plugin_launch.py: the GPU check's launch of the plugins' kernels as TensorRT launches them."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "gpu_check"))
+    try:
+        import plugin_launch as module
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+TACTIC_CASES = [  # (dtype, head dim): every tactic of both head-dim classes, every float type
+    (torch.float32, 32), (torch.float16, 32), (torch.bfloat16, 32), (torch.float16, 256),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, head_dim", TACTIC_CASES)
+def test_every_tactic_runs_as_an_engine_runs_it(dtype, head_dim):
+    """Each tactic's kernels through Triton's interpreter at their own tiles, with the arguments TensorRT passes in
+    its order (the plugins' ahead-of-time functions on concrete shapes; tools/gpu_check/plugin_launch.py's CPU
+    stand-in of the driver launch): the shares plugin, then the merge, equal the reference. A decode step (its keys
+    in shares, some empty) and a prefill, both merges, soft-capped and windowed, GQA 4."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from dattn_export.plugins.tensorrt_plugin import tactics
+
+    launch = plugin_launch()
+    tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    listed = tactics(head_dim, torch.empty(0, dtype=dtype).element_size())
+    for tactic, (queries, past, context), merge in itertools.product(
+        range(len(listed)), [(1, 2100, 1500), (20, 0, 37)], ["alpha", "sum"]
+    ):
+        g = torch.Generator().manual_seed(tactic)
+        rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+        keys = past + queries
+        segments = torch.ones(1, context, dtype=torch.int32)
+        segments[:, context * 2 // 3 :] = 2 if merge == "sum" else 1
+        inputs = (rand(1, 8, queries, head_dim), rand(1, 2, keys, head_dim), rand(1, 2, keys, head_dim),
+                  torch.ones(1, keys, dtype=torch.bool), rand(1, 8, queries, head_dim), rand(1, 2, context, head_dim),
+                  rand(1, 2, context, head_dim), segments)  # fmt: skip
+        attributes = Attributes(head_dim**-0.5, 30.0, 512, merge, num_contexts=2 if merge == "sum" else 1)
+        got, (shares, merged) = launch.plugin_attention(inputs, attributes, listed[tactic], launch.interpreted)
+        assert shares.grid[2] == (3 if queries == 1 else 1)  # 3600 keys in 3 shares; a prefill's in one
+        expected = contract.reference(tuple(t.float() if t.is_floating_point() else t for t in inputs), attributes)
+        error = (got.float() - expected).abs().max().item()
+        assert error <= tolerance * max(1.0, expected.abs().max().item()), (tactic, queries, merge, error)
+
+
+def test_split_key_nodes_rewrite_each_fused_node_as_the_two_plugins(tmp_path):
+    """`trt` with the plugin builds each fused node as DecomposedAttentionShares then MergeShares (the plugins a
+    TensorRT parser maps them to, by name, namespace and version), the rest of the graph untouched."""
+    import onnx
+
+    from dattn_export.plugins.tensorrt_plugin import MERGE, SHARES
+    from dattn_export.stages.trt_build import split_key_nodes
+
+    export_onnx(write_demo_checkpoint(tmp_path / "ckpt", "gemma2"), tmp_path / "onnx")
+    model = onnx.load(tmp_path / "onnx" / "decoder.onnx")
+    fused = [n for n in model.graph.node if n.op_type == contract.TYPE]
+    others = [n.op_type for n in model.graph.node if n.op_type != contract.TYPE]
+    assert split_key_nodes(model, "float16") == len(fused) > 0
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count(SHARES) == ops.count(MERGE) == len(fused) and contract.TYPE not in ops
+    assert [op for op in ops if op not in (SHARES, MERGE)] == others
+    for node, shares, merge in zip(fused, *(nodes_of(model, op) for op in (SHARES, MERGE))):
+        values = lambda n: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
+        assert list(shares.input) == list(node.input) and values(shares) == values(node)
+        assert list(merge.input) == list(shares.output) and list(merge.output) == list(node.output)
+        attributes = values(merge)
+        assert attributes["dtype"] == b"float16" and attributes["plugin_namespace"] == b"dattn"
+        assert attributes["merge"] == values(node)["merge"] and attributes["num_heads"] == values(node)["num_heads"]
+        assert shares.domain == merge.domain == contract.DOMAIN
+
+
+def nodes_of(model, op_type: str) -> list:
+    return [n for n in model.graph.node if n.op_type == op_type]
+
+
+def test_the_plugins_decoder_has_a_decode_step_profile():
+    """With the plugin, the decoder's engine has a second profile of one query a step, so that TensorRT keeps the
+    fastest tactic for decode steps apart from prefills; a graph without a sequence gets one profile."""
+    from dattn_export.artifacts import GraphValue
+    from dattn_export.stages.trt_build import Limits, profiles
+
+    decoder = [GraphValue("input_ids", "int64", ["batch", "sequence"]),
+               GraphValue("past_key_values.0.key", "float16", ["batch", 2, "past_sequence", 32])]  # fmt: skip
+    limits = Limits(max_batch=2, max_text_tokens=256)
+    prefill, step = profiles(decoder, limits, plugin=True)
+    assert prefill["input_ids"] == ([1, 1], [2, 64], [2, 256]) and step["input_ids"] == ([1, 1], [2, 1], [2, 1])
+    assert step["past_key_values.0.key"] == prefill["past_key_values.0.key"]
+    assert len(profiles(decoder, limits, plugin=False)) == 1
+    vision = [GraphValue("pixel_values", "float16", ["batch", "images", 3, 32, 32])]
+    assert len(profiles(vision, limits, plugin=True)) == 1

@@ -80,6 +80,12 @@ def model_shapes(config) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def parameter_shapes(config) -> dict[str, tuple[int, ...]]:
+    """`model_shapes` without the tensors tied to another (stored and counted once)."""
+    tied = tied_names(config)
+    return {name: shape for name, shape in model_shapes(config).items() if name not in tied}
+
+
 @dataclass
 class Source:
     """A checkpoint opened for reading: its config, its tensors by canonical name, and what is wrong."""
@@ -190,13 +196,18 @@ def audit(reader: CheckpointReader, vision_heads: int | None = None) -> Source:
     return source
 
 
-def build_model(source: Source, dtype: torch.dtype = torch.float32, whole: bool | None = None) -> DAttnForCausalLM:
+def build_model(source: Source, dtype: torch.dtype = torch.float32, whole: bool | None = None,
+                device: str = "cpu") -> DAttnForCausalLM:  # fmt: skip
     """The reference model in `dtype`, without random initialisation (`weights.py`); refuses NaN/Inf weights and,
     for fp16, values fp16 cannot hold. `whole`: every weight in memory; otherwise (the default where the whole model
-    does not fit in the memory available) its layers read their weights as they run, the same numbers."""
+    does not fit in the memory available) its layers read their weights as they run, the same numbers. On a GPU
+    (`device` "cuda") the whole model, each weight read, cast and moved there in turn."""
     source.raise_first_problem()
     model = empty_model(MODEL_CLASSES[source.config.model_type], source.config, dtype)
     whole_bytes = parameter_bytes(model)
+    if device != "cpu":
+        memory.require_gpu(whole_bytes, f"the model in {dtype_name(dtype)}")
+        return materialize(model, source.tensors, source.stored_names, dtype, device=device).to(device)
     if whole if whole is not None else memory.fits(whole_bytes):
         return materialize(model, source.tensors, source.stored_names, dtype)
     memory.require(

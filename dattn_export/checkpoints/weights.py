@@ -78,11 +78,12 @@ def materialize(
     stored_names: dict[str, str],
     dtype: torch.dtype,
     complete: bool = True,
+    device: str = "cpu",
 ) -> nn.Module:
-    """Every parameter of a model built by `empty_model` set from the checkpoint's tensors (canonical names);
-    `complete=False`: some are left for `stream`."""
+    """Every parameter of a model built by `empty_model` set from the checkpoint's tensors (canonical names), on
+    `device`, one tensor at a time; `complete=False`: some are left for `stream`."""
     for name, lazy in tensors.items():
-        set_parameter(model, name, checked_cast(stored_names[name], lazy, dtype))
+        set_parameter(model, name, checked_cast(stored_names[name], lazy, dtype).to(device))
     tie(model)
     if not complete:
         return model

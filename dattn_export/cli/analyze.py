@@ -8,17 +8,17 @@ import click
 
 from ..extras import require
 from ..folders import TRAINING_OUTPUT, resolve
-from .common import examples, output_option, video_options
+from .common import MEDIA_PATH, examples, output_option, video_options
 
 
 @click.command(
     epilog=examples(
         "dattn-export analyze ./converted --image cat.png --prompt $'USER: <image>\\nWhat is it?\\nASSISTANT:' -o out",
-        "dattn-export analyze ./video-model --video clip.mp4 --prompt $'USER: What happens?\\nASSISTANT:' -o out",
+        "dattn-export analyze ./video-model --video clip.mp4 --prompt $'USER: <image>\\nWhat happens?' -o out",
     )
 )
 @click.argument("checkpoint", type=click.Path())
-@click.option("--image", type=click.Path(path_type=Path), help="Image file.")
+@click.option("--image", type=MEDIA_PATH, help="Image file.")
 @video_options
 @click.option("--prompt", required=True, help="Prompt; mark where the image sits with <image> for the LAWS curves.")
 @output_option("Report folder: report.json, visual_mass.png, laws.png.")

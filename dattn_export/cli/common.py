@@ -11,7 +11,7 @@ import click
 
 from .. import __version__
 from ..dtypes import TORCH_NAMES, short_name
-from ..errors import one_line
+from ..errors import InputError, one_line
 from ..modeling import families  # plain Python: --help imports no torch
 
 FAMILIES = tuple(families.FAMILIES)
@@ -110,10 +110,28 @@ def output_option(help: str, name: str = "out"):
     )
 
 
+class MediaPath(click.Path):
+    """A media file or folder: one that does not exist is answered at once, as a missing checkpoint is (the path's
+    deepest existing part named), before anything heavy is imported."""
+
+    def __init__(self):
+        super().__init__(path_type=Path)
+
+    def convert(self, value, param, ctx):
+        from ..folders import missing
+
+        if not os.path.lexists(value):
+            raise InputError(value, missing(Path(value)))
+        return super().convert(value, param, ctx)
+
+
+MEDIA_PATH = MediaPath()
+
+
 def video_options(command):
     """--video, --frames and --audio: a video model's inputs."""
     for name, text in reversed(VIDEO_OPTIONS):
-        command = click.option(f"--{name}", type=click.Path(path_type=Path), help=text)(command)
+        command = click.option(f"--{name}", type=MEDIA_PATH, help=text)(command)
     return command
 
 
@@ -125,20 +143,32 @@ VIDEO_OPTIONS = [
 
 
 def device_option(command):
-    """--device: where ONNX Runtime runs the graphs (--backend ort)."""
+    """--device: where the model or the graphs run (--backend torch or ort)."""
     return click.option(
         "--device",
         type=click.Choice(["cpu", "cuda"]),
         default="cpu",
         show_default=True,
-        help="--backend ort: ONNX Runtime's CPU provider, or its CUDA provider on an NVIDIA GPU (onnxruntime-gpu, "
-        "the [gpu] extra).",
+        help="--backend torch: the PyTorch model on the CPU (fp32), or on an NVIDIA GPU in 16 bits with the Triton "
+        "kernel, decoding from a CUDA graph (the [gpu] extra); --backend ort: ONNX Runtime's CPU provider, or its CUDA "
+        "provider (onnxruntime-gpu, the [gpu] extra).",
     )(command)
 
 
+DEVICE_BACKENDS = ("torch", "ort")  # those that run on the CPU or a GPU (TensorRT on a GPU only, genai on the CPU)
+
+
 def check_device(backend: str, device: str) -> None:
-    if device != "cpu" and backend != "ort":
-        raise click.UsageError(f"--device {device} applies to --backend ort (TensorRT engines run on the GPU anyway)")
+    """A --device the backend takes; for the PyTorch model on a GPU, Triton and a visible GPU (exit 3 without)."""
+    if device != "cpu" and backend not in DEVICE_BACKENDS:
+        raise click.UsageError(f"--device {device} applies to --backend torch or ort (TensorRT runs on the GPU anyway, "
+                               "onnxruntime-genai on the CPU)")  # fmt: skip
+    if device == "cuda" and backend == "torch":
+        from ..extras import require
+        from ..memory import require_gpu
+
+        require("triton")
+        require_gpu(0, "the model")
 
 
 def source_options(command):

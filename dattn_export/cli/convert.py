@@ -35,8 +35,8 @@ def convert(checkpoint: str, out: Path, dtype: str, max_shard_size: str, force: 
     checkpoint = resolve(checkpoint, "convert", *TRAINING_OUTPUT, base=base, base_option=True)
     from ..checkpoints.names import audio_tower_role
     from ..stages.convert import convert as run_convert
+    from ..ui import human_bytes, progress, summary_table
     from ..ui import out as stdout
-    from ..ui import progress, summary_table
 
     result = run_convert(checkpoint, out, dtype, max_shard_size, force, base, vision_heads, progress)
     shards = sorted(n for n in result.files if n.endswith(".safetensors"))
@@ -57,6 +57,10 @@ def convert(checkpoint: str, out: Path, dtype: str, max_shard_size: str, force: 
         ),
         ("bytes", f"{result.weight_bytes:,}"),
         ("copied", result.copy),
-        ("time", f"{result.seconds:.2f} s ({result.weight_bytes / max(result.seconds, 1e-9) / 1e6:.0f} MB/s)"),
+        (
+            "time",
+            f"{result.seconds:.2f} s in all; the tensors written in {result.writing_seconds:.2f} s "
+            f"({human_bytes(result.weight_bytes / max(result.writing_seconds, 1e-9))}/s)",
+        ),  # fmt: skip
     ]
     stdout.print(summary_table("dattn-export convert", rows))

@@ -12,6 +12,11 @@ from .answers import print_prompt_result
 from .common import FAMILIES, examples
 from .validate import print_validation
 
+RANDOM_WEIGHTS = (
+    "(the demo model's weights are random, so its answer is noise by design: what the demo checks is that every "
+    "backend gives the reference's tokens, not what they say)"
+)
+
 
 @click.command(epilog=examples("dattn-export demo", "dattn-export demo ./video-demo --family gemma2 --input video"))
 @click.argument("directory", default="dattn-demo", type=click.Path(file_okay=False, path_type=Path))
@@ -53,6 +58,6 @@ def demo(directory: Path, family: str, input_type: str, max_new_tokens: int, for
         ("verify", f"{run.converted}: {verified}"),
         ("onnx", f"{run.exported}: validation {'passed' if run.report.passed else 'FAILED'}"),
     ]
-    print_prompt_result("dattn-export demo", run.result, rows, run.seconds)
+    print_prompt_result("dattn-export demo", run.result, rows, run.seconds, note=RANDOM_WEIGHTS)
     if not run.passed:
         raise SystemExit(1)

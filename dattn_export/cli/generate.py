@@ -9,7 +9,7 @@ import click
 from ..extras import require_backend
 from ..folders import BACKENDS, resolve
 from .answers import answers_json, print_answers, print_prompt_result
-from .common import check_device, device_option, examples, video_options
+from .common import MEDIA_PATH, check_device, device_option, examples, video_options
 
 
 @click.command(
@@ -32,7 +32,7 @@ from .common import check_device, device_option, examples, video_options
     help='A file of prompts, after any --prompt: one a line, or JSON lines (.jsonl: a string or {"prompt": ...} '
     "a line, for prompts with line breaks).",
 )
-@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="Image file (repeatable).")
+@click.option("--image", "images", multiple=True, type=MEDIA_PATH, help="Image file (repeatable).")
 @video_options
 @click.option(
     "--max-new-tokens", type=click.IntRange(min=1), default=20, show_default=True, help="Greedy tokens to generate."
@@ -74,7 +74,7 @@ def generate(
     prompts = [*prompts, *(read_prompts(prompts_file) if prompts_file else [])]
     media = Media(images=list(images), video=video, frames=frames, audio=audio)
     if backend == "torch":
-        answers = run_prompts(checkpoint, prompts, media, max_new_tokens)
+        answers = run_prompts(checkpoint, prompts, media, max_new_tokens, device)
     else:
         answers = run_prompts_graphs(checkpoint, prompts, media, max_new_tokens, backend, device)
     if as_json:

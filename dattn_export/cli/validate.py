@@ -8,7 +8,7 @@ import click
 
 from ..extras import require, require_backend
 from ..folders import BACKENDS, TRAINING_OUTPUT, resolve
-from .common import check_device, device_option, examples, video_options
+from .common import MEDIA_PATH, check_device, device_option, examples, video_options
 
 
 @click.command(
@@ -21,10 +21,12 @@ from .common import check_device, device_option, examples, video_options
 @click.option("--against", type=click.Path(), help="Reference checkpoint (default: the export's source).")
 @click.option(
     "--backend",
-    type=click.Choice(["ort", "trt"]),  # those of BACKENDS that run the graphs the reference is compared with
+    type=click.Choice(["ort", "trt", "torch"]),  # those of BACKENDS whose numbers the fp32 reference checks
     default="ort",
     show_default=True,
-    help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU.",
+    help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU; torch: a checkpoint or "
+    "converted folder, the PyTorch model as it runs deployed (16 bits, static-cache decoding; on --device cuda the "
+    "Triton kernel and CUDA graphs) against its fp32 reference on the same device.",
 )
 @click.option(
     "--max-new-tokens",
@@ -49,13 +51,25 @@ from .common import check_device, device_option, examples, video_options
     help="Relative tolerance on the logits: each passes within atol + rtol * |reference| (numpy's allclose).",
 )
 @click.option("--prompt", default=None, help="Prompt (default: the demo's).")
-@click.option("--image", type=click.Path(exists=True, path_type=Path), help="Image (default: the demo's picture).")
+@click.option("--image", type=MEDIA_PATH, help="Image (default: the demo's picture).")
 @video_options
 @click.option(
     "--save-polygraphy",
     type=click.Path(file_okay=False, path_type=Path),
     help="Write every compared graph run's inputs and the reference's outputs here in polygraphy's JSON format, "
     "and print the `polygraphy run` commands that check them.",
+)
+@click.option(
+    "--weights-only",
+    is_flag=True,
+    help="A quantized export: check only its weights against the checkpoint (every element within its scheme's "
+    "rounding), without running the graphs. `validate` checks them first unless --no-weight-check.",
+)
+@click.option(
+    "--no-weight-check",
+    is_flag=True,
+    help="A quantized export: skip the weight check and hold the graphs to the accuracy gate alone (weights that "
+    "another tool quantized other than to the nearest point of each block's grid, as GPTQ does).",
 )
 @device_option
 def validate(
@@ -71,12 +85,19 @@ def validate(
     frames,
     audio,
     save_polygraphy: Path | None,
+    weights_only: bool,
+    no_weight_check: bool,
     device: str,
 ):
     """Run the graphs in FOLDER (an `onnx` export, or with --backend trt a `trt` engines folder) and compare them
     with the PyTorch reference; exit 1 beyond tolerance. A video model takes --video, --frames or --audio (default:
     the demo video's frames and sound)."""
     check_device(backend, device)
+    if weights_only and no_weight_check:
+        raise click.UsageError("--weights-only and --no-weight-check exclude each other")
+    if backend == "torch" and (against or save_polygraphy or weights_only or atol is not None):
+        raise click.UsageError("--backend torch checks a checkpoint against itself in fp32: it takes no --against, "
+                               "--atol, --save-polygraphy or --weights-only")  # fmt: skip
     folder = resolve(folder, f"validate --backend {backend}", *BACKENDS[backend], hub=False)
     against = against and resolve(against, "validate --against", *TRAINING_OUTPUT)
     require_backend(backend)
@@ -85,8 +106,15 @@ def validate(
     from ..media import Media
     from ..stages.validate import validate as run_validate
     from ..ui import out as stdout
+    from ..ui import progress
 
     media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
+    if backend == "torch":
+        from ..stages.validate_model import validate_model
+
+        report = validate_model(folder, device, steps, prompt, media)
+        print_validation(report, folder, written=False)
+        raise SystemExit(0 if report.passed else 1)
     report = run_validate(
         folder,
         against,
@@ -98,7 +126,16 @@ def validate(
         atol=atol,
         rtol=rtol,
         device=device,
+        weights_only=weights_only,
+        weight_check=not no_weight_check,
+        progress=progress,
     )
+    if report.weights is not None:
+        print_weights(report.weights, report.reference)
+    if report.weights is not None and (weights_only or not report.weights.passed):
+        verdict = "[green]PASSED[/]" if report.passed else f"[red]FAILED[/]: {report.weights.first_failure()}"
+        stdout.print(f"{verdict} (report: {folder / 'validation_report.json'})")
+        raise SystemExit(0 if report.passed else 1)
     print_validation(report, folder)
     if report.polygraphy_commands:
         stdout.print(f"polygraphy data in {save_polygraphy}; check it (--trt instead of --onnxrt for TensorRT):")
@@ -108,13 +145,16 @@ def validate(
         raise SystemExit(1)
 
 
-def print_validation(report, folder: Path) -> None:
+def print_validation(report, folder: Path, written: bool = True) -> None:
+    """The report's table and verdict; `written`: validation_report.json was written in `folder`."""
     from rich.table import Table
 
     from ..artifacts import VALIDATION_REPORT
     from ..ui import out
 
     rule = f"logits within atol {report.tolerance:g}" + (f" + rtol {report.rtol:g}" if report.rtol else "")
+    if report.backend == "torch":
+        rule = f"against fp32: logits within {report.tolerance:.3g}, a share of the largest fp32 logit"
     if report.gate:  # quantized weights: the gate decides, the fp tolerance does not apply
         rule = f"{report.gate.scheme} weights: held to the accuracy gate, not to a logits tolerance"
     where = "gpu" if report.backend == "trt" else report.device
@@ -139,7 +179,34 @@ def print_validation(report, folder: Path) -> None:
     verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
     tokens = f"greedy tokens: {report.agreement}/{len(report.reference_tokens)} agree with the reference"
     if report.gate:  # free-running tokens part at the first near tie and never meet again: reported, not gated
-        decided = f"by the accuracy gate above; {tokens} (reported, not gated: quantized weights may part at a tie)"
+        weights = "not checked (--no-weight-check)"
+        if report.weights:
+            weights = f"within {report.gate.scheme}'s rounding ({len(report.weights.matrices)} matrices)"
+        tied = "reported, not gated: quantized weights may part at a tie"
+        decided = f"by the accuracy gate above; {tokens} ({tied}); weights {weights}"
     else:
-        decided = f"logits {'within' if report.logits_within else 'beyond'} tolerance; {tokens} (all must)"
-    out.print(f"{verdict}: {decided} (report: {folder / VALIDATION_REPORT})")
+        gated = "all must" if report.tokens_gated else "reported, not gated: 16-bit logits may part at a tie"
+        decided = f"logits {'within' if report.logits_within else 'beyond'} tolerance; {tokens} ({gated})"
+    out.print(f"{verdict}: {decided}" + (f" (report: {folder / VALIDATION_REPORT})" if written else ""))
+
+
+def print_weights(check, checkpoint: str) -> None:
+    from rich.table import Table
+
+    from ..ui import out
+
+    table = Table(
+        title=f"quantized weights ({check.scheme}) against {checkpoint}: each element within its block's rounding "
+        "bound (ratio <= 1)",
+        title_justify="left",
+    )
+    for column in ("graph", "matrices", "worst ratio", "at"):
+        table.add_column(column)
+    for graph in dict.fromkeys(m.graph for m in check.matrices):
+        matrices = [m for m in check.matrices if m.graph == graph]
+        worst = max(matrices, key=lambda m: m.worst_ratio)
+        style = "" if worst.passed else "[red]"
+        where = f"{worst.node} ({worst.source}), row {worst.row}, block {worst.block}"
+        ratio = f"{worst.worst_ratio:.5f}" if worst.passed else f"{worst.worst_ratio:.3g}"
+        table.add_row(f"{graph}.onnx", str(len(matrices)), f"{style}{ratio}", where)
+    out.print(table)

@@ -55,6 +55,29 @@ from .streams import (
 KV = tuple[Tensor, ...]
 
 
+class StaticKV(tuple):
+    """One layer's text cache in buffers of a fixed length (key, value (B, kv_heads, L, head_dim)): a decode step
+    writes its token's K/V at `slot` (a one-element tensor, on the buffers' device) instead of growing the cache, so
+    every step has the same shapes (a CUDA graph replays it). The attention mask marks the slots written."""
+
+    slot: Tensor
+
+    def __new__(cls, key: Tensor, value: Tensor, slot: Tensor):
+        kv = super().__new__(cls, (key, value))
+        kv.slot = slot
+        return kv
+
+
+def extend(past: KV | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """A layer's text K/V with this call's appended: the past's and the new concatenated, or a StaticKV's buffers
+    with the new written at its slot."""
+    if past is None:
+        return k, v
+    if isinstance(past, StaticKV):
+        return past[0].index_copy_(2, past.slot, k), past[1].index_copy_(2, past.slot, v)
+    return torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+
+
 def family_part(family: Family, part: str) -> type[nn.Module]:
     """One of transformers' modules of the family, by its name after the family's prefix ("RMSNorm", "MLP", ...)."""
     name = family.transformers_module
@@ -396,8 +419,7 @@ class DAttnDecoderLayer(nn.Module, LayerNorms):
         q = attn.heads(attn.q_proj, x)
         q_rot, k = apply_rope(q, *rope), apply_rope(attn.heads(attn.k_proj, x), *rope)
         v = attn.heads(attn.v_proj, x)
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        k, v = extend(past, k, v)
         q_vis = q if self.debias else q_rot
         heads_out = attn.attend(q_rot, k, v, key_mask, q_vis, context[:2], context_mask)
         attn_out = attn.output(heads_out)
@@ -529,7 +551,7 @@ class ContextStreams:
             raise ValueError("a video model takes frames and audio (encode_video, encode_audio), not images")
         batch, images = pixel_values.shape[:2]
         grid = self.config.patch_grid
-        features = self.mm_vis(pixel_values.flatten(0, 1).to(self.dtype)).unflatten(1, (grid, grid))
+        features = self.mm_vis(pixel_values.flatten(0, 1).to(self.device, self.dtype)).unflatten(1, (grid, grid))
         x = self.mm_rand_norm(self.mm_rand_projector(features))
         x = self.with_positions(x)
         x = self.scaled(self.mm_rand_llm_norm(x.flatten(1, 2)))
@@ -547,7 +569,8 @@ class ContextStreams:
     def anyres_stream(self, thumbnail: Tensor, tiles: Tensor) -> Tensor:
         """One anyres image as its stream tokens (the anyres vision graph): its thumbnail (1, 3, H, W) and tiles
         (rows, columns, 3, H, W) -> (1, L, hidden)."""
-        features = self.mm_rand_projector(self.mm_vis(torch.cat([thumbnail, tiles.flatten(0, 1)]).to(self.dtype)))
+        pixels = torch.cat([thumbnail, tiles.flatten(0, 1)]).to(self.device, self.dtype)
+        features = self.mm_rand_projector(self.mm_vis(pixels))
         return self.stream_tokens(self.anyres_tokens(features[0], features[1:].unflatten(0, tiles.shape[:2])))[None]
 
     def with_positions(self, x: Tensor) -> Tensor:
@@ -580,7 +603,7 @@ class ContextStreams:
         for sample in frames:  # a tensor, or images.PreparedFrames: each part prepared as it is read
             tokens, nonzero = [], False
             for start in range(0, len(sample), FRAMES.parts_per_run):
-                pixels = sample[start : start + FRAMES.parts_per_run]
+                pixels = sample[start : start + FRAMES.parts_per_run].to(self.device)  # prepared where they were read
                 index = torch.arange(start, start + len(pixels), device=pixels.device)
                 num_frames = torch.tensor(len(sample), device=pixels.device)
                 tokens.append(self.frame_stream(pixels, index, num_frames, side)[0])
@@ -620,7 +643,7 @@ class ContextStreams:
         each part's tokens within the sample kept. A sample whose features are all zero has no audio."""
         samples = []
         for sample, length in zip(mels, mel_frames):
-            parts = sample.split(self.audio_chunks_per_run())
+            parts = sample.to(self.device).split(self.audio_chunks_per_run())
             starts = range(0, len(sample), self.audio_chunks_per_run())
             streams = [
                 self.audio_stream(
@@ -733,7 +756,7 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams):
     def image_mask(self, pixel_values: Tensor) -> Tensor:
         """(B, images * tokens_per_image) bool: with mm_mask_empty_images an all-zero image stands for "no image"
         (how the released models batch samples without one) and text does not attend to it."""
-        present = pixel_values.flatten(2).abs().sum(-1) != 0
+        present = pixel_values.flatten(2).abs().sum(-1).to(self.device) != 0
         if not self.config.mm_mask_empty_images:
             present = torch.ones_like(present)
         return present.repeat_interleave(self.config.tokens_per_image, dim=1)

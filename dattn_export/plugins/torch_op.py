@@ -49,3 +49,10 @@ decomposed_attention = torch.library.custom_op(
 )
 decomposed_attention.register_kernel("cuda")(_kernel)
 decomposed_attention.register_fake(lambda q, *rest: torch.empty_like(q))
+
+
+def model_op(*inputs, **keywords) -> torch.Tensor:
+    """The op as the model's attention calls it (the reference's keywords), through `torch.ops.dattn`: the Triton
+    kernel on CUDA tensors, the reference elsewhere. The model takes it with `contract.using_op(model, model_op)`."""
+    attributes = Attributes.from_reference(**keywords)
+    return decomposed_attention(*inputs, *(getattr(attributes, name) for name in Attributes.names()))

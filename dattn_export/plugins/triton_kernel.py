@@ -14,9 +14,9 @@ merge sum:   each is normalised by its own sum and the outputs are added.
 Logits and accumulation are fp32 whatever the input dtype.
 Optionally writes the per-query log-sum-exp of each segment (S_V, S_T): sigmoid(S_V - S_T) is the
 attention mass on the image.
-Split keys (SPLITS > 1, a decode step): a third grid axis splits the text keys and the context keys into shares,
-one of each per program; each program writes each slot's (text; each context segment, or all of them) normalized
-output and log-sum-exp, and `merge_shares_kernel` merges them (flash-decoding).
+Split keys (SPLIT_KEYS, a decode step): a third grid axis splits the text keys and the context keys into as many
+shares as it has programs, one of each per program; each program writes each slot's (text; each context segment,
+or all of them) normalized output and log-sum-exp, and `merge_shares_kernel` merges them (flash-decoding).
 
 The same kernel runs under TRITON_INTERPRET=1 on CPU tensors (the tests), compiles to PTX for sm_80/sm_90
 without a GPU (the TensorRT plugin's ahead-of-time implementation), and backs a torch.library op on CUDA.
@@ -25,6 +25,7 @@ without a GPU (the TensorRT plugin's ahead-of-time implementation), and backs a 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
@@ -33,7 +34,8 @@ from ..artifacts import DTYPES
 from . import contract
 from .contract import Attributes
 
-BLOCK_M = 16  # queries per program
+BLOCK_M = 16  # (query, head) rows a program unless the tiles say otherwise
+MERGE_WARPS = 2  # merge_shares_kernel: one row of D values a program
 INT_ARGS = (
     "num_heads",
     "group",
@@ -149,9 +151,10 @@ def _store_share(PARTIAL, PARTIAL_LSE, slot, SLOTS: tl.constexpr, out_row, num_r
 
 
 @triton.jit
-def _share(num_keys, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[start, end) of this program's share of `num_keys` keys, in whole tiles."""
-    share = tl.cdiv(tl.cdiv(num_keys, SPLITS), BLOCK_N) * BLOCK_N
+def _share(num_keys, BLOCK_N: tl.constexpr):
+    """[start, end) of this program's share of `num_keys` keys, in whole tiles: the grid's third axis is the shares,
+    set at launch (by shapes alone in TensorRT's)."""
+    share = tl.cdiv(tl.cdiv(num_keys, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = tl.program_id(2) * share
     return start, tl.minimum(num_keys, start + share)
 
@@ -199,7 +202,7 @@ def dattn_kernel(
     CAUSAL: tl.constexpr,
     NUM_CONTEXTS: tl.constexpr,
     SLOTS: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
 ):
     # a program's rows are (query, head) pairs of one kv head's group, the group's heads side by side: they read the
     # same K/V tiles, so a decode step (one query) fills a tile's rows with the group instead of padding
@@ -218,16 +221,16 @@ def dattn_kernel(
         q, q_vis = q.to(tl.float32), q_vis.to(tl.float32)
     text_slot = num_keys - num_queries + query  # the queries are the last text slots
     text_start, text_end, context_start, context_end = 0, num_keys, 0, num_context
-    if SPLITS > 1:  # split keys: this program takes one share of the text keys and one of the context keys
-        text_start, text_end = _share(num_keys, SPLITS, BLOCK_N)
-        context_start, context_end = _share(num_context, SPLITS, BLOCK_N)
+    if SPLIT_KEYS:  # this program takes one share of the text keys and one of the context keys
+        text_start, text_end = _share(num_keys, BLOCK_N)
+        context_start, context_end = _share(num_context, BLOCK_N)
 
     m_t, l_t, acc_t = _segment(
         q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_kb + kv_head * stride_kh,
         KEY_MASK, text_start, text_end, stride_kn, b * num_keys, text_slot, 0, scale, softcap, window, offs_d,
         HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP, CAUSAL, UPCAST, DOT_PRECISION, 0,
     )  # fmt: skip
-    if SPLITS > 1:
+    if SPLIT_KEYS:
         _store_share(PARTIAL, PARTIAL_LSE, 0, SLOTS, out_row, num_rows, offs_d, rows, HEAD_DIM,
                      m_t, l_t, acc_t)  # fmt: skip
     # context keys: slots [0, V) before the text when causal, so the queries sit at V + their text slot
@@ -242,7 +245,7 @@ def dattn_kernel(
                 num_context + text_slot, 0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP,
                 CAUSAL_CONTEXT, UPCAST, DOT_PRECISION, segment,
             )  # fmt: skip
-            if SPLITS > 1:
+            if SPLIT_KEYS:
                 _store_share(PARTIAL, PARTIAL_LSE, segment, SLOTS, out_row, num_rows, offs_d, rows,
                              HEAD_DIM, m_s, l_s, acc_s)  # fmt: skip
             out += _normalized(l_s, acc_s)
@@ -253,7 +256,7 @@ def dattn_kernel(
             num_context + text_slot, 0, scale, softcap, window, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, SOFTCAP,
             CAUSAL_CONTEXT, UPCAST, DOT_PRECISION, 0,
         )  # fmt: skip
-        if SPLITS > 1:
+        if SPLIT_KEYS:
             _store_share(PARTIAL, PARTIAL_LSE, 1, SLOTS, out_row, num_rows, offs_d, rows, HEAD_DIM,
                          m_v, l_v, acc_v)  # fmt: skip
         m = tl.maximum(m_v, m_t)
@@ -261,7 +264,7 @@ def dattn_kernel(
         w_v, w_t = tl.exp2((m_v - m) * LOG2E_), tl.exp2((m_t - m) * LOG2E_)
         total = l_v * w_v + l_t * w_t
         out = (acc_v * w_v[:, None] + acc_t * w_t[:, None]) / tl.where(total == 0.0, 1.0, total)[:, None]
-    if SPLITS == 1:  # with split keys, `launch` merges the shares
+    if not SPLIT_KEYS:  # with split keys, `merge_shares_kernel` merges the shares
         tl.store(OUT + q_offsets, out.to(OUT.dtype.element_ty), mask=rows[:, None])
     if WRITE_LSE:  # LSE: (2, B, Hq, T) fp32, S_V (all context keys) then S_T; -inf for a segment with nothing visible
         tl.store(LSE + out_row, m_v + tl.log(l_v), mask=rows)
@@ -276,16 +279,28 @@ def launch_grid(q_shape, k_shape, cdiv=lambda a, b: -(-a // b), block_m: int = B
     return cdiv(queries * heads, block_m * kv_heads), batch * kv_heads
 
 
-def key_splits(num_queries: int, num_keys: int) -> int:
+def at_least(a, b):
+    """max(a, b) of ints, or of TensorRT's shape expressions (which have +, -, *, // and <, but no max)."""
+    return a + (b - a) * (a < b)
+
+
+def at_most(a, b):
+    """min(a, b), as `at_least`."""
+    return a - (a - b) * (b < a)
+
+
+def key_splits(num_queries, num_keys):
     """The shares a decode step's keys (text and context) are split into (flash-decoding): unsplit, one program per
     kv head streams every key while most of the GPU's multiprocessors wait. Shares of about 1024 keys, at most 32:
     the fastest `bench/kernel_blocks.py --splits` measured on an H200 from 2k to 64k context tokens (more shares
-    cost more in the merge than they save)."""
-    return 1 if num_queries > BLOCK_M else max(1, min(32, num_keys // 1024))
+    cost more in the merge than they save). A prefill (more queries than a program's rows) is not split. Ints, or
+    TensorRT's shape expressions (the plugin's grid is computed from the shapes at each launch)."""
+    decode = num_queries < BLOCK_M + 1
+    return 1 + decode * (at_most(at_least(num_keys // 1024, 1), 32) - 1)
 
 
 @triton.jit
-def merge_shares_kernel(PARTIAL, PARTIAL_LSE, OUT, num_rows, splits, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+def merge_shares_kernel(PARTIAL, PARTIAL_LSE, num_rows, splits, OUT, SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         MERGE_SUM: tl.constexpr):  # fmt: skip
     """One output row (of B * Hq * T) from the split programs' shares (`_store_share`): each slot's shares weighted
     by their log-sum-exps, then the slots added (sum merge) or, for alpha, all shares of both slots weighted alike
@@ -320,8 +335,8 @@ def merge_shares(partial, partial_lse, out, merge_sum: bool) -> None:
     """`out` (contiguous B, Hq, T, D) from the shares: PARTIAL (splits, SLOTS, B * Hq, T, D) and its log-sum-exps."""
     splits, slots = partial.shape[:2]
     num_rows = out.numel() // out.shape[-1]
-    merge_shares_kernel[(num_rows,)](partial, partial_lse, out, num_rows, splits, SLOTS=slots,
-                                     HEAD_DIM=out.shape[-1], MERGE_SUM=merge_sum, num_warps=2)  # fmt: skip
+    merge_shares_kernel[(num_rows,)](partial, partial_lse, num_rows, splits, out, SLOTS=slots,
+                                     HEAD_DIM=out.shape[-1], MERGE_SUM=merge_sum, num_warps=MERGE_WARPS)  # fmt: skip
 
 
 def int_arguments(q_shape, k_shape, k_vis_shape) -> list:
@@ -363,18 +378,27 @@ def dot_precision(dtype: str, tf32: bool = False) -> str | None:
     return "ieee" if dtype == "float32" and not tf32 else None
 
 
-def tiles(num_queries: int, head_dim: int, element_bytes: int = 2) -> dict:
-    """The tile shape and warps `launch` takes on a GPU: the fastest bench/kernel_blocks.py measured on an H200
-    (fp16, 16k and 64k context tokens), 3.3x to 5.1x faster than 16 x 16 tiles. A decode step streams the context
-    through wide key tiles; a prefill of head dim 128 takes 64 queries a program, of 256 (registers) 16. fp32 tiles
-    hold half the keys, the same bytes: fp16's shapes in fp32 asked an H200 for up to 288 KiB of shared memory, over
-    its 227 KiB."""
+@dataclass(frozen=True)
+class Tiles:
+    """A program's tile shape and warps: they change the kernel's speed, never its result."""
+
+    block_m: int  # (query, head) rows a program
+    block_n: int  # keys a tile
+    num_warps: int
+    num_stages: int = 3
+
+
+def tiles(num_queries: int, head_dim: int, element_bytes: int = 2) -> Tiles:
+    """The tiles `launch` takes on a GPU: the fastest bench/kernel_blocks.py measured on an H200 (fp16, 16k and 64k
+    context tokens), 3.3x to 5.1x faster than 16 x 16 tiles. A decode step streams the context through wide key
+    tiles; a prefill of head dim 128 takes 64 queries a program, of 256 (registers) 16. fp32 tiles hold half the
+    keys, the same bytes: fp16's shapes in fp32 asked an H200 for up to 288 KiB of shared memory, over its 227 KiB."""
     per_key = max(1, element_bytes // 2)  # a key's bytes over fp16's
     if num_queries <= BLOCK_M:
-        return dict(block_m=BLOCK_M, block_n=(256 if head_dim <= 128 else 128) // per_key, num_warps=8)
+        return Tiles(BLOCK_M, (256 if head_dim <= 128 else 128) // per_key, 8)
     if head_dim <= 128:
-        return dict(block_m=64, block_n=128 // per_key, num_warps=4)
-    return dict(block_m=BLOCK_M, block_n=64 // per_key, num_warps=4)
+        return Tiles(64, 128 // per_key, 4)
+    return Tiles(BLOCK_M, 64 // per_key, 4)
 
 
 def launch(
@@ -403,8 +427,8 @@ def launch(
     batch, heads, queries, head_dim = q.shape
     splits = 1 if return_lse else splits or key_splits(queries, k.shape[2] + k_vis.shape[2])
     chosen = tiles(queries, head_dim, q.element_size())
-    block_m, block_n = block_m or chosen["block_m"], block_n or chosen["block_n"]
-    num_warps = num_warps or chosen["num_warps"]
+    block_m, block_n = block_m or chosen.block_m, block_n or chosen.block_n
+    num_warps = num_warps or chosen.num_warps
     contract.check_shapes(heads, k.shape[1], head_dim)
     q, k, v, q_vis, k_vis, v_vis = (t.contiguous() for t in (q, k, v, q_vis, k_vis, v_vis))
     key_mask, context_mask = key_mask.to(torch.int8).contiguous(), context_mask.to(torch.int32).contiguous()
@@ -414,8 +438,8 @@ def launch(
     # bf16 tiles are upcast to fp32 first (exact; accumulation is fp32 either way)
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     precision = dot_precision(str(q.dtype).removeprefix("torch."), torch.get_float32_matmul_precision() != "highest")
-    fixed = constants(attributes, head_dim, block_m, block_n, WRITE_LSE=return_lse, UPCAST=upcast, SPLITS=splits,
-                      DOT_PRECISION=precision)  # fmt: skip
+    fixed = constants(attributes, head_dim, block_m, block_n, WRITE_LSE=return_lse, UPCAST=upcast,
+                      SPLIT_KEYS=splits > 1, DOT_PRECISION=precision)  # fmt: skip
     partial = partial_lse = None
     if splits > 1:
         shape = (splits, fixed["SLOTS"], batch * heads, queries, head_dim)
@@ -444,41 +468,103 @@ def launch(
     return (out, lse[0], lse[1]) if return_lse else out
 
 
-def compile_ptx(
-    dtype: str,
-    head_dim: int,
-    attributes: Attributes,
-    *,
-    arch: int = 90,
-    ptx_version: int | None = None,
-    block_m: int = BLOCK_M,
-    block_n: int = 16,
-):
-    """The kernel for one node's attributes compiled for sm_`arch`, without a GPU: (name, PTX, metadata).
-    Parameters, as TensorRT's ahead-of-time plugins pass them: the 8 input pointers, the INT_ARGS, the output
-    pointer (the LSE and split-key pointers are compiled away: the plugin does not split keys)."""
+PTX_VERSION = 84  # PTX ISA 8.4: what the drivers of CUDA 12.4 and later load (Triton's own default needs newer)
+SCRATCH_PARAMETERS = 2  # Triton (>= 3.3) ends every kernel's parameters with its global and profile scratch pointers
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A kernel compiled for a GPU without one: its entry's name, its PTX, and what a launch of it needs."""
+
+    name: str
+    ptx: str
+    num_warps: int
+    shared: int  # bytes of shared memory a program
+    parameters: int  # the entry's parameters: the pointers and integers a launch passes, in order
+
+
+def gpu_arch() -> int:
+    """The visible GPU's architecture (90 for an H100 or H200), what TensorRT builds for; 90 without a GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return 10 * major + minor
+    return 90
+
+
+def compile_for_gpu(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3,
+                    arch: int | None = None, ptx_version: int = PTX_VERSION) -> Compiled:  # fmt: skip
+    """`fn` compiled to PTX for sm_`arch` (default: the visible GPU's), its entry taking exactly the signature's
+    pointers and integers in order, as TensorRT's ahead-of-time plugins launch a kernel (inputs, integers, outputs).
+    Triton's trailing scratch pointers are dropped from the entry: this kernel uses neither (their sizes are 0 and no
+    instruction reads them), and TensorRT passes no such arguments. Under Triton's interpreter (TRITON_INTERPRET=1)
+    nothing can be compiled: the result names the kernel and its parameters with no PTX, for a launch that is
+    interpreted from the kernel itself (the GPU check's dry run); tests/test_kernels.py compiles the PTX in a
+    process of its own."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return Compiled(fn.__name__, "", num_warps, 0, len(signature))
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs)
+    options = dict(num_warps=num_warps, num_stages=num_stages, ptx_version=ptx_version)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch or gpu_arch(), 32), options=options)
+    metadata, ptx = compiled.metadata, compiled.asm["ptx"]
+    head, rest = ptx.split(f".entry {metadata.name}(", 1)
+    declared, body = rest.split(")", 1)
+    lines = [line for line in declared.splitlines() if line.strip()]
+    wanted = len(signature)
+    if len(lines) == wanted + SCRATCH_PARAMETERS:
+        unused = lines[wanted:]
+        names = [line.strip().rstrip(",").split()[-1] for line in unused]
+        if metadata.global_scratch_size or metadata.profile_scratch_size or any(n in body for n in names):
+            raise RuntimeError(f"{metadata.name}: Triton's scratch parameters are used: TensorRT cannot launch it")
+        lines = lines[:wanted]
+        lines[-1] = lines[-1].rstrip(",")
+        ptx = f"{head}.entry {metadata.name}(\n" + "\n".join(lines) + "\n)" + body
+    elif len(lines) != wanted:
+        raise RuntimeError(f"{metadata.name}: {len(lines)} parameters in its PTX, {wanted} expected")
+    return Compiled(metadata.name, ptx, metadata.num_warps, metadata.shared, wanted)
+
+
+def attention_signature(dtype: str, split_keys: bool) -> dict:
+    """The attention kernel's pointers and integers as TensorRT passes them: the 8 inputs, INT_ARGS, then the output
+    (or with `split_keys` the shares and their log-sum-exps, fp32)."""
     element = TRITON_TYPES[dtype]
-    pointers = {
-        "Q": element,
-        "K": element,
-        "V": element,
-        "KEY_MASK": "i8",
-        "QV": element,
-        "KV": element,
-        "VV": element,
-        "VIS_MASK": "i32",  # segment ids: int32, what TensorRT carries without quantization
-    }
-    fixed = dict(LSE=None, PARTIAL=None, PARTIAL_LSE=None)
-    fixed |= constants(attributes, head_dim, block_m, block_n, WRITE_LSE=False, UPCAST=False, SPLITS=1,
-                       DOT_PRECISION=dot_precision(dtype))  # fmt: skip
-    signature = {name: f"*{kind}" for name, kind in pointers.items()}
-    signature.update(dict.fromkeys(INT_ARGS, "i32"))
-    signature["OUT"] = f"*{element}"
-    signature.update(dict.fromkeys(fixed, "constexpr"))
-    options = {"ptx_version": ptx_version} if ptx_version else {}
-    source = ASTSource(fn=dattn_kernel, signature=signature, constexprs=fixed)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    return compiled.metadata.name, compiled.asm["ptx"], compiled.metadata
+    signature = dict(Q=f"*{element}", K=f"*{element}", V=f"*{element}", KEY_MASK="*i8", QV=f"*{element}",
+                     KV=f"*{element}", VV=f"*{element}", VIS_MASK="*i32")  # fmt: skip
+    signature |= dict.fromkeys(INT_ARGS, "i32")
+    return signature | (dict(PARTIAL="*fp32", PARTIAL_LSE="*fp32") if split_keys else dict(OUT=f"*{element}"))
+
+
+def attention_constants(dtype: str, head_dim: int, attributes: Attributes, chosen: Tiles, split_keys: bool) -> dict:
+    """The attention kernel's compile-time parameters for an ahead-of-time launch: the pointers it does not take
+    compiled away (the LSE's; the output or the shares)."""
+    away = dict(LSE=None, **(dict(OUT=None) if split_keys else dict(PARTIAL=None, PARTIAL_LSE=None)))
+    return away | constants(attributes, head_dim, chosen.block_m, chosen.block_n, WRITE_LSE=False, UPCAST=False,
+                            SPLIT_KEYS=split_keys, DOT_PRECISION=dot_precision(dtype))  # fmt: skip
+
+
+def merge_signature(dtype: str) -> dict:
+    return dict(PARTIAL="*fp32", PARTIAL_LSE="*fp32", num_rows="i32", splits="i32", OUT=f"*{TRITON_TYPES[dtype]}")
+
+
+def merge_constants(head_dim: int, attributes: Attributes) -> dict:
+    slots = constants(attributes, head_dim, BLOCK_M, BLOCK_M)["SLOTS"]
+    return dict(SLOTS=slots, HEAD_DIM=head_dim, MERGE_SUM=attributes.merge == "sum")
+
+
+def compile_attention(dtype: str, head_dim: int, attributes: Attributes, chosen: Tiles, split_keys: bool = False,
+                      arch: int | None = None, ptx_version: int = PTX_VERSION) -> Compiled:  # fmt: skip
+    """The attention kernel for one node's attributes and one tile shape, as the TensorRT plugins ship it."""
+    return compile_for_gpu(dattn_kernel, attention_signature(dtype, split_keys),
+                           attention_constants(dtype, head_dim, attributes, chosen, split_keys), chosen.num_warps,
+                           chosen.num_stages, arch, ptx_version)  # fmt: skip
+
+
+def compile_merge(dtype: str, head_dim: int, attributes: Attributes, arch: int | None = None,
+                  ptx_version: int = PTX_VERSION) -> Compiled:  # fmt: skip
+    """The shares' merge for one node's attributes, as the TensorRT plugin ships it."""
+    return compile_for_gpu(merge_shares_kernel, merge_signature(dtype), merge_constants(head_dim, attributes),
+                           MERGE_WARPS, 1, arch, ptx_version)  # fmt: skip

@@ -52,15 +52,21 @@ class TrtModel(GraphRuntime):
             register()
         self.torch, self.trt = torch, trt
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
-        self.engines, self.contexts = {}, {}
+        self.engines, self.contexts, self.step_contexts = {}, {}, {}
         for name, file in self.manifest.engines.items():
             engine = self.runtime.deserialize_cuda_engine((self.folder / file).read_bytes())
             self.engines[name], self.contexts[name] = engine, engine.create_execution_context()
+            if engine.num_optimization_profiles > 1:  # the plugin's decoder: a decode step's profile (trt_build)
+                step = engine.create_execution_context()
+                step.set_optimization_profile_async(1, torch.cuda.current_stream().cuda_stream)
+                self.step_contexts[name] = step
         self.dtype = self.dtype or np.float32  # bf16 engines take fp32 host arrays, cast on the device
 
     def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         torch, trt = self.torch, self.trt
         engine, context = self.engines[graph], self.contexts[graph]
+        if graph in self.step_contexts and feeds["input_ids"].shape[1] == 1:  # a decode step: its own tactics
+            context = self.step_contexts[graph]
         as_torch = {
             trt.float32: torch.float32,
             trt.float16: torch.float16,

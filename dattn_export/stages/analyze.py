@@ -28,9 +28,8 @@ from ..media import Media, decode_media, encode_media
 from ..modeling.attention import dattn_op, segment_shares
 from ..modeling.streams import AUDIO
 from ..plugins.contract import using_op
-from ..processing import load_tokenizer
+from ..processing import MEDIA_MARKERS, load_tokenizer, prompt_ids
 
-IMAGE_MARKER = "<image>"
 PLOT_SIZE = {"visual_mass.png": (1200, 600), "laws.png": (900, 500)}  # pixels, at 100 dpi
 
 
@@ -83,10 +82,10 @@ def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool 
     decoded = decode_media(media, checkpoint, source.config)
     model = build_model(source)
     tokenizer = load_tokenizer(checkpoint, model.config)
-    before_text, _, after_text = prompt.partition(IMAGE_MARKER) if IMAGE_MARKER in prompt else ("", "", prompt)
-    ids = tokenizer(before_text)["input_ids"]  # with no marker, only the BOS token comes before the image
-    image_after = len(ids)
-    ids = ids + tokenizer(after_text, add_special_tokens=False)["input_ids"]
+    marker = next((m for m in MEDIA_MARKERS if m in prompt), None)
+    before_text = prompt.partition(marker)[0] if marker else ""
+    image_after = len(tokenizer(before_text)["input_ids"])  # with no marker, only the BOS token comes before it
+    ids = prompt_ids(tokenizer, prompt)
     if len(ids) == image_after:
         raise InputError("--prompt", "has no text after the image: nothing attends to it")
     streams = encode_media(model, checkpoint, decoded, {})

@@ -110,7 +110,8 @@ class ConvertResult:
     tensor_count: int
     weight_bytes: int
     dropped: list[str]
-    seconds: float
+    seconds: float  # the whole conversion
+    writing_seconds: float  # of it, writing the tensors (the rate the progress line shows)
     copy: str  # how tensors stored as they are were copied (the kernel's copy, or reads and writes)
 
 
@@ -140,7 +141,9 @@ def convert(
     copier = RangeCopier()
     with atomic_dir(out, overwrite=force, reading=source.inputs(), needed=weight_bytes) as tmp:
         with progress("writing tensors", weight_bytes) as advance:
+            writing = time.perf_counter()
             files = write_shards(shards, tmp, on_written=lambda t: advance(t.nbytes, t.name), copier=copier)
+            writing = time.perf_counter() - writing
         (tmp / "config.json").write_text(json.dumps(output_config(source, target), indent=2, sort_keys=True) + "\n")
         source.carry_files(tmp)
         copy_remote_code(tmp)
@@ -159,6 +162,7 @@ def convert(
         weight_bytes,
         dropped,
         time.perf_counter() - start,
+        writing,
         copier.method if any(t.copy_from for t in planned) else "none (every tensor was cast)",
     )
 

@@ -10,11 +10,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..artifacts import dtype_name
 from ..checkpoints.names import parameter_counts
-from ..checkpoints.source import build_model, folder_config, open_source
+from ..checkpoints.source import build_model, folder_config, open_source, parameter_shapes
 from ..errors import InputError
 from ..media import Media, context_tokens, decode_media, encode_media, graph_context
-from ..processing import load_tokenizer
+from ..plugins.torch_op import model_op
+from ..processing import answer_text, load_tokenizer, prompt_ids
+from ..runtime.static_decode import static_generate
 from ..sidefiles import read_json
 from ..ui import stage
 
@@ -98,7 +101,7 @@ def run_prompts_graphs(
     results = []
     for number, prompt in enumerate(prompts, 1):
         answer: dict[str, float] = {}
-        ids = tokenizer(prompt, return_tensors="np")["input_ids"]
+        ids = np.array([prompt_ids(tokenizer, prompt)])
         with stage(answer_label(number, len(prompts), f"generate up to {max_new_tokens} tokens with {name}"), answer):
             if backend == "genai":
                 generated, _ = runtime.generate(ids, context, max_new_tokens)
@@ -110,9 +113,9 @@ def run_prompts_graphs(
             PromptResult(
                 prompt_ids=ids[0].tolist(),
                 generated_ids=generated,
-                text=(text := tokenizer.decode(generated, skip_special_tokens=True)),
+                text=(text := answer_text(tokenizer, generated)),
                 visual_tokens=visual_tokens,
-                parameters={},
+                parameters=parameter_counts(parameter_shapes(config)),
                 seconds=answer,
                 audio_tokens=audio_tokens,
                 time_ranges=decoded.time_ranges(text, config),
@@ -127,18 +130,28 @@ def run_prompt_graphs(
     return run_prompts_graphs(folder, [prompt], media, max_new_tokens, backend, device).one()
 
 
+def gpu_dtype(source) -> torch.dtype:
+    """The model's dtype on a GPU: the checkpoint's where it is 16-bit, else bf16 (what the released models are)."""
+    stored = source.output_dtype("auto")
+    return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
 @torch.no_grad()
-def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: int) -> Answers:
+def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: int, device: str = "cpu") -> Answers:
     """Prompts through the reference model: the media encoded once (the context's K/V for every layer), each prompt
-    answered from it by greedy decoding."""
+    answered from it by greedy decoding. On a GPU (`device` "cuda"): the model in 16 bits with the Triton kernel as
+    its attention, decoding from a static cache replayed from a CUDA graph (runtime/static_decode.py)."""
     seconds: dict[str, float] = {}
     source = open_source(folder)
     for prompt in prompts:
         media.check(source.config, prompt)
     decoded = decode_media(media, folder, source.config)
     tokenizer, eos = load_tokenizer(folder, source.config), eos_token_id(folder, source.config)
-    with stage("load checkpoint", seconds):
-        model = build_model(source)
+    dtype = gpu_dtype(source) if device == "cuda" else torch.float32
+    with stage(
+        "load checkpoint" if device == "cpu" else f"load checkpoint onto the GPU ({dtype_name(dtype)})", seconds
+    ):
+        model = build_model(source, dtype, device=device)
     streams = encode_media(model, folder, decoded, seconds)
     parameters = parameter_counts({n: tuple(p.shape) for n, p in model.named_parameters()})
     segments = streams.get("context_mask", torch.zeros(1, 0, dtype=torch.long))
@@ -146,20 +159,21 @@ def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: 
     results = []
     for number, prompt in enumerate(prompts, 1):
         answer: dict[str, float] = {}
-        inputs = tokenizer(prompt, return_tensors="pt")
+        ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=device)
         with stage(answer_label(number, len(prompts), f"generate up to {max_new_tokens} tokens (greedy)"), answer):
-            generated = model.generate(
-                inputs["input_ids"],
-                attention_mask=inputs["attention_mask"],
-                max_new_tokens=max_new_tokens,
-                eos_token_id=eos,
-                **streams,
-            )[0].tolist()
+            if device == "cuda":
+                decoded_ids = static_generate(model, ids, max_new_tokens, eos_token_id=eos, op=model_op,
+                                              cuda_graph=True, **streams)  # fmt: skip
+                generated = decoded_ids.tokens[0]
+            else:
+                generated = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, eos_token_id=eos, **streams
+                )[0].tolist()
         results.append(
             PromptResult(
-                prompt_ids=inputs["input_ids"][0].tolist(),
+                prompt_ids=ids[0].tolist(),
                 generated_ids=generated,
-                text=(text := tokenizer.decode(generated, skip_special_tokens=True)),
+                text=(text := answer_text(tokenizer, generated)),
                 visual_tokens=visual_tokens,
                 parameters=parameters,
                 seconds=answer,
@@ -170,8 +184,8 @@ def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: 
     return Answers(results, seconds)
 
 
-def run_prompt(folder: Path, prompt: str, media: Media, max_new_tokens: int) -> PromptResult:
-    return run_prompts(folder, [prompt], media, max_new_tokens).one()
+def run_prompt(folder: Path, prompt: str, media: Media, max_new_tokens: int, device: str = "cpu") -> PromptResult:
+    return run_prompts(folder, [prompt], media, max_new_tokens, device).one()
 
 
 def read_prompts(path: Path) -> list[str]:

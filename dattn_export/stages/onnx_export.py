@@ -60,6 +60,7 @@ from ..artifacts import (
     Quantization,
     Scheme,
     Tool,
+    WeightSource,
     Wings,
     atomic_dir,
     check_output,
@@ -129,25 +130,35 @@ def ir_tensor(tensor: torch.Tensor) -> ir.Tensor:
 
 class StreamedWeight(ir.LazyTensor):
     """A bound weight: computed whole only where a pass folds it; written to the .data file a chunk at a time, so
-    that writing a 3.7 GB embedding table needs 64 MiB."""
+    that writing a 3.7 GB embedding table needs 64 MiB. `source`: its checkpoint tensor, by canonical name."""
 
-    def __init__(self, weight: CheckpointWeight, dtype: ir.DataType, shape: ir.Shape, name: str):
+    def __init__(self, weight: CheckpointWeight, dtype: ir.DataType, shape: ir.Shape, name: str, canonical: str):
         super().__init__(lambda: ir_tensor(weight.load()), dtype, shape, name=name)
-        self.weight = weight
+        self.weight, self.source = weight, WeightSource(tensor=canonical)
 
     def tofile(self, file) -> None:
         for chunk in self.weight.chunks(max(1, WRITE_CHUNK_BYTES // self.weight.dtype.itemsize)):
             file.write(chunk.view(torch.uint8).numpy())
 
 
-class TransposedWeight(ir.LazyTensor):
+class FoldedWeight(ir.LazyTensor):
+    """A fold of bound weights, computed when it is written; `source` says how from the checkpoint (None: from a
+    weight whose source is unknown), for the quantized weights' check."""
+
+    def __init__(self, fold: Callable, dtype: ir.DataType, shape: ir.Shape, name: str, source: WeightSource | None):
+        super().__init__(fold, dtype, shape, name=name)
+        self.source = source
+
+
+class TransposedWeight(FoldedWeight):
     """A folded Transpose of a 2-D bound weight (a Linear's, as MatMul takes it): computed whole only where a pass
     needs it (a quantizer); written a block of its rows at a time, each block the same columns of every chunk of the
     checkpoint's rows. Writing a tied 3.7 GB head (256000 rows) then holds one block, not the weight twice, for a few
     passes over the mapped weight."""
 
-    def __init__(self, fold: Callable, dtype: ir.DataType, shape: ir.Shape, name: str, weight: CheckpointWeight):
-        super().__init__(fold, dtype, shape, name=name)
+    def __init__(self, fold: Callable, dtype: ir.DataType, shape: ir.Shape, name: str, source: WeightSource,
+                 weight: CheckpointWeight):  # fmt: skip
+        super().__init__(fold, dtype, shape, name, source)
         self.weight = weight
 
     def tofile(self, file) -> None:
@@ -173,7 +184,7 @@ def bind_weights(graph: ir.Graph, module: nn.Module, weights: Weights) -> None:
     for name, value in graph.initializers.items():
         held = value.const_value
         if is_stand_in(held.raw):
-            value.const_value = StreamedWeight(weights[canonical[name]], held.dtype, held.shape, name)
+            value.const_value = StreamedWeight(weights[canonical[name]], held.dtype, held.shape, name, canonical[name])
 
 
 class LazyFolding(_constant_folding.FoldConstantsPass):
@@ -239,11 +250,39 @@ class LazyFolding(_constant_folding.FoldConstantsPass):
             return ir.tensor(result)
 
         dtype = node.outputs[0].dtype or next(t.dtype for t in inputs if t is not None)
-        weight = inputs[0]
+        weight, source = inputs[0], fold_source(node, inputs)
         swaps_axes = len(shape) == 2 and list(node.attributes.get_ints("perm", [1, 0])) == [1, 0]  # not [0, 1]
         if node.op_type == "Transpose" and isinstance(weight, StreamedWeight) and swaps_axes:
-            return TransposedWeight(fold, dtype, shape, name, weight.weight)
-        return ir.LazyTensor(fold, dtype, shape, name=name)
+            return TransposedWeight(fold, dtype, shape, name, source, weight.weight)
+        return FoldedWeight(fold, dtype, shape, name, source)
+
+
+SMALL_CONSTANT = 64  # elements: a shape, axes or a scalar, which a fold's source records by value
+
+
+def fold_source(node: ir.Node, inputs: list) -> WeightSource | None:
+    """How a fold computes its value from the checkpoint: the node's op over its inputs' sources (None where one is
+    unknown: a large constant, an attribute that is no plain number, string or list of numbers)."""
+    sources = []
+    for tensor in inputs:
+        if tensor is None or isinstance(tensor, ir.LazyTensor):
+            sources.append(None if tensor is None else getattr(tensor, "source", None))
+            if tensor is not None and sources[-1] is None:
+                return None
+        elif tensor.size <= SMALL_CONSTANT:
+            array = tensor.numpy()
+            sources.append(
+                WeightSource(constant=array.ravel().tolist(), dtype=str(array.dtype), shape=list(array.shape))
+            )
+        else:
+            return None
+    attributes = {key: a.value for key, a in node.attributes.items()}
+    for key, value in attributes.items():
+        if isinstance(value, (list, tuple)) and all(isinstance(x, (int, float)) for x in value):
+            attributes[key] = list(value)
+        elif not isinstance(value, (int, float, str)):
+            return None
+    return WeightSource(op=node.op_type, attributes=attributes, inputs=sources)
 
 
 @contextlib.contextmanager
@@ -516,10 +555,11 @@ def export_onnx(
         if not name.endswith("embed_tokens.weight") and (head_too or not name.startswith("lm_head."))
     )
     memory.require(3 * largest, "onnx: the largest weight read, transposed and quantized", "a machine with more memory")
-    matmuls = {}
+    matmuls, sources = {}, {}
 
     def quantized(name: str, model: ir.Model) -> None:
-        matmuls[name] = quantize_graph(model, quantize, config.hidden_size, config.vocab_size)
+        sources[name] = quantize_graph(model, quantize, config.hidden_size, config.vocab_size)
+        matmuls[name] = sum(node.op_type == "MatMulNBits" for node in model.graph)
 
     specs = graph_specs(model, torch_dtype)
     # the layers' weights are written in context_kv.onnx's data and decoder.onnx's before context_kv's are shared
@@ -547,7 +587,9 @@ def export_onnx(
         manifest = build_manifest(source, model, attention, torch_dtype, opset, tmp)
         manifest.graphs["context_kv"].weight_bytes_in_decoder_data = shared
         if quantize:
-            manifest.quantization = Quantization(**dataclasses.asdict(quantize), matmuls=matmuls, kept=KEPT)
+            manifest.quantization = Quantization(
+                **dataclasses.asdict(quantize), matmuls=matmuls, kept=KEPT, sources=sources
+            )
         unsupported = write_genai_config(tmp, manifest, model.config)
         manifest.genai = f"cannot drive these graphs: {unsupported}" if unsupported else GENAI_CONFIG
         manifest.files = sorted(p.name for p in tmp.iterdir())

@@ -43,11 +43,13 @@ class UploadFile:
 
 
 def usage_snippet(repo_id: str, prompt: str, modality: str = "image") -> str:
-    """How the model card shows the model used on what it takes (`modality`: image | video)."""
-    return USAGE_SNIPPETS[modality](repo_id, prompt)
+    """How the model card shows the model used on what it takes (`modality`: image | video), on `prompt` in the
+    released form (`<image>` before the question)."""
+    before, _, after = prompt.partition("<image>")
+    return USAGE_SNIPPETS[modality](repo_id, before, after)
 
 
-def video_usage_snippet(repo_id: str, prompt: str) -> str:
+def video_usage_snippet(repo_id: str, before: str, after: str) -> str:
     """A video model: frames (one a second), prepared as the released code prepares them (the model's
     `encode_frames`), and 16 kHz audio in Whisper's 30 s chunks; only torch, transformers and PIL."""
     return f'''```python
@@ -73,16 +75,17 @@ with torch.no_grad():
     visual = model.model.encode_frames(frames, processor)  # prepared as the released code does
     audio = model.model.encode_audio([mels], [sum(len(c) // mel.hop_length for c in chunks)])
     context, segments = model.model.join_contexts(visual, audio)  # one context: each key's stream in `segments`
-    inputs = tokenizer({prompt!r}, return_tensors="pt")
+    # the released prompt form: the media's marker, "<image>", cut out and the text on its sides tokenized apart
+    ids = tokenizer({before!r})["input_ids"] + tokenizer({after!r}, add_special_tokens=False)["input_ids"]
     tokens = model.generate(
-        inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=32,
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=32,
         context_key_values=context, context_mask=segments,
     )
 print(tokenizer.decode(tokens[0], skip_special_tokens=True))
 ```'''
 
 
-def image_usage_snippet(repo_id: str, prompt: str) -> str:
+def image_usage_snippet(repo_id: str, before: str, after: str) -> str:
     """An image model: the picture prepared as the released code prepares it (the model's `encode_pictures`, by
     config.json's mm_image_aspect_ratio), its K/V computed once and reusable for any prompt."""
     return f'''```python
@@ -98,9 +101,10 @@ processor = AutoImageProcessor.from_pretrained(repo)
 image = Image.open("image.png").convert("RGB")
 with torch.no_grad():
     visual, context_mask = model.model.encode_pictures([image], processor)  # prepared as the released code does
-    inputs = tokenizer({prompt!r}, return_tensors="pt")
+    # the released prompt form: the media's marker, "<image>", cut out and the text on its sides tokenized apart
+    ids = tokenizer({before!r})["input_ids"] + tokenizer({after!r}, add_special_tokens=False)["input_ids"]
     tokens = model.generate(
-        inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=32,
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=32,
         context_key_values=visual, context_mask=context_mask,
     )
 print(tokenizer.decode(tokens[0], skip_special_tokens=True))

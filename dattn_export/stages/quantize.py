@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ..artifacts import Scheme
+from ..artifacts import Scheme, WeightSource
 
 QUANTIZED_GRAPHS = ("context_kv", "decoder")  # the LLM's layers: 8 B of a 9 B model's parameters
 KEPT = (
@@ -160,7 +160,7 @@ def constant_matrix(value: ir.Value | None) -> ir.TensorProtocol | None:
     return value.const_value if value.dtype.is_floating_point() else None
 
 
-def quantize_matmul(graph: ir.Graph, node: ir.Node, weight: ir.TensorProtocol, scheme: Scheme) -> None:
+def quantize_matmul(graph: ir.Graph, node: ir.Node, weight: ir.TensorProtocol, scheme: Scheme) -> str:
     """MatMul(A, W) -> MatMulNBits(A, W_Q{bits}, W_scales[, W_zero_points]), as ORT's quantizer writes it."""
     rows, cols = weight.shape
     blocks = -(-rows // scheme.block_size)
@@ -177,10 +177,10 @@ def quantize_matmul(graph: ir.Graph, node: ir.Node, weight: ir.TensorProtocol, s
     if scheme.accuracy_level:
         attributes["accuracy_level"] = scheme.accuracy_level
     inputs = [node.inputs[0], *(initializer(graph, t.name, t) for t in parts)]
-    replace(graph, node, "MatMulNBits", inputs, attributes, f"{node.name}_Q{scheme.bits}")
+    return replace(graph, node, "MatMulNBits", inputs, attributes, f"{node.name}_Q{scheme.bits}")
 
 
-def quantize_gather(graph: ir.Graph, node: ir.Node, table: ir.TensorProtocol, scheme: Scheme) -> None:
+def quantize_gather(graph: ir.Graph, node: ir.Node, table: ir.TensorProtocol, scheme: Scheme) -> str:
     """Gather(E, ids) -> GatherBlockQuantized(E_Q4, ids, E_scales[, E_zero_points]), 4 bits, as ORT writes it."""
     quantized, name = QuantizedTable(table, scheme), node.inputs[0].name
     dtype = ir.DataType.INT4 if scheme.symmetric else ir.DataType.UINT4
@@ -200,14 +200,15 @@ def quantize_gather(graph: ir.Graph, node: ir.Node, table: ir.TensorProtocol, sc
         )
     values = [initializer(graph, t.name, t) for t in parts]
     attributes = dict(gather_axis=node.attributes.get_int("axis", 0), quantize_axis=1, block_size=scheme.block_size)
-    replace(
+    graph.opset_imports[""] = max(graph.opset_imports[""], 21)  # the 4-bit types
+    return replace(
         graph, node, "GatherBlockQuantized", [values[0], node.inputs[1], *values[1:]], attributes, f"{node.name}_Q4"
     )
-    graph.opset_imports[""] = max(graph.opset_imports[""], 21)  # the 4-bit types
 
 
-def replace(graph: ir.Graph, node: ir.Node, op_type: str, inputs: list, attributes: dict, name: str) -> None:
-    """`node` replaced by one com.microsoft node computing its output (keeping its name); weights it alone used go."""
+def replace(graph: ir.Graph, node: ir.Node, op_type: str, inputs: list, attributes: dict, name: str) -> str:
+    """`node` replaced by one com.microsoft node computing its output (keeping its name); weights it alone used go.
+    Returns the new node's name."""
     new = ir.node(op_type, inputs, attributes, domain=MS_DOMAIN, name=name)
     new.outputs[0].name, old = None, node.outputs[0]
     ir.convenience.replace_nodes_and_values(graph, node, [node], [new], [old], [new.outputs[0]])
@@ -215,26 +216,27 @@ def replace(graph: ir.Graph, node: ir.Node, op_type: str, inputs: list, attribut
         if value is not None and value.is_initializer() and not value.uses():
             graph.initializers.pop(value.name)
     graph.opset_imports[MS_DOMAIN] = 1
+    return name
 
 
-def quantize_graph(model: ir.Model, scheme: Scheme, hidden: int, vocab: int) -> int:
+def quantize_graph(model: ir.Model, scheme: Scheme, hidden: int, vocab: int) -> dict[str, WeightSource | None]:
     """Rewrite the graph's constant-weight MatMuls (the lm_head, shape (hidden, vocab), only with `scheme.lm_head`)
-    and with `scheme.embedding` its table Gathers; returns the number of MatMuls quantized."""
-    graph, matmuls = model.graph, 0
+    and with `scheme.embedding` its table Gathers. Returns each new node's weight as computed from the checkpoint
+    (None: unknown), by node name."""
+    graph, sources = model.graph, {}
     for node in list(graph):
         if node.domain != "":
             continue
         if node.op_type == "MatMul" and (weight := constant_matrix(node.inputs[1])) is not None:
             if tuple(weight.shape) == (hidden, vocab) and not scheme.lm_head:
                 continue
-            quantize_matmul(graph, node, weight, scheme)
-            matmuls += 1
+            sources[quantize_matmul(graph, node, weight, scheme)] = getattr(weight, "source", None)
         elif node.op_type == "Gather" and scheme.embedding and (table := constant_matrix(node.inputs[0])) is not None:
-            quantize_gather(graph, node, table, scheme)
+            sources[quantize_gather(graph, node, table, scheme)] = getattr(table, "source", None)
     for name, value in list(graph.initializers.items()):  # as ORT's clean_initializers: else written, never read
         if not value.uses() and not value.is_graph_output():
             graph.initializers.pop(name)
-    return matmuls
+    return sources
 
 
 @dataclass

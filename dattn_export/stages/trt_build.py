@@ -95,6 +95,47 @@ def profile_shapes(graph_inputs: list[GraphValue], limits: Limits) -> dict[str, 
     return shapes
 
 
+def profiles(graph_inputs: list[GraphValue], limits: Limits, plugin: bool) -> list[dict]:
+    """The optimization profiles of one graph's engine: the limits', and with the plugin, for a graph that takes a
+    sequence (the decoder), a decode step's too (one query), so that TensorRT times the plugin's tactics (tile
+    shapes) for decode steps apart from prefills and keeps the fastest of each."""
+    shapes = [profile_shapes(graph_inputs, limits)]
+    if plugin and any("sequence" in spec.shape for spec in graph_inputs):
+        step = dataclasses.replace(limits, min={**limits.min, "sequence": 1}, opt={**limits.opt, "sequence": 1},
+                                   max={**limits.max, "sequence": 1})  # fmt: skip
+        shapes.append(profile_shapes(graph_inputs, step))
+    return shapes
+
+
+def split_key_nodes(model, dtype: str) -> int:
+    """Each fused attention node of `model` (an onnx.ModelProto, changed in place) as the two split-key plugins:
+    DecomposedAttentionShares (its inputs and attributes) then MergeShares (its output); plugins/tensorrt_plugin.py
+    says why. Returns how many."""
+    from onnx import helper
+
+    from ..plugins import contract
+    from ..plugins.tensorrt_plugin import MERGE, SHARES
+
+    nodes, count = [], 0
+    for node in model.graph.node:
+        if (node.domain, node.op_type) != (contract.DOMAIN, contract.TYPE):
+            nodes.append(node)
+            continue
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        op = contract.from_node(node)
+        shares = [f"{node.output[0]}_shares", f"{node.output[0]}_shares_lse"]
+        nodes.append(helper.make_node(SHARES, list(node.input), shares, name=f"{node.name}_shares",
+                                      domain=contract.DOMAIN, **attributes))  # fmt: skip
+        merged = dict(num_heads=attributes["num_heads"], head_dim=attributes["head_dim"], merge=op.merge,
+                      num_contexts=op.num_contexts, dtype=dtype, **contract.PLUGIN_ATTRIBUTES)  # fmt: skip
+        nodes.append(helper.make_node(MERGE, shares, list(node.output), name=f"{node.name}_merge",
+                                      domain=contract.DOMAIN, **merged))  # fmt: skip
+        count += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return count
+
+
 def build_serialized(
     trt,
     onnx_path: Path,
@@ -102,9 +143,11 @@ def build_serialized(
     limits: Limits,
     plugin: bool = False,
     timing_cache: Path | None = None,
+    dtype: str = "float32",
 ) -> bytes:
-    """Parse one exported graph and build a serialized engine with one optimization profile. With `plugin`, the
-    fused nodes become the registered DecomposedAttention plugin instead of their ONNX function.
+    """Parse one exported graph and build a serialized engine with its optimization `profiles`. With `plugin`, the
+    fused nodes become the registered plugins instead of their ONNX function: each node the split-key pair
+    (`split_key_nodes`), its kernels in `dtype`.
 
     Strongly typed: every tensor keeps the graph's own type (an fp16 export builds an fp16 engine), as TensorRT 11
     and TensorRT-RTX always build and TensorRT 10 does with the STRONGLY_TYPED flag (11 accepts and ignores it).
@@ -120,7 +163,15 @@ def build_serialized(
                 onnx_path, f"TensorRT {trt.__version__} cannot prefer plugins over ONNX functions (needs >= 10.15)"
             )
         parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
-    if not parser.parse_from_file(str(onnx_path)):
+    if plugin:
+        import onnx
+
+        model = onnx.load(onnx_path, load_external_data=False)  # the weights stay where they are: the parser reads them
+        split_key_nodes(model, dtype)
+        parsed = parser.parse(model.SerializeToString(), str(onnx_path))
+    else:
+        parsed = parser.parse_from_file(str(onnx_path))
+    if not parsed:
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise InputError(onnx_path, f"the TensorRT ONNX parser refused it: {errors}")
     config = builder.create_builder_config()
@@ -128,10 +179,11 @@ def build_serialized(
     if timing_cache is not None:
         cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
         config.set_timing_cache(cache, ignore_mismatch=False)
-    profile = builder.create_optimization_profile()
-    for name, (low, opt, high) in profile_shapes(graph_inputs, limits).items():
-        profile.set_shape(name, low, opt, high)
-    config.add_optimization_profile(profile)
+    for shapes in profiles(graph_inputs, limits, plugin):
+        profile = builder.create_optimization_profile()
+        for name, (low, opt, high) in shapes.items():
+            profile.set_shape(name, low, opt, high)
+        config.add_optimization_profile(profile)
     engine = builder.build_serialized_network(network, config)
     if engine is None:
         raise InputError(onnx_path, "TensorRT could not build an engine from it (see the log above)")
@@ -212,6 +264,7 @@ def build_engines(
                 limits,
                 plugin=fused and graph.fused_attention_nodes > 0,
                 timing_cache=timing_cache,
+                dtype=manifest.dtype,
             )
             (tmp / f"{name}.engine").write_bytes(engine)
             engines[name] = f"{name}.engine"

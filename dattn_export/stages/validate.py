@@ -18,19 +18,21 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..artifacts import VALIDATION_REPORT, from_json
+from ..artifacts import VALIDATION_REPORT, OnnxManifest, TrtManifest, from_json
 from ..checkpoints.source import load_model
 from ..demo_model import DEMO_PROMPTS, DEMO_VIDEO_FPS, demo_audio, demo_frames, demo_image
 from ..errors import InputError
 from ..graphs import layer_caches
 from ..media import DecodedMedia, Media, context_tokens, decode_media, encode_media, graph_context
 from ..modeling.images import anyres_tiles, prepare_pictures
-from ..processing import load_image_processor, load_tokenizer, open_image
+from ..processing import load_image_processor, load_tokenizer, open_image, prompt_ids
 from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
 from ..sidefiles import read_json, reading
+from ..ui import quiet
 from . import polygraphy_data, quantize
 from .polygraphy_data import recording
+from .weight_check import WeightCheck, check_weights
 
 # max abs error allowed on logits: fp32 as in the ecosystem's exporters; fp16 keeps ~3 significant digits
 # through a whole network, so its bound is relative to the logits' scale
@@ -78,8 +80,10 @@ class ValidationReport:
     audio_tokens: int | None = None  # None: an image model
     polygraphy_commands: list[str] = field(default_factory=list)  # with --save-polygraphy: what checks its data
     gate: quantize.GateResult | None = None  # a quantized decoder: the accuracy gate
+    weights: WeightCheck | None = None  # a quantized export: its weights against the checkpoint's, run first
     rtol: float = 0.0  # on the logits, relative to the reference's magnitude
-    device: str = "cpu"  # where ONNX Runtime ran the graphs (TensorRT: always the GPU)
+    device: str = "cpu"  # where ONNX Runtime ran the graphs or the model (TensorRT: always the GPU)
+    tokens_gated: bool = True  # the free-running greedy tokens must agree (not for 16-bit or quantized weights)
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -97,9 +101,11 @@ class ValidationReport:
 
     @property
     def passed(self) -> bool:
+        if self.weights is not None and not self.weights.passed:
+            return False
         if self.gate is not None:  # quantized weights: the gate, not the fp tolerance or exact tokens
             return self.gate.passed
-        return self.logits_within and self.reference_tokens == self.backend_tokens
+        return self.logits_within and (self.reference_tokens == self.backend_tokens or not self.tokens_gated)
 
     @property
     def logits_within(self) -> bool:
@@ -109,6 +115,8 @@ class ValidationReport:
         fields = asdict(self)
         if self.gate is not None:
             fields["gate"]["passed"] = self.gate.passed
+        if self.weights is not None:
+            fields["weights"]["passed"] = self.weights.passed
         return {**fields, "agreement": self.agreement, "passed": self.passed}
 
     @classmethod
@@ -131,25 +139,41 @@ def validate(
     atol: float | None = None,
     rtol: float = 0.0,
     device: str = "cpu",
+    weights_only: bool = False,
+    weight_check: bool = True,
+    progress=quiet,
 ) -> ValidationReport:
     """`media`: an image (default: the demo's picture), or a video model's frames and audio (default: the demo
     video's); `prompt` defaults to the demo's. `save_polygraphy`: a folder for every compared graph run's inputs and
     reference outputs in polygraphy's format (`polygraphy_data`). The logits pass where every element is within
-    `atol + rtol * |reference|` (default atol: `TOLERANCES` of the graphs' dtype) and the greedy tokens agree."""
+    `atol + rtol * |reference|` (default atol: `TOLERANCES` of the graphs' dtype) and the greedy tokens agree.
+    A quantized export's weights are checked against the checkpoint first (stages/weight_check.py, unless not
+    `weight_check`); where they fail, or with `weights_only`, nothing is run. `progress`: `ui.progress` to show the
+    weight check's (the CLI's), or `ui.quiet`."""
     folder = Path(folder)
-    runtime = open_graphs(folder, backend, threads, device)
-    manifest = runtime.manifest
+    manifest = (TrtManifest if backend == "trt" else OnnxManifest).read(folder, "a folder this backend runs")
     against = Path(against or manifest.source.path)
     if not against.exists():
         raise InputError(against, "does not exist: pass --against with the checkpoint the graphs were exported from")
+    if weights_only and not manifest.quantization:
+        raise InputError(folder, "is not a quantized export: --weights-only checks int4 / int8 weights (use verify "
+                         "for a converted folder's)")  # fmt: skip
+    weights = check_weights(folder, against, progress) if manifest.quantization and weight_check else None
+    if weights is not None:
+        if weights_only or not weights.passed:
+            report = ValidationReport(str(folder), str(against), backend, manifest.dtype, 0.0, 0, 0, weights=weights)
+            (folder / VALIDATION_REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+            return report
+    runtime = open_graphs(folder, backend, threads, device)
     reference = load_model(against)
     config = reference.config
     media = media or Media()
     media.check(config)
     prompt = prompt or DEMO_PROMPTS[config.modality]
     tokenizer = load_tokenizer(folder if (folder / "tokenizer_config.json").is_file() else against, config)
-    inputs = tokenizer(prompt, return_tensors="pt")
-    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    ids = torch.tensor([prompt_ids(tokenizer, prompt)])
+    mask = torch.ones_like(ids)
+    inputs = {"input_ids": ids, "attention_mask": mask}
     dtype = manifest.dtype
     atol = TOLERANCES.get(dtype, 2e-2) if atol is None else atol
     report = ValidationReport(
@@ -160,6 +184,7 @@ def validate(
     if save_polygraphy:
         report.polygraphy_commands = polygraphy_data.save(calls, reference, folder, save_polygraphy, report.bounds)
     if manifest.quantization:
+        report.weights = weights
         result = accuracy_gate(
             runtime, reference, tokenizer, manifest.quantization.scheme, prompt, steps, got_kv, got_mask
         )
@@ -187,7 +212,7 @@ def accuracy_gate(runtime, reference, tokenizer, scheme: str, prompt: str, steps
     visual = dict(context_key_values=layers, context_mask=torch.from_numpy(got_mask))  # both sides: the same context
     expected, got = [], []
     for text in [prompt, *GATE_PROMPTS]:
-        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        ids = torch.tensor([prompt_ids(tokenizer, text)])
         continuation = reference.generate(ids, max_new_tokens=steps, **visual)
         full = torch.cat([ids, continuation], dim=1)[:, :-1]
         start = ids.shape[1] - 1
@@ -248,15 +273,21 @@ def image_context(runtime: GraphRuntime, reference, folder: Path, media: Media, 
     return dict(context_key_values=context_kv, context_mask=context_mask), got_kv, got_mask
 
 
+def default_media(folder: Path, config) -> DecodedMedia:
+    """What a model is validated on when no media is given: the demo's picture, or the demo video's frames (one a
+    second) and sound."""
+    if config.modality != "video":
+        return DecodedMedia([demo_image()], None, None)
+    frames = demo_frames()[::DEMO_VIDEO_FPS]
+    return DecodedMedia([], [Image.fromarray(f) for f in frames], demo_audio(len(frames)) / 32768)
+
+
 @torch.no_grad()
 def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
     """A video model's frames and audio through vision, audio and context_kv, each stream's K/V compared with the
     reference's (worst of every layer's): (the reference's streams, the graphs' context K/V and mask)."""
-    if media.video or media.frames or media.audio:
-        decoded = decode_media(media, folder, reference.config)
-    else:  # the demo video's frames (one a second) and sound
-        frames = demo_frames()[::DEMO_VIDEO_FPS]
-        decoded = DecodedMedia([], [Image.fromarray(f) for f in frames], demo_audio(len(frames)) / 32768)
+    config = reference.config
+    decoded = decode_media(media, folder, config) if media.given else default_media(folder, config)
     streams = encode_media(reference, folder, decoded, {})
     got_kv, got_mask = graph_context(runtime, folder, reference.config, decoded)
     report.visual_tokens, report.audio_tokens = context_tokens(reference.config, got_mask)

@@ -72,11 +72,13 @@ from ..modeling import modeling_dattn
 from ..modeling.modeling_dattn import o_proj_per_kv_head
 from ..modeling.streams import AUDIO, ContextStream
 from ..processing import (
+    MEDIA_MARKERS,
     audio_features,
     load_audio_processor,
     load_image_processor,
     normalize_pixels,
     picture_bytes,
+    prompt_ids,
     tiles_bytes,
 )
 from . import DEFAULT_CONTEXT_CACHE_GIB, VIDEO_BACKEND, unsupported
@@ -188,6 +190,15 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
     def create_encoder_prompt(self, prompt: list[int], mm_items) -> list[int]:
         """One placeholder, which becomes one per visual token: the length of the request's cross-attention cache."""
         return [0]
+
+    def create_decoder_prompt(self, prompt: str | list[int], mm_items) -> list[int]:
+        """The text's ids as the reference makes them (`prompt_ids`: a media marker cut out, as the released code
+        does); ids that hold no marker are taken as they are."""
+        tokenizer = self.info.get_tokenizer()
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        if isinstance(prompt, str) or any(marker in text for marker in MEDIA_MARKERS):
+            return prompt_ids(tokenizer, text.removeprefix(tokenizer.bos_token or ""))
+        return prompt
 
     def apply(self, inputs, timing_ctx):
         """vLLM's processing, with the request's names for its items (`multi_modal_uuids`) at hand: a named item's

@@ -1,8 +1,10 @@
-"""The documentation's command blocks, run as a user runs them: getting started's pipeline once per test run (shared
-by the xdist workers), and each guide's blocks in a copy of the folder it leaves."""
+"""The documentation's command blocks, run as a user runs them: the README's set-up line, its quickstart and getting
+started's blocks once per test run on a fresh clone (shared by the xdist workers), and each guide's blocks in a copy
+of the folder they leave."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,17 +25,29 @@ def runnable(page: Path) -> list[str]:
     return [block for block in bash_blocks(page) if not block.startswith(NOT_RUN)]
 
 
-def run_block(block: str, cwd: Path, log: Path | None = None) -> subprocess.CompletedProcess:
-    """One block through `bash -e`, this environment's commands first on PATH; with `log`, each command's output kept
-    there (COMMAND_NUMBER.out / .err)."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+def readme_blocks() -> dict[str, str]:
+    """The README's command blocks by what they are: its set-up line and test command (the two commands on a fresh
+    machine), its quickstart."""
+    readme = (ROOT / "README.md").read_text()
+    fresh, quickstart = readme.split("## Two commands on a fresh machine")[1], readme.split("## Quickstart")[1]
+    setup, tests = re.findall(r"```bash\n(.*?)```", fresh, re.S)[:2]
+    return {"setup": setup, "tests": tests, "quickstart": re.search(r"```bash\n(.*?)```", quickstart, re.S).group(1)}
+
+
+def run_block(
+    block: str, cwd: Path, log: Path | None = None, bin_dir: Path | None = None
+) -> subprocess.CompletedProcess:
+    """One block through `bash -e`, `bin_dir` (default: this environment's commands) first on PATH; with `log`, each
+    command's output kept there (COMMAND_NUMBER.out / .err)."""
+    bin_dir = bin_dir or Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     run = dict(cwd=cwd, capture_output=True, text=True, env=env, timeout=BLOCK_TIMEOUT_S)
     if log is None:
         result = subprocess.run(["bash", "-e", "-c", block], **run)
         assert result.returncode == 0, f"{block}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
         return result
     log.mkdir(parents=True, exist_ok=True)
-    commands = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    commands = [line for line in joined_lines(block) if line.strip() and not line.startswith("#")]
     for number, command in enumerate(commands):
         result = subprocess.run(["bash", "-e", "-c", command], **run)
         (log / f"{number}.out").write_text(result.stdout)
@@ -42,15 +56,37 @@ def run_block(block: str, cwd: Path, log: Path | None = None) -> subprocess.Comp
     return result
 
 
-def run_getting_started(shared_root: Path) -> Path:
-    """The pipeline block of docs/getting-started.md (its first block installs: this environment is installed), run
-    by the first worker that asks, in `shared_root`/pipeline."""
+def joined_lines(block: str) -> list[str]:
+    """A block's commands, a line ending in a backslash joined with the next."""
+    return block.replace("\\\n", " ").splitlines()
+
+
+def fresh_clone(work: Path) -> None:
+    """The repository's files as a clean clone of this working tree holds them: tracked, and new files that git does
+    not ignore (CI runs on a clean clone, where the two are the same)."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True)
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (ROOT / name).is_file():  # not one deleted in the working tree
+            (work / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, work / name)
+
+
+def run_the_docs_pipeline(shared_root: Path) -> Path:
+    """On a fresh clone, as a new user runs them, by the first worker that asks: the README's set-up line as written
+    (a venv of the clone's own, the install, the demo), its quickstart, then every block of getting started that
+    runs here, with the clone's venv first on PATH as the set-up line leaves a shell. Each command's output is kept
+    in commands/setup, commands/quickstart and commands/getting-started-N. Returns the clone."""
     work = shared_root / "pipeline"
     with FileLock(f"{work}.lock"):
         if not (work / "done").is_file():
-            install, pipeline = runnable(ROOT / "docs" / "getting-started.md")[:2]
-            assert install.startswith("python3 -m venv") and "pip install torch==2.13.0 -e ." in install
-            work.mkdir(exist_ok=True)
-            run_block(pipeline, work, log=work / "commands")
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir()
+            fresh_clone(work)
+            blocks = readme_blocks()
+            run_block(blocks["setup"], work, log=work / "commands" / "setup")
+            venv = work / ".venv" / "bin"
+            run_block(blocks["quickstart"], work, log=work / "commands" / "quickstart", bin_dir=venv)
+            for number, block in enumerate(runnable(ROOT / "docs" / "getting-started.md")):
+                run_block(block, work, log=work / "commands" / f"getting-started-{number}", bin_dir=venv)
             (work / "done").touch()
     return work

@@ -79,14 +79,61 @@ def swap_layers(model: onnx.ModelProto, layers: int) -> None:
 
 def broken_export(source: Path, out: Path, damage: str) -> Path:
     """A copy of a quantized export with its decoder damaged: `shift-one` (the first layer's down projection's
-    scales shifted a row), `shift` (every quantized matrix's), `swap` (the first two layers exchanged)."""
+    scales shifted a row), `shift-three` (the second layer's q, v and down projections'), `shift` (every quantized
+    matrix's), `swap` (the first two layers exchanged)."""
     shutil.copytree(source, out)
     model = onnx.load(out / "decoder.onnx")
     nodes = quantized_matmuls(model)
     layers = len(nodes) // 7  # q, k, v, o, gate, up, down
+    shifted = {"shift": nodes, "shift-one": nodes[6:7], "shift-three": [nodes[7], nodes[9], nodes[13]]}
     if damage == "swap":
         swap_layers(model, layers)
     else:
-        shift_scales(model, nodes if damage == "shift" else nodes[6:7])
+        shift_scales(model, shifted[damage])
     onnx.save(model, out / "decoder.onnx")
     return out
+
+
+def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == op_type]
+
+
+def packed_values(model: onnx.ModelProto, node: onnx.NodeProto) -> tuple[np.ndarray, int]:
+    """A MatMulNBits node's integers (N, K rounded up to blocks) and its bits."""
+    bits = next(a.i for a in node.attribute if a.name == "bits")
+    packed = initializer(model, node.input[1])
+    if bits == 8:
+        return packed.reshape(len(packed), -1).astype(np.int32), bits
+    return np.stack([packed & 15, packed >> 4], -1).reshape(len(packed), -1).astype(np.int32), bits
+
+
+def set_packed_values(model: onnx.ModelProto, node: onnx.NodeProto, values: np.ndarray, bits: int) -> None:
+    shape = initializer(model, node.input[1]).shape
+    packed = values if bits == 8 else values[:, 0::2] | (values[:, 1::2] << 4)
+    set_initializer(model, node.input[1], packed.astype(np.uint8).reshape(shape))
+
+
+def transpose_block(model: onnx.ModelProto, node: onnx.NodeProto, block: int) -> None:
+    """The node's first block x block tile of integers (rows 0..block of its output features, the first block of
+    each) transposed: a quantizer that writes one block in the wrong order."""
+    values, bits = packed_values(model, node)
+    values[:block, :block] = values[:block, :block].T.copy()
+    set_packed_values(model, node, values, bits)
+
+
+def shift_zero_point(model: onnx.ModelProto, node: onnx.NodeProto) -> None:
+    """The node's first block's zero point one higher (wrapping within its bits): an asymmetric export's bug."""
+    bits = next(a.i for a in node.attribute if a.name == "bits")
+    points = initializer(model, node.input[3])
+    first = points[0, 0]
+    if bits == 8:
+        points[0, 0] = (int(first) + 1) % 256
+    else:
+        points[0, 0] = (first & 0xF0) | (((first & 15) + 1) % 16)
+    set_initializer(model, node.input[3], points)
+
+
+def take_matrix(model: onnx.ModelProto, into: onnx.NodeProto, source: onnx.NodeProto) -> None:
+    """`into`'s packed weights, scales (and zero points) replaced by `source`'s: a matrix from another layer."""
+    for a, b in zip(into.input[1:], source.input[1:]):
+        set_initializer(model, a, initializer(model, b))

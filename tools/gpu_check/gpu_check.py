@@ -6,10 +6,13 @@ comes (README.md beside this file says how), results as JSON and a Markdown tabl
     python tools/gpu_check/gpu_check.py dry-run --out DIR  # here: all but the GPU (the test suite runs it)
 
 What it measures (GPU: the released models' shapes; dry run: tiny shapes through Triton's interpreter, same schema):
-  kernel   the Triton kernel (the TensorRT plugin's and torch.ops.dattn's) against the fp32 reference attention
+  kernel   the Triton kernel (torch.ops.dattn's) against the fp32 reference attention
            (modeling/attention.py) in fp32, fp16 and bf16, both merges, softcap, sliding window, the GQA ratios of
            Vidi-7B (Mistral, 32/8 heads of 128) and Vidi1.5-9B (Gemma 2, 16/8 heads of 256), contexts up to 64k
            tokens, prefill and decode: max abs error and the tolerance it meets;
+  plugin   the TensorRT plugins' kernels launched as an engine launches them, without TensorRT (plugin_launch.py):
+           every kernel case at the tiles `tiles` picks, and every tactic at one context, against the fp32 reference
+           and timed beside the torch op and SDPA;
   models   both demo models and a model of Mistral-7B's width (2 layers), in bf16 through the reference with the
            kernel as the attention op, against the same weights' fp32 run: logits error, greedy tokens;
   speed    the kernel against PyTorch's SDPA (flash) on the equivalent conventional attention, and the wide model's
@@ -39,11 +42,16 @@ CARRIED_PACKAGES = ("av",)  # what the kernel tests import (through our video de
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")  # the GPU machine's
 # the kernel tests there: compiled, 8 at a time; not the PTX compilations, which need no GPU and run here
 GPU_TESTS = ["tests/test_kernels.py", "tests/test_torch_op.py", "-k", "not ptx"]
+# imported by a function of ours that the check does not call
+NOT_CALLED = {"tensorrt": "tensorrt_plugin.register(): the check launches the plugins' kernels without TensorRT"}
 CARRY_LIMIT = 64 << 20  # what travels to the GPU machine: the working tree and the carried folder together
 SCHEMA = 1
 # kernel vs fp32 reference, outputs O(1): as tests/test_kernels.py
 TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
 MODEL_TOLERANCE = 0.05  # bf16 model vs its fp32 run: max abs logits error over the largest logit
+PLUGIN_SLOWER = (
+    1.15  # the plugin's launch against the torch op's on the same inputs, on a GPU: at most this much slower
+)
 # what the GPU machines hold (their image's package list, import names) besides the standard library: the check
 # imports nothing else, and carries our wheel and CARRIED_PACKAGES' (for the kernel tests)
 THERE = {
@@ -128,6 +136,7 @@ class Report:
     versions: dict
     dry_run: bool
     kernel: list[dict] = field(default_factory=list)
+    plugin: list[dict] = field(default_factory=list)
     models: list[dict] = field(default_factory=list)
     speed: list[dict] = field(default_factory=list)
     prefill: list[dict] = field(default_factory=list)
@@ -137,50 +146,129 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return all(row["passed"] for row in (*self.kernel, *self.models, *self.tests))
+        return all(row["passed"] for row in (*self.kernel, *self.plugin, *self.models, *self.tests))
 
 
-def kernel_rows(sizes: Sizes, device: str) -> list[dict]:
-    """Each case: the kernel on fp32/fp16/bf16 inputs against the reference on the same inputs in fp32 (fp32: the
-    kernel multiplies in full precision, as PyTorch does by default; Triton's default would be TF32)."""
+def cases(sizes: Sizes):
+    """Every kernel case: (attention name, its shape, dtype, merge and segments, context, phase, queries, past) at
+    the released shapes, fp32/fp16/bf16, dattn's one softmax and the released sum over frames + audio, prefill and
+    decode."""
     import torch
 
-    from dattn_export.plugins import contract
-    from dattn_export.plugins.contract import Attributes
-    from dattn_export.plugins.triton_kernel import launch
-
-    rows = []
-    for name, (heads, kv_heads, dim, softcap, window, scale) in sizes.attention.items():
+    for name, shape in sizes.attention.items():
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for merge, segments in (("alpha", 1), ("sum", 2)):  # dattn's one softmax; the released sum, frames + audio
+            for merge, segments in (("alpha", 1), ("sum", 2)):
                 for context in sizes.contexts:
                     for phase, queries, past in (
                         ("prefill", sizes.prefill_queries, 0),
                         ("decode", 1, sizes.decode_past),
                     ):
-                        g = torch.Generator().manual_seed(len(rows))
-                        rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
-                        keys = past + queries
-                        mask = torch.ones(1, context, dtype=torch.int32)
-                        mask[:, context * 2 // 3 :] = segments  # the last third: the audio segment
-                        inputs = (
-                            rand(1, heads, queries, dim), rand(1, kv_heads, keys, dim), rand(1, kv_heads, keys, dim),
-                            torch.ones(1, keys, dtype=torch.bool, device=device), rand(1, heads, queries, dim),
-                            rand(1, kv_heads, context, dim), rand(1, kv_heads, context, dim), mask.to(device),
-                        )  # fmt: skip
-                        attributes = Attributes(scale, softcap, window, merge, num_contexts=segments)
-                        got = launch(*inputs, attributes).float()
-                        expected = contract.reference(tuple(t.float() if t.is_floating_point() else t for t in inputs),
-                                                      attributes)  # fmt: skip
-                        error = (got - expected).abs().max().item()
-                        # outputs O(1) a softmax; the sum merge adds one per segment and the text's
-                        magnitude = max(1.0, expected.abs().max().item())
-                        tolerance = TOLERANCE[str(dtype).removeprefix("torch.")] * magnitude
-                        rows.append(dict(attention=name, dtype=str(dtype).removeprefix("torch."), merge=merge,
-                                         softcap=softcap, window=window, heads=heads, kv_heads=kv_heads, head_dim=dim,
-                                         context=context, phase=phase, queries=queries, past=past,
-                                         max_abs=error, tolerance=tolerance, passed=error <= tolerance))  # fmt: skip
-                        del got, expected, inputs
+                        yield name, shape, dtype, merge, segments, context, phase, queries, past
+
+
+def op_inputs(shape: tuple, dtype, segments: int, context: int, queries: int, past: int, device: str, seed: int):
+    """The op's eight inputs, random, contiguous, on `device`: the last third of the context the second segment (the
+    audio's) when there are two, and the op's attributes for `shape`."""
+    import torch
+
+    from dattn_export.plugins.contract import Attributes
+
+    heads, kv_heads, dim, softcap, window, scale = shape
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *dims: torch.randn(*dims, generator=g).to(device, dtype)  # noqa: E731
+    keys = past + queries
+    mask = torch.ones(1, context, dtype=torch.int32)
+    mask[:, context * 2 // 3 :] = segments
+    inputs = (
+        rand(1, heads, queries, dim), rand(1, kv_heads, keys, dim), rand(1, kv_heads, keys, dim),
+        torch.ones(1, keys, dtype=torch.bool, device=device), rand(1, heads, queries, dim),
+        rand(1, kv_heads, context, dim), rand(1, kv_heads, context, dim), mask.to(device),
+    )  # fmt: skip
+    return inputs, lambda merge: Attributes(scale, softcap, window, merge, num_contexts=segments)
+
+
+def against_reference(got, inputs, attributes, dtype) -> tuple[float, float]:
+    """(max abs error of `got` against the fp32 reference on the same inputs, the tolerance it must meet)."""
+    from dattn_export.plugins import contract
+
+    expected = contract.reference(tuple(t.float() if t.is_floating_point() else t for t in inputs), attributes)
+    error = (got.float() - expected).abs().max().item()
+    # outputs O(1) a softmax; the sum merge adds one per segment and the text's
+    return error, TOLERANCE[str(dtype).removeprefix("torch.")] * max(1.0, expected.abs().max().item())
+
+
+def kernel_rows(sizes: Sizes, device: str) -> list[dict]:
+    """Each case: the kernel (torch.ops.dattn's launch) on fp32/fp16/bf16 inputs against the reference on the same
+    inputs in fp32 (fp32: the kernel multiplies in full precision, as PyTorch does by default; Triton's default
+    would be TF32)."""
+    from dattn_export.plugins.triton_kernel import launch
+
+    rows = []
+    for name, shape, dtype, merge, segments, context, phase, queries, past in cases(sizes):
+        inputs, attributes = op_inputs(shape, dtype, segments, context, queries, past, device, len(rows))
+        error, tolerance = against_reference(launch(*inputs, attributes(merge)), inputs, attributes(merge), dtype)
+        heads, kv_heads, dim, softcap, window, _ = shape
+        rows.append(dict(attention=name, dtype=str(dtype).removeprefix("torch."), merge=merge, softcap=softcap,
+                         window=window, heads=heads, kv_heads=kv_heads, head_dim=dim, context=context, phase=phase,
+                         queries=queries, past=past, max_abs=error, tolerance=tolerance,
+                         passed=error <= tolerance))  # fmt: skip
+    return rows
+
+
+def sdpa_of(inputs, scale: float, context: int, past: int):
+    """SDPA on the conventional attention equivalent to the op's inputs (the queries over [context ; text] keys,
+    causal, K/V expanded to the query heads): what the kernel is timed beside."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v, _, _, k_vis, v_vis, _ = inputs
+    heads, kv_heads, queries = q.shape[1], k.shape[1], q.shape[2]
+    all_k = torch.cat([k_vis, k], 2).repeat_interleave(heads // kv_heads, 1)
+    all_v = torch.cat([v_vis, v], 2).repeat_interleave(heads // kv_heads, 1)
+    slots = torch.arange(all_k.shape[2], device=q.device)
+    mask = slots[None, :] <= (context + past + torch.arange(queries, device=q.device))[:, None]
+    return lambda: F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, scale=scale)
+
+
+def plugin_rows(sizes: Sizes, device: str) -> list[dict]:
+    """The TensorRT plugins' kernels as an engine runs them (plugin_launch.py: the shares plugin, then the merge, each
+    launched through the CUDA driver as TensorRT launches it; in the dry run, the CPU stand-in with the same
+    arguments): every case at the tiles `tiles` picks, against the fp32 reference and timed beside the torch op and
+    SDPA on the same inputs; then every tactic of each shape at one context (fp16, alpha). On a GPU a row passes
+    within the kernel tolerance and at most PLUGIN_SLOWER x the torch op's time."""
+    import torch
+    from plugin_launch import DriverLauncher, interpreted, plugin_attention
+
+    from dattn_export.plugins.tensorrt_plugin import tactics
+    from dattn_export.plugins.triton_kernel import launch, tiles
+
+    launcher = DriverLauncher() if device == "cuda" else interpreted
+    phases = (("prefill", sizes.prefill_queries, 0), ("decode", 1, sizes.decode_past))
+    middle = sizes.contexts[len(sizes.contexts) // 2]
+    chosen_cases = [(case, None) for case in cases(sizes)]
+    tactic_cases = [((name, shape, torch.float16, "alpha", 1, middle, phase, queries, past), tactic)
+                    for name, shape in sizes.attention.items() for phase, queries, past in phases
+                    for tactic in range(len(tactics(shape[2], 2)))]  # fmt: skip
+    rows = []
+    for (name, shape, dtype, merge, segments, context, phase, queries, past), tactic in chosen_cases + tactic_cases:
+        inputs, attributes = op_inputs(shape, dtype, segments, context, queries, past, device, len(rows))
+        element = torch.empty(0, dtype=dtype).element_size()
+        listed = tactics(shape[2], element)
+        tactic = listed.index(tiles(queries, shape[2], element)) if tactic is None else tactic
+        op = attributes(merge)
+        got, _ = plugin_attention(inputs, op, listed[tactic], launcher)
+        error, tolerance = against_reference(got, inputs, op, dtype)
+        repeats = sizes.timing_repeats
+        plugin_ms = timed(lambda: plugin_attention(inputs, op, listed[tactic], launcher), repeats, device)  # noqa: B023
+        torch_ms = timed(lambda: launch(*inputs, op), repeats, device)  # noqa: B023
+        sdpa_ms = timed(sdpa_of(inputs, shape[5], context, past), repeats, device)
+        fast = device != "cuda" or plugin_ms <= PLUGIN_SLOWER * torch_ms
+        t = listed[tactic]
+        rows.append(dict(attention=name, dtype=str(dtype).removeprefix("torch."), merge=merge, context=context,
+                         phase=phase, tactic=tactic, tiles=f"{t.block_m}x{t.block_n}, {t.num_warps} warps",
+                         max_abs=error, tolerance=tolerance, plugin_ms=plugin_ms, torch_op_ms=torch_ms,
+                         sdpa_ms=sdpa_ms, vs_torch_op=plugin_ms / torch_ms,
+                         passed=error <= tolerance and fast))  # fmt: skip
     return rows
 
 
@@ -382,7 +470,7 @@ def check(out: Path, dry_run: bool) -> Report:
     name = "CPU (Triton interpreter), dry run" if dry_run else torch.cuda.get_device_name()
     report = Report(SCHEMA, name, datetime.date.today().isoformat(), versions(), dry_run)
     start = time.perf_counter()
-    for part, rows in (("kernel", kernel_rows), ("models", model_rows), ("speed", speed_rows),
+    for part, rows in (("kernel", kernel_rows), ("plugin", plugin_rows), ("models", model_rows), ("speed", speed_rows),
                        ("prefill", prefill_rows), ("tests", test_rows)):  # fmt: skip
         part_start = time.perf_counter()
         setattr(report, part, rows(sizes, device))
@@ -425,6 +513,9 @@ def markdown(report: Report) -> str:
     sections = [
         ("Kernel against the fp32 reference", report.kernel,
          ["attention", "dtype", "merge", "context", "phase", "max_abs", "tolerance", "passed"]),
+        ("The TensorRT plugins' kernels as an engine runs them (shares, then merge; ms a call)", report.plugin,
+         ["attention", "dtype", "merge", "context", "phase", "tactic", "tiles", "max_abs", "tolerance", "plugin_ms",
+          "torch_op_ms", "sdpa_ms", "vs_torch_op", "passed"]),
         ("Models in bf16 (kernel) against fp32 (reference)", report.models,
          ["model", "logits_max_abs", "logits_scale", "relative", "tokens_agree", "tokens", "passed"]),
         ("Kernel against SDPA (fp16, ms a call)", report.speed,
@@ -512,7 +603,7 @@ def dry_run(out: Path) -> Report:
     if refused := wheels_install_there(wheels):
         problems.append(f"the carried wheels do not install on Python 3.12 x86-64: {refused}")
     report = check(out, dry_run=True)
-    there = THERE | set(CARRIED_PACKAGES) | set(sys.stdlib_module_names) | {"dattn_export"}
+    there = THERE | set(CARRIED_PACKAGES) | set(sys.stdlib_module_names) | {"dattn_export"} | set(NOT_CALLED)
     if foreign := sorted(our_imports() - there):
         problems.append(f"imports what the GPU machine lacks: {', '.join(foreign)}")
     summary = dict(travelling_mib=size / 2**20, wheels=[w.name for w in wheels], problems=problems)
