@@ -14,7 +14,7 @@ IDR. Then, side by side for each length, height and preset:
               decoded, those kept at the tower's square, the sound track at 16 kHz mono), and its ratio to
               ffmpeg's (the goal: <= 1.2); both the median of --repeats runs, taken in turns
   --bytes     and the same decode from the file's bytes in memory, as `serve`'s video loader gets a request's
-              (`processing.FileBytes`; the file read beforehand, not timed), in the same turns
+              (`decoding.files.FileBytes`; the file read beforehand, not timed), in the same turns
   backends    `dattn-export generate FILE --video ... --max-new-tokens 4` per backend: wall time, peak resident
               memory (/usr/bin/time), the visual and audio tokens, and whether its tokens equal torch's
   --validate  `dattn-export validate ONNX_FOLDER --video FILE --max-new-tokens 4`: the export's graphs (ONNX
@@ -45,10 +45,12 @@ import imageio_ffmpeg
 import numpy as np
 
 from dattn_export.checkpoints.source import folder_config
+from dattn_export.decoding.files import FileBytes
+from dattn_export.decoding.video import load_video
 from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.media import Media, decode_media
 from dattn_export.modeling.families import FAMILIES
-from dattn_export.processing import FileBytes, frame_square, load_video
+from dattn_export.processing import frame_square
 from dattn_export.stages.convert import convert
 from dattn_export.stages.onnx_export import export_onnx
 
@@ -127,7 +129,7 @@ def generate(folder: Path, backend: str, video: Path) -> dict:
     run, measured = command_run("generate", str(folder), *arguments)
     if "error" in measured:
         return measured
-    number = lambda pattern: int(re.search(pattern, run.stdout).group(1).replace(",", ""))  # noqa: E731
+    number = lambda pattern: int(re.search(pattern, run.stdout).group(1).replace(",", ""))
     return measured | {
         "visual": number(r"visual tokens\s*\S?\s*([\d,]+)"),
         "audio": number(r"audio tokens\s*\S?\s*([\d,]+)"),

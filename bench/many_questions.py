@@ -50,10 +50,11 @@ from pathlib import Path
 import numpy as np
 
 from dattn_export.checkpoints.source import folder_config
+from dattn_export.decoding.sound import AUDIO_RATE
 from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.media import Media, decode_media
 from dattn_export.modeling.families import FAMILIES
-from dattn_export.processing import AUDIO_RATE, load_audio_processor
+from dattn_export.processing import load_audio_processor
 from dattn_export.stages.convert import convert
 from dattn_export.stages.generate import run_prompts, run_prompts_graphs
 from dattn_export.stages.onnx_export import export_onnx
@@ -209,13 +210,13 @@ def main() -> None:
               "seconds to first token (medians)")  # fmt: skip
         print("vLLM | video s | context tokens | first | later | later unnamed | uncached later | text only | "
               "first / later")  # fmt: skip
-        later_ones = lambda per_video: [s for seconds in per_video for s in seconds[1:]]  # noqa: E731
+        later_ones = lambda per_video: [s for seconds in per_video for s in seconds[1:]]
         drawn = {"a first question": [], "a later question": [], "a later question, cache off": []}
         for how, seconds, tokens, times in rows:
             first = statistics.median(per_video[0] for per_video in times[4.0]["video"])
             later = statistics.median(later_ones(times[4.0]["video"]))
             uncached = statistics.median(later_ones(times[0.0]["video"]))
-            offline = lambda key, median: f"{median(times[4.0][key]):.3f}" if key in times[4.0] else "-"  # noqa: E731
+            offline = lambda key, median: f"{median(times[4.0][key]):.3f}" if key in times[4.0] else "-"
             unnamed = offline("unnamed", lambda per_video: statistics.median(later_ones(per_video)))
             text = offline("text", lambda text: statistics.median(text[1:]))
             print(f"{how} | {seconds} | {tokens} | {first:.2f} | {later:.3f} | {unnamed} | {uncached:.2f} | {text} | "

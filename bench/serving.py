@@ -181,8 +181,8 @@ def report(results: dict, weights: dict, plot: Path) -> None:
             f"{r['tpot_p99_ms']:>13.1f}{short:>11}{r['tokens_per_s']:>10.1f}{r['rss'] / 1e9:>9.2f}G"
         )
     ours32 = results["ours", "fp32"]
-    per_token = lambda runtime_name, scheme: results[runtime_name, scheme]["tpot_p50_ms"]  # noqa: E731
-    short = lambda scheme: results["ours", scheme]["tpot_short_p50_ms"]  # noqa: E731
+    per_token = lambda runtime_name, scheme: results[runtime_name, scheme]["tpot_p50_ms"]
+    short = lambda scheme: results["ours", scheme]["tpot_short_p50_ms"]
     checks = [
         *(
             (f"{s} decode step speed-up over fp32 >= 2.5", per_token("ours", "fp32") / per_token("ours", s), 2.5, ">=")

@@ -118,7 +118,7 @@ def ort_rows(onnx_folder: Path, converted: Path) -> list[dict]:
     processor = load_image_processor(converted, config)
     ids = load_tokenizer(converted, config)(PROMPT, return_tensors="np")["input_ids"]
     pictures = images(max(CONCURRENCY))
-    prepare = lambda batch: prepare_pictures(batch, config.mm_image_aspect_ratio, processor)  # noqa: E731
+    prepare = lambda batch: prepare_pictures(batch, config.mm_image_aspect_ratio, processor)
     graphs.generate(ids, np.ones_like(ids), graphs.encode_images(prepare(pictures[:1])[None].numpy())[0], 2)
     rows = []
     for concurrent in CONCURRENCY:

@@ -229,7 +229,7 @@ def measure(kind: str, folder: Path, tokens: int) -> dict:
     llm = start_engine(kind, folder, tokens)
     engine, cache = llm.llm_engine, llm.llm_engine.vllm_config.cache_config
     ids = prompt_ids(kind, folder)
-    blocks = lambda n: -(-n // cache.block_size)  # noqa: E731
+    blocks = lambda n: -(-n // cache.block_size)
     if kind == "llava":
         request_blocks = blocks(tokens + PROMPT_TOKENS + DECODE_TOKENS)
     else:

@@ -44,6 +44,7 @@ MODELING_DIR = Path(__file__).parent / "modeling"
 REMOTE_CODE = (
     "configuration_dattn.py",
     "modeling_dattn.py",
+    "context.py",
     "attention.py",
     "images.py",
     "families.py",

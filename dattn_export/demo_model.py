@@ -15,10 +15,11 @@ from transformers import CLIPVisionConfig, PreTrainedTokenizerFast, SiglipVision
 from .checkpoints.released import OWN_KEYS, released_config
 from .checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
 from .checkpoints.source import saved_state_dict
+from .decoding.sound import AUDIO_RATE
 from .modeling.families import DEFAULT_FAMILY, FAMILIES
 from .modeling.modeling_dattn import MODEL_CLASSES
 from .presets import randomize_weights, tiny_config
-from .processing import AUDIO_RATE, IMAGE_PROCESSORS, default_audio_processor
+from .processing import IMAGE_PROCESSORS, default_audio_processor
 
 DEMO_PROMPT = "USER: <image>\nDescribe the image in one sentence.\nASSISTANT:"  # the released models' form
 DEMO_VIDEO_PROMPT = "USER: <image>\nWhat happens in the video, and what do you hear?\nASSISTANT:"

@@ -5,28 +5,20 @@ validate and analyze share it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .answers import time_ranges
+from .decoding.files import load_frame_folder, media_duration, open_image
+from .decoding.sound import AUDIO_RATE, load_audio
+from .decoding.video import load_video
 from .errors import InputError
 from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
 from .modeling.streams import AUDIO
-from .processing import (
-    AUDIO_RATE,
-    MEDIA_MARKERS,
-    audio_features,
-    frame_square,
-    load_audio,
-    load_audio_processor,
-    load_frame_folder,
-    load_image_processor,
-    load_video,
-    media_duration,
-    open_image,
-    time_ranges,
-)
+from .processing import MEDIA_MARKERS, audio_features, frame_square, load_audio_processor, load_image_processor
 from .ui import err, stage
 
 MEDIA_OPTIONS = {"images": "--image", "video": "--video", "frames": "--frames", "audio": "--audio"}  # Media's fields
@@ -75,8 +67,6 @@ class Media:
             )
         if self.video and self.frames:
             raise InputError(self.frames, "and --video both give frames: pass one")
-        if prompt and self.given and marker is None:
-            err.print(UNMARKED.format(prompt=prompt), markup=False)
         for stream in config.streams:
             if stream.pictures is not None and len(self.images) > stream.pictures:
                 most = stream.pictures
@@ -98,9 +88,10 @@ class DecodedMedia:
         return time_ranges(text, self.duration, config.family)
 
 
-def decode_media(media: Media, folder: Path, config) -> DecodedMedia:
+def decode_media(media: Media, folder: Path, config, prompts: Sequence[str] = ()) -> DecodedMedia:
     """Every file read and decoded before any model work, so that a bad one is the first and only message; video
-    frames resized to the tower's square as they are decoded (`frame_square`)."""
+    frames resized to the tower's square as they are decoded (`frame_square`). Then a note for each of `prompts`
+    that comes with media but names none where the released models expect it."""
     square = frame_square(folder, config) if media.video or media.frames else None
     frames = samples = None
     if media.video:  # with its own sound track (when it has one) unless an audio file is given
@@ -110,7 +101,11 @@ def decode_media(media: Media, folder: Path, config) -> DecodedMedia:
     if media.audio:
         samples = load_audio(media.audio)
     duration = media_duration(media.video) if media.video else None
-    return DecodedMedia([open_image(p) for p in media.images], frames, samples, duration)
+    decoded = DecodedMedia([open_image(p) for p in media.images], frames, samples, duration)
+    for prompt in prompts if media.given else ():
+        if not any(marker in prompt for marker in MEDIA_MARKERS):
+            err.print(UNMARKED.format(prompt=prompt), markup=False)
+    return decoded
 
 
 def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, float]) -> dict:

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from .modeling.configuration_dattn import CONFIG_CLASSES
+from .modeling.context import MMRMSNorm
 from .modeling.families import DEFAULT_FAMILY, FAMILIES
-from .modeling.modeling_dattn import MMRMSNorm, family_part
+from .modeling.modeling_dattn import FAMILY_MODULES
 
 TINY_VISION = {
     "siglip": dict(
@@ -55,7 +56,7 @@ def tiny_config(
 def randomize_weights(model: nn.Module, seed: int = 0) -> nn.Module:
     """Matrices ~ N(0, 1/fan_in); norm weights around their neutral value (+-10%); biases ~ N(0, 0.1)."""
     family = model.config.family
-    llm_norm = family_part(family, "RMSNorm")
+    llm_norm = FAMILY_MODULES[family.name].rms_norm
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=generator)

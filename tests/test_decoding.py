@@ -10,8 +10,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from dattn_export import processing
-from dattn_export.processing import AUDIO_RATE, FileBytes, load_audio, load_video, media_duration
+from dattn_export.decoding import video as decoding
+from dattn_export.decoding.files import FileBytes, media_duration
+from dattn_export.decoding.sound import AUDIO_RATE, load_audio
+from dattn_export.decoding.video import load_video
 
 decord = pytest.importorskip("decord", reason="decord, the released decoder, is in the test extra")
 imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg", reason="the ffmpeg command line is in the test extra")
@@ -119,9 +121,9 @@ def test_frames_neither_kept_nor_referenced_are_not_decoded(tmp_path, name, monk
     of it than the file holds, in one pass, and the kept ones are decord's."""
     path = make(tmp_path, name)
     passes, decoded = [], []
-    decode, keeps = processing.decode_video, processing.FramePicker.keeps
-    monkeypatch.setattr(processing, "decode_video", lambda *a, **k: passes.append(k["ranked"]) or decode(*a, **k))
-    monkeypatch.setattr(processing.FramePicker, "keeps", lambda self, f: decoded.append(f.pts) or keeps(self, f))
+    decode, keeps = decoding.decode_video, decoding.FramePicker.keeps
+    monkeypatch.setattr(decoding, "decode_video", lambda *a, **k: passes.append(k["ranked"]) or decode(*a, **k))
+    monkeypatch.setattr(decoding.FramePicker, "keeps", lambda self, f: decoded.append(f.pts) or keeps(self, f))
     assert_frames_equal(path)
     assert passes == [True] and len(decoded) < 0.6 * len(decord.VideoReader(str(path)))
 
@@ -155,9 +157,9 @@ def test_frames_after_a_gop_s_last_kept_frame_are_not_decoded(tmp_path, name, mo
     path = tmp_path / file
     ffmpeg(*[arg.format(rate=30) for arg in SOURCE], "-t", 5, *map(str, codecs), path)
     passes, decoded = [], []
-    decode, keeps = processing.decode_video, processing.FramePicker.keeps
-    monkeypatch.setattr(processing, "decode_video", lambda *a, **k: passes.append(k["ranked"]) or decode(*a, **k))
-    monkeypatch.setattr(processing.FramePicker, "keeps", lambda self, f: decoded.append(f.pts) or keeps(self, f))
+    decode, keeps = decoding.decode_video, decoding.FramePicker.keeps
+    monkeypatch.setattr(decoding, "decode_video", lambda *a, **k: passes.append(k["ranked"]) or decode(*a, **k))
+    monkeypatch.setattr(decoding.FramePicker, "keeps", lambda self, f: decoded.append(f.pts) or keeps(self, f))
     ours = np.stack([np.asarray(frame) for frame in load_video(path)[0]])
     assert ours.shape[0] == 5 and np.array_equal(ours, command_line_frames(path, ours.shape[1:]))
     if file.endswith(".mp4"):  # decord's own frames, decoded in order (its seeks garble an open GOP's frames)
@@ -165,7 +167,7 @@ def test_frames_after_a_gop_s_last_kept_frame_are_not_decoded(tmp_path, name, mo
         assert np.array_equal(ours, reader.get_batch(list(range(len(reader)))).asnumpy()[::30])
     # one pass over each piece (a kept frame that did not come out would have made it read the file again), decoding
     # the kept frames only; with open GOPs (no IDR picture to cut at: one piece), all but the B-frames not kept
-    pieces = processing.video_pieces(path, 1.0, None)
+    pieces = decoding.video_pieces(path, 1.0, None)
     assert passes == [True] * len(pieces) and (len(pieces) == 1) == (not file.endswith(".mp4") or not most)
     assert len(decoded) <= most if most else 40 < len(decoded) < 90
 
@@ -191,11 +193,11 @@ def test_a_stream_cut_into_pieces_decodes_as_one_pass(tmp_path, name, cores, mon
     if "rotated" in name:
         path = path.rename(tmp_path / "stored.mp4").with_name("turned.mp4")
         ffmpeg(*ROTATIONS["rotate 90"], "-i", tmp_path / "stored.mp4", "-c", "copy", path)
-    monkeypatch.setattr(processing, "usable_cores", lambda: cores)
-    pieces = processing.video_pieces(path, 1.0, None)
+    monkeypatch.setattr(decoding, "usable_cores", lambda: cores)
+    pieces = decoding.video_pieces(path, 1.0, None)
     assert len(pieces) == cores and [piece.start % 30 for piece in pieces] == [0] * cores
-    passes, decode = [], processing.decode_video
-    monkeypatch.setattr(processing, "decode_video", lambda *a, **k: passes.append(k.get("piece")) or decode(*a, **k))
+    passes, decode = [], decoding.decode_video
+    monkeypatch.setattr(decoding, "decode_video", lambda *a, **k: passes.append(k.get("piece")) or decode(*a, **k))
     expected_frames, expected_samples = released_frames(path), released_samples(path)
     for source in (path, FileBytes(path.read_bytes(), "the request's video")):  # a file, and its bytes (serve's)
         passes.clear()
@@ -211,13 +213,13 @@ def test_a_kept_frame_that_did_not_come_out_is_read_again(tmp_path, monkeypatch)
     kept frame that did not come out of the decoder makes the file read again, counting frames as they come out:
     still decord's frames."""
     path = make(tmp_path, "mp4, h264 + stereo AAC 44.1 kHz")
-    passes, decode = [], processing.decode_video
+    passes, decode = [], decoding.decode_video
 
     def skipping_all(picker, packet, skip):
         picker.video.codec_context.skip_frame = "NONREF"
         return packet
 
-    monkeypatch.setattr(processing.FramePicker, "marked", skipping_all)
-    monkeypatch.setattr(processing, "decode_video", lambda *a, **k: passes.append(k["ranked"]) or decode(*a, **k))
+    monkeypatch.setattr(decoding.FramePicker, "marked", skipping_all)
+    monkeypatch.setattr(decoding, "decode_video", lambda *a, **k: passes.append(k["ranked"]) or decode(*a, **k))
     assert_frames_equal(path)
     assert passes == [True, False]

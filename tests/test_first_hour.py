@@ -390,8 +390,9 @@ def test_the_demo_says_its_answers_are_noise_and_prints_no_replacement_character
 def test_an_answer_that_is_no_utf8_prints_its_bytes_escaped(tmp_path):
     """Byte-level BPE: the token `Ã` alone is the byte 0xC3, a UTF-8 lead byte with nothing after it; the tokenizer's
     own decode gives U+FFFD for it, the answer an escape. Text that decodes is the tokenizer's decode."""
+    from dattn_export.answers import answer_text
     from dattn_export.checkpoints.source import open_source
-    from dattn_export.processing import answer_text, load_tokenizer
+    from dattn_export.processing import load_tokenizer
 
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
     tokenizer = load_tokenizer(checkpoint, open_source(checkpoint).config)

@@ -16,7 +16,13 @@ COLUMNS = {
                "max_abs", "tolerance", "passed"},
     "models": {"model", "hidden", "layers", "dtype", "logits_max_abs", "relative", "tokens_agree", "passed"},
     "speed": {"attention", "context", "phase", "dattn_ms", "sdpa_ms", "speedup"},
-    "prefill": {"model", "context_tokens", "ms"},
+    "prefill": {"model", "context_tokens", "ms", "tflops", "peak_tflops", "of_peak", "passed"},
+    "bounds": {"device", "matmul_tflops", "copy_gbs"},
+    "plugin": {"attention", "dtype", "merge", "context", "phase", "tactic", "tiles", "max_abs", "tolerance",
+               "plugin_ms", "torch_op_ms", "sdpa_ms", "vs_torch_op", "passed"},
+    "decode": {"model", "context_tokens", "ms_per_token", "bound_ms", "vs_bound", "passed"},
+    "validate": {"model", "dtype", "logits_max_abs", "tolerance", "tokens_agree", "tokens", "passed"},
+    "hour": {"model", "frames", "visual_tokens", "audio_tokens", "first_token_s", "tokens_per_s", "peak_gpu_gib"},
     "tests": {"test", "outcome", "passed"},
     "not_run": {"what", "why"},
 }  # fmt: skip
@@ -49,6 +55,21 @@ def test_the_dry_run_checks_all_but_the_gpu(tmp_path):
     assert all(row["max_abs"] <= row["tolerance"] for row in kernel)
     assert any(row["softcap"] and row["window"] for row in kernel)  # Gemma 2's attention: soft-capped, windowed
     assert all(row["tokens_agree"] <= row["tokens"] for row in report["models"])
+    # the TensorRT plugins' kernels, launched with TensorRT's arguments (the CPU stand-in here): every case at the
+    # tiles the torch op takes, every tactic of each shape, against the reference
+    from dattn_export.plugins.tensorrt_plugin import tactics
+
+    plugin = report["plugin"]
+    assert {(row["dtype"], row["merge"], row["phase"]) for row in plugin} >= {(row["dtype"], row["merge"], row["phase"])
+                                                                            for row in kernel}  # fmt: skip
+    for name in {row["attention"] for row in plugin}:
+        tried = {row["tactic"] for row in plugin if row["attention"] == name and row["dtype"] == "float16"}
+        assert tried == set(range(len(tactics(32, 2))))  # the dry run's head dim: 32
+    assert all(row["max_abs"] <= row["tolerance"] for row in plugin)
+    # the deployed PyTorch model: decoding beside its bound, validate --backend torch, the (short) video answered
+    assert all(row["bound_ms"] > 0 for row in report["decode"]) and len(report["validate"]) == 3
+    assert {row["model"] for row in report["hour"]} == {"mistral", "gemma2"}
+    assert all(row["frames"] > 0 and row["audio_tokens"] > 0 for row in report["hour"])
     # the kernel tests that run there, collected here: the CUDA dispatch's gpu tests among them
     tests = [row["test"] for row in report["tests"]]
     assert any("test_cuda_dispatch_runs_the_kernel" in test for test in tests)

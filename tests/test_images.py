@@ -18,17 +18,11 @@ from PIL import Image
 from transformers import CLIPImageProcessorPil, SiglipImageProcessorPil
 
 from dattn_export.checkpoints.source import load_model
+from dattn_export.decoding.files import open_image
 from dattn_export.demo_model import DEMO_PROMPT, write_demo_checkpoint
 from dattn_export.media import Media
 from dattn_export.modeling.images import anyres_tiles, prepare_pictures
-from dattn_export.processing import (
-    load_image_processor,
-    load_tokenizer,
-    normalize_pixels,
-    open_image,
-    picture_bytes,
-    tiles_bytes,
-)
+from dattn_export.processing import load_image_processor, load_tokenizer, normalize_pixels, picture_bytes, tiles_bytes
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.validate import ValidationReport, image_context

@@ -27,7 +27,7 @@ DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # inter
 
 def problem(dtype, batch, heads, kv_heads, queries, past, visual, dim, seed):
     g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)
     keys = past + queries
     key_mask = torch.ones(batch, keys, dtype=torch.bool)
     key_mask[0, : min(2, past)] = False  # left padding
@@ -205,7 +205,7 @@ PTX_SCRIPT = """
 import json, sys
 from dattn_export.plugins.contract import Attributes
 from dattn_export.plugins.tensorrt_plugin import tactics
-from dattn_export.plugins.triton_kernel import compile_attention, compile_merge
+from dattn_export.plugins.ptx import compile_attention, compile_merge
 compiled = {}
 for arch, dtype, merge, head_dim in json.loads(sys.argv[1]):
     attributes = Attributes(head_dim**-0.5, softcap=50.0, window=4096, merge=merge,

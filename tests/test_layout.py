@@ -80,7 +80,7 @@ def test_every_stream_has_its_part_on_every_floor():
     keyed by its name (or by what it gives: its modality, its media): a stream added without one of them fails here,
     and the message names every table that lacks it. (vLLM's table is checked in test_vllm.py, which imports vLLM.)"""
     from dattn_export import demo_model, graphs, media
-    from dattn_export.modeling import modeling_dattn, streams
+    from dattn_export.modeling import context, streams
     from dattn_export.runtime import graph
     from dattn_export.stages import push, validate, verify
 
@@ -89,7 +89,7 @@ def test_every_stream_has_its_part_on_every_floor():
     video = set(streams.STREAMS["video"])
     assert {s.name for s in every} == {"image", "tiles", "frames", "audio"} and len(first) == 3  # the sets are read
     tables = {
-        "modeling_dattn.STREAM_MODULES": (modeling_dattn.STREAM_MODULES, every, "name"),
+        "context.STREAM_MODULES": (context.STREAM_MODULES, every, "name"),
         "graphs.STREAM_GRAPHS": (graphs.STREAM_GRAPHS, every, "name"),
         "media.GRAPH_CONTEXTS": (media.GRAPH_CONTEXTS, first, "name"),
         "validate.CONTEXT_CHECKS": (validate.CONTEXT_CHECKS, first, "name"),
@@ -107,3 +107,12 @@ def test_every_stream_has_its_part_on_every_floor():
     assert {table: names for table, names in lacking.items() if names} == {}
     media_fields = {field for s in every for field in s.media}
     assert media_fields == set(media.MEDIA_OPTIONS) == set(media.MEDIA_KINDS)
+
+
+def test_every_module_says_its_job_in_few_enough_lines():
+    """A newcomer opens one module for one change: each says what it is for in its docstring, and none runs past
+    550 lines."""
+    modules = {module_name(path): path.read_text() for path in PACKAGE.rglob("*.py")}
+    assert len(modules) > 80  # the package is read: the check can fail
+    assert [name for name, text in modules.items() if not ast.get_docstring(ast.parse(text))] == []
+    assert {name: n for name, text in modules.items() if (n := len(text.splitlines())) > 550} == {}

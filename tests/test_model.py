@@ -177,7 +177,7 @@ def test_mmca_visual_stream_is_attention_within_each_image(family):
         cos, sin = m.rotary_emb(visual, (torch.arange(visual.shape[1]) % per_image)[None])
         rotate = lambda t: (
             t * cos[:, None] + torch.cat([-t[..., t.shape[-1] // 2 :], t[..., : t.shape[-1] // 2]], -1) * sin[:, None]
-        )  # noqa: E731
+        )
         q, k = rotate(q), rotate(k)
         groups = config.num_attention_heads // config.num_key_value_heads
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)

@@ -1,9 +1,11 @@
 """ONNX export: the graphs, run by ONNX Runtime, against the PyTorch reference."""
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -194,8 +196,9 @@ def test_polygraphy_checks_the_saved_data(pipeline, tmp_path):
     shutil.copytree(pipeline / "onnx", tmp_path / "onnx")  # getting started's export; validate writes its report
     report = validate(tmp_path / "onnx", steps=4, save_polygraphy=tmp_path / "poly")
     assert report.passed and len(report.polygraphy_commands) == 3
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the venv's CLI
     for command in report.polygraphy_commands:
-        result = subprocess.run(shlex.split(command), capture_output=True, text=True)
+        result = subprocess.run(shlex.split(command), capture_output=True, text=True, env=env)
         assert result.returncode == 0 and "PASSED" in result.stdout + result.stderr, result.stdout + result.stderr
     saved = RunResults.load(str(tmp_path / "poly" / "decoder.outputs.json"))
     assert len(saved[0][1]) == 4  # the prefill and 3 decode steps
@@ -203,7 +206,7 @@ def test_polygraphy_checks_the_saved_data(pipeline, tmp_path):
         iteration["logits"] = iteration["logits"] + 1e-3
     saved.save(str(tmp_path / "poly" / "decoder.outputs.json"))
     decoder = next(c for c in report.polygraphy_commands if "decoder.onnx" in c)
-    result = subprocess.run(shlex.split(decoder), capture_output=True, text=True)
+    result = subprocess.run(shlex.split(decoder), capture_output=True, text=True, env=env)
     assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
 
 
@@ -266,6 +269,7 @@ def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path,
     the decoder holds from decoder.onnx.data)."""
     import warnings
 
+    from dattn_export import onnx_weights
     from dattn_export.artifacts import DTYPES
     from dattn_export.checkpoints.source import load_model
     from dattn_export.graphs import graph_specs
@@ -275,8 +279,8 @@ def test_streamed_export_writes_what_torch_writes_for_the_loaded_model(tmp_path,
     model = released_model("mistral", video=True) if family == "video" else build_model(family)
     checkpoint = checkpoint_of(model, tmp_path / "ckpt")
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)  # keep every graph's .data file
-    monkeypatch.setattr(onnx_export, "WRITE_CHUNK_BYTES", 1000)  # weights, and transposed ones, in many pieces
-    monkeypatch.setattr(onnx_export, "TRANSPOSE_BLOCK_BYTES", 3000)
+    monkeypatch.setattr(onnx_weights, "WRITE_CHUNK_BYTES", 1000)  # weights, and transposed ones, in many pieces
+    monkeypatch.setattr(onnx_weights, "TRANSPOSE_BLOCK_BYTES", 3000)
     manifest = export_onnx(checkpoint, tmp_path / "ours", dtype=dtype)
     torch_dtype = DTYPES[dtype].torch
     (tmp_path / "torch").mkdir()

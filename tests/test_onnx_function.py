@@ -35,7 +35,7 @@ def single_node_model(attributes: dict, variant: Variant, dtype=TensorProto.FLOA
 
 def problem(batch, heads, kv_heads, queries, past, visual, dim, seed):
     g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=g)
     keys = past + queries
     key_mask = torch.ones(batch, keys, dtype=torch.bool)
     key_mask[0, :2] = False  # left padding

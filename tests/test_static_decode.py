@@ -82,3 +82,36 @@ def test_a_static_cache_refuses_what_it_cannot_hold():
     model = build_model("mistral", wings_rank=4)
     with pytest.raises(ValueError, match="static decoding does not take WINGS learners"):
         static_generate(model, torch.tensor([[5, 6, 7]]), 2)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_validate_backend_torch_holds_the_16_bit_model_to_its_fp32_run(tmp_path, family, monkeypatch):
+    """`validate --backend torch`: the demo model in bf16 with static-cache decoding, against itself in fp32 (on the
+    CPU here; on a GPU with the kernel and CUDA graphs): within 5% of the largest logit; held to fp32's own accuracy
+    instead, the same bf16 model fails."""
+    from dattn_export.demo_model import write_demo_checkpoint
+    from dattn_export.stages import validate_model as stage
+    from dattn_export.stages.validate_model import validate_model
+
+    checkpoint = write_demo_checkpoint(tmp_path / "ckpt", family)
+    report = validate_model(checkpoint, "cpu", steps=8)
+    assert report.passed and report.dtype == "bfloat16" and report.backend == "torch", report.to_json()
+    logits = [c for c in report.comparisons if c.output.startswith("logits")]
+    assert [c.output for c in logits] == ["logits (prefill)", "logits (decode steps)"]
+    assert all(0 < c.max_abs <= report.tolerance for c in logits)  # bf16 is not fp32, and is within the share
+    monkeypatch.setitem(stage.SCALE_TOLERANCES, "bfloat16", 1e-6)
+    assert not validate_model(checkpoint, "cpu", steps=8).passed
+
+
+def test_a_gpu_that_is_absent_is_one_line(tmp_path):
+    """`--device cuda` for the PyTorch model without a GPU: one line, exit 3, before the model loads."""
+    from helpers.cli import error_line, run_cli
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: nothing is absent")
+    for command in (("generate", tmp_path, "--prompt", "Hi", "--device", "cuda"),
+                    ("validate", tmp_path, "--backend", "torch", "--device", "cuda")):  # fmt: skip
+        result = run_cli(*command)
+        assert result.returncode == 3, result.stderr
+        assert error_line(result.stderr) == "Error: --device cuda: no CUDA GPU is visible: run on a GPU machine, or " \
+            "without --device"  # fmt: skip

@@ -15,7 +15,7 @@ gpu = pytest.mark.skipif(
 
 def inputs(device="cpu", dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)
     key_mask = torch.ones(2, 9, dtype=torch.bool, device=device)
     key_mask[0, :2] = False
     return (

@@ -186,7 +186,7 @@ def test_every_tactic_runs_as_an_engine_runs_it(dtype, head_dim):
         range(len(listed)), [(1, 2100, 1500), (20, 0, 37)], ["alpha", "sum"]
     ):
         g = torch.Generator().manual_seed(tactic)
-        rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+        rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)
         keys = past + queries
         segments = torch.ones(1, context, dtype=torch.int32)
         segments[:, context * 2 // 3 :] = 2 if merge == "sum" else 1
@@ -218,7 +218,7 @@ def test_split_key_nodes_rewrite_each_fused_node_as_the_two_plugins(tmp_path):
     assert ops.count(SHARES) == ops.count(MERGE) == len(fused) and contract.TYPE not in ops
     assert [op for op in ops if op not in (SHARES, MERGE)] == others
     for node, shares, merge in zip(fused, *(nodes_of(model, op) for op in (SHARES, MERGE))):
-        values = lambda n: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
+        values = lambda n: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert list(shares.input) == list(node.input) and values(shares) == values(node)
         assert list(merge.input) == list(shares.output) and list(merge.output) == list(node.output)
         attributes = values(merge)

@@ -18,16 +18,17 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import WhisperFeatureExtractor
 
+from dattn_export.answers import time_ranges
 from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.errors import InputError
 from dattn_export.media import Media, decode_media
-from dattn_export.modeling import modeling_dattn
+from dattn_export.modeling import context
 from dattn_export.modeling import streams as stream_specs
 from dattn_export.modeling.families import FAMILIES
 from dattn_export.modeling.images import prepare_pictures
 from dattn_export.modeling.streams import AUDIO, FRAMES
-from dattn_export.processing import load_image_processor, load_tokenizer, time_ranges
+from dattn_export.processing import load_image_processor, load_tokenizer
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.generate import run_prompt
 from dattn_export.stages.info import describe
@@ -369,7 +370,7 @@ def test_long_streams_run_in_chunks(monkeypatch, family):
         whole = model.model.encode_video(frames), model.model.encode_audio(mels, mel_frames)
         monkeypatch.setattr(FRAMES, "parts_per_run", 2)
         monkeypatch.setattr(AUDIO, "parts_per_run", 1)
-        monkeypatch.setattr(modeling_dattn, "CONTEXT_CHUNK", 7)
+        monkeypatch.setattr(context, "CONTEXT_CHUNK", 7)
         chunked = model.model.encode_video(frames), model.model.encode_audio(mels, mel_frames)
     for (caches, mask), (chunk_caches, chunk_mask) in zip(whole, chunked):
         assert torch.equal(mask, chunk_mask)

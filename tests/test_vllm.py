@@ -270,16 +270,24 @@ def test_tensor_parallel_across_two_ray_nodes(served, tmp_path):
 
 @vllm_missing
 def test_every_stream_has_its_part_in_the_plugin():
-    """The plugin's part of each stream, by the input it comes in: a video's streams, and an image model's one
-    (test_layout.py checks the other floors' tables)."""
+    """The plugin's part of each stream on each side, by the input it comes in: a video's streams (the field they
+    travel in, the processor's and the model's parts), and an image model's one (test_layout.py checks the other
+    floors' tables)."""
     from dattn_export.modeling import streams
-    from dattn_export.vllm_plugin.model import PICTURE_STREAMS, VIDEO_STREAMS
+    from dattn_export.vllm_plugin.inputs import VIDEO_FIELDS
+    from dattn_export.vllm_plugin.model import PICTURE_EMBEDDING, VIDEO_EMBEDDING
+    from dattn_export.vllm_plugin.processor import PICTURE_PROCESSING, VIDEO_PROCESSING
 
     every = [stream for stream in vars(streams).values() if isinstance(stream, streams.ContextStream)]
-    tables = {"video": VIDEO_STREAMS, "image": PICTURE_STREAMS}
-    assert {stream.modality for stream in every} == set(tables)
-    assert [stream.name for stream in every if stream.name not in tables[stream.modality]] == []
-    assert set(VIDEO_STREAMS) | set(PICTURE_STREAMS) == {stream.name for stream in every}
+    sides = [
+        {"video": VIDEO_FIELDS, "image": PICTURE_PROCESSING},
+        {"video": VIDEO_PROCESSING, "image": PICTURE_PROCESSING},
+        {"video": VIDEO_EMBEDDING, "image": PICTURE_EMBEDDING},
+    ]
+    for tables in sides:
+        assert {stream.modality for stream in every} == set(tables)
+        assert [stream.name for stream in every if stream.name not in tables[stream.modality]] == []
+        assert set(tables["video"]) | set(tables["image"]) == {stream.name for stream in every}
 
 
 @vllm_missing
@@ -290,7 +298,7 @@ def test_segments_give_each_segment_its_own_softmax(segments_present):
     of the one softmax is small; a video without sound adds nothing for it."""
     from dattn_export.modeling.attention import decomposed_attention
     from dattn_export.modeling.streams import STREAMS
-    from dattn_export.vllm_plugin.model import Segments
+    from dattn_export.vllm_plugin.layers import Segments
 
     torch.manual_seed(0)
     tokens, heads, kv_heads, dim = 5, 4, 2, 32
@@ -326,6 +334,44 @@ def test_segments_give_each_segment_its_own_softmax(segments_present):
     torch.testing.assert_close(got, expected[0].transpose(0, 1).flatten(1), rtol=1e-5, atol=1e-5)
     one_softmax = cross_attention(v * (segment != 0)[:, None])
     assert (one_softmax - got).abs().max() > 0.1  # one softmax over both segments is another number
+
+
+@vllm_missing
+def test_inputs_are_checked_then_split_item_by_item():
+    """The processor's fields as vLLM batches them (flat parts, one item's after another's) parse into each item's
+    own: an anyres picture's thumbnail and tiles then a plain picture; two videos' frames and chunks by their sizes,
+    or a model's frames alone. Fields that disagree with the tilings or sizes, or a tensor of the wrong shape, are
+    refused naming the field."""
+    from dattn_export.modeling.streams import STREAMS
+    from dattn_export.vllm_plugin.inputs import PictureInputs, VideoInputs
+
+    digest = torch.arange(32, dtype=torch.uint8).reshape(2, 16)
+    parts = torch.arange(5, dtype=torch.uint8)[:, None, None, None].expand(5, 3, 4, 4)
+    pictures = PictureInputs.parse({"pixel_values": parts, "tiling": torch.tensor([[3, 1], [0, 0]]), "digest": digest})
+    assert [(p[:, 0, 0, 0].tolist(), t.tolist()) for p, t in pictures.items()] == [
+        ([0, 1, 2, 3], [3, 1]),
+        ([4], [0, 0]),
+    ]
+    with pytest.raises(ValueError, match="pixel_values holds 5 parts; the pictures' tilings, 6"):
+        PictureInputs.parse({"pixel_values": parts, "tiling": torch.tensor([[2, 2], [0, 0]]), "digest": digest})
+    with pytest.raises(ValueError, match="digest"):
+        PictureInputs.parse({"pixel_values": parts, "tiling": torch.tensor([[3, 1], [0, 0]]), "digest": digest[:, :8]})
+
+    frames = torch.arange(5, dtype=torch.uint8)[:, None, None, None].expand(5, 3, 4, 4)
+    mels = torch.arange(3.0)[:, None, None].expand(3, 2, 6)
+    sizes = torch.tensor([[2, 2, 1, 6], [3, 3, 2, 9]])  # per video: frames, their amount, chunks, mel frames
+    inputs = {"frame_pixels": frames, "audio_mels": mels, "sizes": sizes, "digest": digest}
+    videos = VideoInputs.parse(STREAMS["video"], inputs).items()
+    assert [(f[:, 0, 0, 0].tolist(), m[:, 0, 0].tolist(), s.tolist()) for f, m, s in videos] == [
+        ([0, 1], [0.0], [2, 2, 1, 6]),
+        ([2, 3, 4], [1.0, 2.0], [3, 3, 2, 9]),
+    ]
+    frames_only = VideoInputs.parse(STREAMS["video"][:1], inputs | {"sizes": sizes[:, :2]}).items()
+    assert [f[:, 0, 0, 0].tolist() for f, _ in frames_only] == [[0, 1], [2, 3, 4]]
+    with pytest.raises(ValueError, match="audio_mels holds 3 parts; the videos' sizes, 4"):
+        VideoInputs.parse(STREAMS["video"], inputs | {"sizes": torch.tensor([[2, 2, 1, 6], [3, 3, 3, 9]])})
+    with pytest.raises(ValueError, match="sizes"):  # two columns per stream
+        VideoInputs.parse(STREAMS["video"], inputs | {"sizes": sizes[:, :3]})
 
 
 def data_url(data: bytes, media_type: str) -> str:
@@ -614,8 +660,9 @@ def test_video_loader_keeps_the_sound_track_and_others_are_refused(tmp_path):
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
 
     import dattn_export.vllm_plugin.media  # noqa: F401  (registers the loader, as the plugin does)
-    from dattn_export.processing import load_video, tower_square
-    from dattn_export.vllm_plugin.model import sound_track
+    from dattn_export.decoding.files import tower_square
+    from dattn_export.decoding.video import load_video
+    from dattn_export.vllm_plugin.processor import sound_track
 
     frames, samples = request_video(4)
     write_video(tmp_path / "clip.mov", list(frames), 1, (samples * 32768).astype(np.int16))
@@ -678,7 +725,7 @@ def test_a_served_video_file_unchanged_since_it_was_read_is_not_read_again(tmp_p
     from vllm.multimodal.media import VideoMediaIO
 
     import dattn_export.vllm_plugin.media as media
-    from dattn_export.vllm_plugin.model import sound_track
+    from dattn_export.vllm_plugin.processor import sound_track
 
     frames, samples = request_video(4)
     for name, sign in (("clip", 1), ("negated", -1)):

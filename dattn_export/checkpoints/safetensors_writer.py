@@ -204,7 +204,7 @@ ORDINARY_COPY_CHUNK = 16 << 20
 
 
 class RangeCopier:
-    """Copies byte ranges between files inside the kernel (copy_file_range, several times faster than write() here)
+    """Copies byte ranges between files inside the kernel (copy_file_range: no pass through user memory)
     until the kernel refuses (`KERNEL_COPY_REFUSALS`), then with ordinary reads and writes. `method` says which ran;
     hashing is done on the source bytes either way."""
 

@@ -115,7 +115,7 @@ def layer_count(shapes: dict[str, tuple[int, ...]], layers_prefix: str) -> int:
 
 def infer_from_shapes(shapes: dict[str, tuple[int, ...]], heads: int, source: Path) -> dict:
     """A tower config from its tensor shapes (canonical names) and the head count."""
-    shape = lambda suffix: tower_shape(shapes, TOWER_PREFIX + suffix, "vision tower", source)  # noqa: E731
+    shape = lambda suffix: tower_shape(shapes, TOWER_PREFIX + suffix, "vision tower", source)
     hidden, channels, patch, _ = shape("embeddings.patch_embedding.weight")
     positions = shape("embeddings.position_embedding.weight")[0]
     is_clip = TOWER_PREFIX + "embeddings.class_embedding" in shapes
@@ -138,7 +138,7 @@ def infer_from_shapes(shapes: dict[str, tuple[int, ...]], heads: int, source: Pa
 
 
 def infer_audio_from_shapes(shapes: dict[str, tuple[int, ...]], source: Path) -> dict:
-    shape = lambda suffix: tower_shape(shapes, AUDIO_PREFIX + suffix, "audio tower", source)  # noqa: E731
+    shape = lambda suffix: tower_shape(shapes, AUDIO_PREFIX + suffix, "audio tower", source)
     d_model, mel_bins, _ = shape("conv1.weight")
     if d_model % WHISPER_HEAD_DIM:
         raise InputError(

@@ -142,7 +142,7 @@ def stream(model: nn.Module, tensors: dict[str, Lazy], stored_names: dict[str, s
     units = layers(model)
     table_modules = tables(model)
     tied = getattr(model, "_tied_weights_keys", {}) if getattr(model.config, "tie_word_embeddings", False) else {}
-    streamed = lambda name: name in table_modules or any(name.startswith(p + ".") for p in units)  # noqa: E731
+    streamed = lambda name: name in table_modules or any(name.startswith(p + ".") for p in units)
     materialize(model, {n: t for n, t in tensors.items() if not streamed(n)}, stored_names, dtype, complete=False)
     for prefix, unit in units.items():
         start = prefix + "."

@@ -100,7 +100,7 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
     q, k, v, key_mask, q_vis, k_vis, v_vis, context_mask = contract.INPUTS
     if variant.compute_cast:
         q, k, v, q_vis, k_vis, v_vis = (b.op("Cast", x, to=TensorProto.FLOAT) for x in (q, k, v, q_vis, k_vis, v_vis))
-    as_1d = lambda x: b.op("Reshape", x, b.const([1]))  # noqa: E731
+    as_1d = lambda x: b.op("Reshape", x, b.const([1]))
     kv_heads = as_1d(b.attribute("num_kv_heads", "int"))
     groups = b.op("Div", as_1d(b.attribute("num_heads", "int")), kv_heads)
     batch, queries, head_dim, keys, num_context = b.dim(q, 0), b.dim(q, 2), b.dim(q, 3), b.dim(k, 2), b.dim(k_vis, 2)
@@ -127,7 +127,7 @@ def build_function(variant: Variant, opset: int) -> onnx.FunctionProto:
 
     # slots: visual keys first when they are causal; text keys next; the queries are the last `queries` slots
     zero, one = b.const(0), b.const(1)
-    scalar = lambda x: b.op("Squeeze", x, b.const([0]))  # noqa: E731
+    scalar = lambda x: b.op("Squeeze", x, b.const([0]))
     offset = num_context if variant.causal_context else b.const([0])
     key_slots_end = b.op("Add", offset, keys)
     query_slot = b.op("Range", scalar(b.op("Sub", key_slots_end, queries)), scalar(key_slots_end), one)

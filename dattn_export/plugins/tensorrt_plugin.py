@@ -36,21 +36,23 @@ from functools import cache
 
 from . import contract
 from .contract import Attributes
-from .triton_kernel import (
-    BLOCK_M,
+from .ptx import (
     Compiled,
-    Tiles,
     attention_constants,
     attention_signature,
     compile_attention,
     compile_merge,
+    merge_constants,
+    merge_signature,
+)
+from .triton_kernel import (
+    BLOCK_M,
+    Tiles,
     dattn_kernel,
     int_arguments,
     key_splits,
     launch_grid,
-    merge_constants,
     merge_shares_kernel,
-    merge_signature,
     tiles,
 )
 

@@ -11,9 +11,8 @@ from ..artifacts import OnnxManifest
 from ..errors import EnvironmentFailure, InputError
 from .graph import GraphRuntime
 
-# ONNX Runtime's CPU provider holds a graph's weights, and fp32 copies of fp16 ones (it has few fp16 kernels):
-# measured 1.9x the data of fp16 graphs at Vidi-7B's width; 0.87x of fp32 graphs and 0.70x of int4 ones (towers in
-# fp32) of a 1 GB model (peaks while the sessions are made)
+# ONNX Runtime's CPU provider holds a graph's weights, and fp32 copies of fp16 ones (it has few fp16 kernels): a
+# session's bytes per byte of its graph's data, by the data's type (docs/design/memory.md has the measurements)
 SESSION_BYTES_PER_DATA_BYTE = {"float16": 2.0, "float32": 1.0}
 
 

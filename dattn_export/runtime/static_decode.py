@@ -80,7 +80,7 @@ def static_generate(model, input_ids: Tensor, max_new_tokens: int, context_key_v
     written[:, :prompt] = prompt_mask
     slot = torch.full((1,), prompt, dtype=torch.long, device=device)  # where the next token's K/V go
     slots = torch.arange(length, device=device)
-    choose = lambda logits, number: (  # noqa: E731
+    choose = lambda logits, number: (
         logits.argmax(-1, keepdim=True) if forced is None else torch.tensor([[forced[number]]], device=device)
     )
     token = choose(out.logits[:, -1], 0)

@@ -79,7 +79,7 @@ def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool 
     media.check(source.config, prompt)
     if not (media.images or media.video or media.frames):
         raise InputError("--image", "nothing to analyze: pass an image (a video model: --video or --frames)")
-    decoded = decode_media(media, checkpoint, source.config)
+    decoded = decode_media(media, checkpoint, source.config, [prompt])
     model = build_model(source)
     tokenizer = load_tokenizer(checkpoint, model.config)
     marker = next((m for m in MEDIA_MARKERS if m in prompt), None)

@@ -10,13 +10,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..answers import answer_text
 from ..artifacts import dtype_name
 from ..checkpoints.names import parameter_counts
 from ..checkpoints.source import build_model, folder_config, open_source, parameter_shapes
 from ..errors import InputError
 from ..media import Media, context_tokens, decode_media, encode_media, graph_context
 from ..plugins.torch_op import model_op
-from ..processing import answer_text, load_tokenizer, prompt_ids
+from ..processing import load_tokenizer, prompt_ids
 from ..runtime.static_decode import static_generate
 from ..sidefiles import read_json
 from ..ui import stage
@@ -89,7 +90,7 @@ def run_prompts_graphs(
     config = folder_config(folder)
     for prompt in prompts:
         media.check(config, prompt)
-    decoded = decode_media(media, folder, config)
+    decoded = decode_media(media, folder, config, prompts)
     tokenizer, eos = load_tokenizer(folder, config), eos_token_id(folder, config)
     name = GRAPH_RUNTIMES[backend]
     with stage(f"load the graphs ({name})", seconds):
@@ -145,7 +146,7 @@ def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: 
     source = open_source(folder)
     for prompt in prompts:
         media.check(source.config, prompt)
-    decoded = decode_media(media, folder, source.config)
+    decoded = decode_media(media, folder, source.config, prompts)
     tokenizer, eos = load_tokenizer(folder, source.config), eos_token_id(folder, source.config)
     dtype = gpu_dtype(source) if device == "cuda" else torch.float32
     with stage(

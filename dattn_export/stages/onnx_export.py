@@ -26,15 +26,12 @@ function of standard ops attached; with `standard` the reference math is exporte
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-import logging
-import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from functools import partial
@@ -43,8 +40,6 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 import torch
-from onnxscript.optimizer import _constant_folding
-from torch import nn
 
 from .. import __version__, memory
 from ..artifacts import (
@@ -60,22 +55,21 @@ from ..artifacts import (
     Quantization,
     Scheme,
     Tool,
-    WeightSource,
     Wings,
     atomic_dir,
     check_output,
     dtype_name,
 )
 from ..checkpoints.names import audio_tower_role
-from ..checkpoints.plan import checked_cast, checked_chunks
-from ..checkpoints.registry import Lazy
 from ..checkpoints.safetensors_writer import RangeCopier
 from ..checkpoints.source import open_source
-from ..checkpoints.weights import empty_model, is_stand_in, parameter_bytes, stand_in
+from ..checkpoints.weights import empty_model, parameter_bytes, stand_in
 from ..errors import InputError
 from ..graphs import GraphSpec, graph_specs
 from ..modeling.modeling_dattn import MODEL_CLASSES
 from ..modeling.streams import context_graphs
+from ..onnx_weights import WRITE_CHUNK_BYTES, Weights, bind_weights, checkpoint_weights
+from ..patches import errors_only, lazy_folding
 from ..plugins import contract
 from ..plugins.onnx_node import attach_function, fused_nodes
 from ..runtime.genai import GENAI_CONFIG, write_genai_config
@@ -88,226 +82,6 @@ DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
 SUPPORTED_OPSETS = range(18, 24)
 MAX_IR_VERSION = 10  # ONNX Runtime 1.31 reads up to 13; 10 is what opset 18-23 models need
 EXTERNAL_DATA_BYTES = 64 << 20  # models with more weights keep them in .data files: never re-serialized in memory
-
-
-WRITE_CHUNK_BYTES = 64 << 20  # a weight is cast and written this much at a time
-TRANSPOSE_BLOCK_BYTES = 256 << 20  # a transposed weight is written this much at a time, a pass over it each
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointWeight:
-    """One weight as the export writes it: read from the checkpoint (mapped), checked and cast on the way."""
-
-    stored_name: str
-    lazy: Lazy
-    dtype: torch.dtype
-
-    def load(self) -> torch.Tensor:
-        return checked_cast(self.stored_name, self.lazy, self.dtype)
-
-    def chunks(self, elements: int) -> Iterator[torch.Tensor]:
-        return checked_chunks(self.stored_name, self.lazy, self.dtype, elements)
-
-
-Weights = dict[str, CheckpointWeight]  # canonical name -> the weight
-
-
-def checkpoint_weights(source, dtype: torch.dtype) -> Weights:
-    """Each weight of the checkpoint; tied weights (lm_head) are their target's."""
-    weights = {name: CheckpointWeight(source.stored_names[name], lazy, dtype) for name, lazy in source.tensors.items()}
-    if source.config.tie_word_embeddings:
-        for name, target in MODEL_CLASSES[source.config.model_type]._tied_weights_keys.items():
-            weights.setdefault(name, weights[target])
-    return weights
-
-
-def ir_tensor(tensor: torch.Tensor) -> ir.Tensor:
-    """A torch tensor as the ONNX IR holds it (numpy has no bfloat16: the IR's own stands in)."""
-    if tensor.dtype == torch.bfloat16:
-        return ir.Tensor(tensor.view(torch.uint16).numpy().view(ir.DataType.BFLOAT16.numpy()))
-    return ir.Tensor(tensor.numpy())
-
-
-class StreamedWeight(ir.LazyTensor):
-    """A bound weight: computed whole only where a pass folds it; written to the .data file a chunk at a time, so
-    that writing a 3.7 GB embedding table needs 64 MiB. `source`: its checkpoint tensor, by canonical name."""
-
-    def __init__(self, weight: CheckpointWeight, dtype: ir.DataType, shape: ir.Shape, name: str, canonical: str):
-        super().__init__(lambda: ir_tensor(weight.load()), dtype, shape, name=name)
-        self.weight, self.source = weight, WeightSource(tensor=canonical)
-
-    def tofile(self, file) -> None:
-        for chunk in self.weight.chunks(max(1, WRITE_CHUNK_BYTES // self.weight.dtype.itemsize)):
-            file.write(chunk.view(torch.uint8).numpy())
-
-
-class FoldedWeight(ir.LazyTensor):
-    """A fold of bound weights, computed when it is written; `source` says how from the checkpoint (None: from a
-    weight whose source is unknown), for the quantized weights' check."""
-
-    def __init__(self, fold: Callable, dtype: ir.DataType, shape: ir.Shape, name: str, source: WeightSource | None):
-        super().__init__(fold, dtype, shape, name=name)
-        self.source = source
-
-
-class TransposedWeight(FoldedWeight):
-    """A folded Transpose of a 2-D bound weight (a Linear's, as MatMul takes it): computed whole only where a pass
-    needs it (a quantizer); written a block of its rows at a time, each block the same columns of every chunk of the
-    checkpoint's rows. Writing a tied 3.7 GB head (256000 rows) then holds one block, not the weight twice, for a few
-    passes over the mapped weight."""
-
-    def __init__(self, fold: Callable, dtype: ir.DataType, shape: ir.Shape, name: str, source: WeightSource,
-                 weight: CheckpointWeight):  # fmt: skip
-        super().__init__(fold, dtype, shape, name, source)
-        self.weight = weight
-
-    def tofile(self, file) -> None:
-        columns, rows = self.shape.numpy()  # the checkpoint's weight is (rows, columns)
-        itemsize = self.weight.dtype.itemsize
-        block = max(1, TRANSPOSE_BLOCK_BYTES // (rows * itemsize))
-        rows_per_chunk = max(1, WRITE_CHUNK_BYTES // (columns * itemsize))
-        for first in range(0, columns, block):
-            out = torch.empty(min(block, columns - first), rows, dtype=self.weight.dtype)
-            row = 0
-            for chunk in self.weight.chunks(rows_per_chunk * columns):
-                piece = chunk.view(-1, columns)
-                out[:, row : row + len(piece)] = piece[:, first : first + block].T
-                row += len(piece)
-            file.write(out.view(torch.uint8).numpy())
-
-
-def bind_weights(graph: ir.Graph, module: nn.Module, weights: Weights) -> None:
-    """Every stand-in initializer of a traced graph bound to its checkpoint tensor, read when the graph is written.
-    The graph names a parameter by its path in the traced module: the graph module's `model.` and then the
-    canonical name."""
-    canonical = {name: name.removeprefix("model.") for name, _ in module.named_parameters(remove_duplicate=False)}
-    for name, value in graph.initializers.items():
-        held = value.const_value
-        if is_stand_in(held.raw):
-            value.const_value = StreamedWeight(weights[canonical[name]], held.dtype, held.shape, name, canonical[name])
-
-
-class LazyFolding(_constant_folding.FoldConstantsPass):
-    """onnxscript's constant folding, except that a fold of a bound weight stays lazy: computed from the checkpoint
-    when the graph is written. A weight-only node that makes nothing larger (a Transpose, the GQA group sum of a
-    Reshape and a ReduceSum) is folded whatever its size, without being computed here: onnxscript leaves large ones
-    in the graph, where no quantizer sees a constant matrix. Other folds are computed once to decide on them. Without
-    it every folded weight of a 9 B model would sit in memory until the save."""
-
-    def process_node(self, node: ir.Node, is_function: bool):
-        weights = [x for x in node.inputs if x is not None and isinstance(x.const_value, ir.LazyTensor)]
-        constant = all(x is None or x.const_value is not None for x in node.inputs)
-        shape = self.folded_shape(node)
-        if is_function or not weights or not constant or node.domain != "" or shape is None:
-            return super().process_node(node, is_function)
-        if (
-            _constant_folding._reference_evaluator.get_evaluator(node.domain, node.op_type, self._opset_imports[""])
-            is None
-        ):
-            return None  # an op onnxscript cannot compute (Gelu from opset 20): it stays a node, its weights lazy
-        if any(len(w.uses()) != 1 for w in weights):  # as onnxscript decides: a weight used elsewhere too stays
-            return None if node.op_type == "Transpose" else super().process_node(node, is_function)
-        if math.prod(shape.numpy()) > sum(w.const_value.size for w in weights):
-            return super().process_node(node, is_function)
-        name = node.outputs[0].name
-        folded = self.later(node, shape, name)
-        value = ir.Value(name=name, type=ir.TensorType(folded.dtype), shape=shape, const_value=folded)
-        node.graph.register_initializer(value)
-        return _constant_folding.Replacement([value], [])
-
-    @staticmethod
-    def folded_shape(node: ir.Node) -> ir.Shape | None:
-        """The one output's static shape, known without computing it (a Transpose's from its perm)."""
-        if len(node.outputs) != 1:
-            return None
-        if node.op_type == "Transpose" and len(node.inputs) == 1:
-            weight = node.inputs[0]
-            perm = node.attributes.get_ints("perm", None) or list(reversed(range(len(weight.shape))))
-            return ir.Shape([weight.shape[axis] for axis in perm])
-        shape = node.outputs[0].shape
-        return shape if shape is not None and shape.is_static() else None
-
-    def new_initializer(self, node: ir.Node, array):
-        value = super().new_initializer(node, array)
-        if value is not None and any(isinstance(x.const_value, ir.LazyTensor) for x in node.inputs if x is not None):
-            value.const_value = self.later(node, value.shape, value.name)
-        return value
-
-    def later(self, node: ir.Node, shape: ir.Shape, name: str) -> ir.LazyTensor:
-        """The node's output, computed from its (lazy) inputs when it is written."""
-        inputs = [None if x is None else x.const_value for x in node.inputs]
-        op = (node.domain, node.op_type, self._opset_imports[node.domain])
-        attributes = {
-            key: ir.serde.serialize_tensor(a.value) if a.type == ir.AttributeType.TENSOR else a.value
-            for key, a in node.attributes.items()
-        }
-
-        def fold() -> ir.Tensor:
-            arrays = [None if t is None else t.numpy() for t in inputs]
-            result = _constant_folding._reference_evaluator.evaluate(*op, *arrays, **attributes)
-            if result is None:  # process_node folds only what the evaluator computes: a bug if it comes here
-                raise RuntimeError(f"{name}: {op[1]} could not be computed from its weights")
-            return ir.tensor(result)
-
-        dtype = node.outputs[0].dtype or next(t.dtype for t in inputs if t is not None)
-        weight, source = inputs[0], fold_source(node, inputs)
-        swaps_axes = len(shape) == 2 and list(node.attributes.get_ints("perm", [1, 0])) == [1, 0]  # not [0, 1]
-        if node.op_type == "Transpose" and isinstance(weight, StreamedWeight) and swaps_axes:
-            return TransposedWeight(fold, dtype, shape, name, source, weight.weight)
-        return FoldedWeight(fold, dtype, shape, name, source)
-
-
-SMALL_CONSTANT = 64  # elements: a shape, axes or a scalar, which a fold's source records by value
-
-
-def fold_source(node: ir.Node, inputs: list) -> WeightSource | None:
-    """How a fold computes its value from the checkpoint: the node's op over its inputs' sources (None where one is
-    unknown: a large constant, an attribute that is no plain number, string or list of numbers)."""
-    sources = []
-    for tensor in inputs:
-        if tensor is None or isinstance(tensor, ir.LazyTensor):
-            sources.append(None if tensor is None else getattr(tensor, "source", None))
-            if tensor is not None and sources[-1] is None:
-                return None
-        elif tensor.size <= SMALL_CONSTANT:
-            array = tensor.numpy()
-            sources.append(
-                WeightSource(constant=array.ravel().tolist(), dtype=str(array.dtype), shape=list(array.shape))
-            )
-        else:
-            return None
-    attributes = {key: a.value for key, a in node.attributes.items()}
-    for key, value in attributes.items():
-        if isinstance(value, (list, tuple)) and all(isinstance(x, (int, float)) for x in value):
-            attributes[key] = list(value)
-        elif not isinstance(value, (int, float, str)):
-            return None
-    return WeightSource(op=node.op_type, attributes=attributes, inputs=sources)
-
-
-@contextlib.contextmanager
-def lazy_folding():
-    """torch's optimisation of an exported graph (onnxscript's optimize_ir and fusions, the same passes in the same
-    order, so the graph and its data are what a plain torch.onnx.export writes) with `LazyFolding`."""
-    plain = _constant_folding.FoldConstantsPass
-    _constant_folding.FoldConstantsPass = LazyFolding
-    try:
-        yield
-    finally:
-        _constant_folding.FoldConstantsPass = plain
-
-
-@contextlib.contextmanager
-def errors_only(logger: str):
-    """A logger's warnings silenced: torch's exporter logs a line per torchvision op it cannot register when
-    torchvision is absent, which would bury a one-line error (we export no torchvision op)."""
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def export_graph(
@@ -436,8 +210,7 @@ def point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) 
 
 def rms_norm_as_quotient(graph: onnx.ModelProto) -> onnx.ModelProto:
     """y * Reciprocal(Sqrt(x)) (torch's rsqrt in every RMSNorm) -> y / Sqrt(x), the form ONNX Runtime fuses into one
-    SimplifiedLayerNormalization kernel: 6 fewer nodes a norm, about 0.4 ms of a 2-thread int4 decode step of 11 ms
-    on the bench model (bench/serving.py). The same value to within rounding."""
+    SimplifiedLayerNormalization kernel: 6 fewer nodes a norm. The same value to within rounding."""
     from onnxscript.rewriter import pattern, rewrite
 
     rule = pattern.RewriteRule(

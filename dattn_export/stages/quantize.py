@@ -15,7 +15,6 @@ The quantized decoder is not held to the fp32 tolerance: `validate` applies the 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..artifacts import Scheme, WeightSource
+from ..patches import kept_root_logger
 
 QUANTIZED_GRAPHS = ("context_kv", "decoder")  # the LLM's layers: 8 B of a 9 B model's parameters
 KEPT = (
@@ -35,17 +35,12 @@ EMBEDDING_ROWS_BYTES = 64 << 20  # the embedding table is quantized this many by
 
 def weight_quantizer(scheme: Scheme, bits: int | None = None):
     """ONNX Runtime's weight-only quantizer for the scheme (`bits`: another width than the scheme's)."""
-    # its import calls logging.basicConfig(level=INFO): every later pass's INFO line (thousands at full size)
-    # would reach the user's terminal, so the root logger is put back as it was
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    from onnxruntime.quantization.matmul_nbits_quantizer import (
-        DefaultWeightOnlyQuantConfig,
-        DefaultWeightOnlyQuantizer,
-    )
+    with kept_root_logger():  # its import calls logging.basicConfig(level=INFO): patches.py
+        from onnxruntime.quantization.matmul_nbits_quantizer import (
+            DefaultWeightOnlyQuantConfig,
+            DefaultWeightOnlyQuantizer,
+        )
 
-    root.handlers[:] = handlers
-    root.setLevel(level)
     config = DefaultWeightOnlyQuantConfig(
         block_size=scheme.block_size, is_symmetric=scheme.symmetric, bits=bits or scheme.bits
     )
@@ -118,7 +113,9 @@ class QuantizedTable:
     def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
         rows = max(1, int(EMBEDDING_ROWS_BYTES // (self.width * self.table.dtype.itemsize)))
         quantize = weight_quantizer(self.scheme, bits=4).quantize_ndarray
-        if hasattr(self.table, "weight"):  # bound to its checkpoint tensor (onnx_export.StreamedWeight): chunk by chunk
+        if hasattr(
+            self.table, "weight"
+        ):  # bound to its checkpoint tensor (onnx_weights.StreamedWeight): chunk by chunk
             pieces = (c.numpy() for c in self.table.weight.chunks(rows * self.width))
         else:
             whole = self.table.numpy().reshape(-1)

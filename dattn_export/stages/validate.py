@@ -20,12 +20,13 @@ from PIL import Image
 
 from ..artifacts import VALIDATION_REPORT, OnnxManifest, TrtManifest, from_json
 from ..checkpoints.source import load_model
+from ..decoding.files import open_image
 from ..demo_model import DEMO_PROMPTS, DEMO_VIDEO_FPS, demo_audio, demo_frames, demo_image
 from ..errors import InputError
 from ..graphs import layer_caches
 from ..media import DecodedMedia, Media, context_tokens, decode_media, encode_media, graph_context
 from ..modeling.images import anyres_tiles, prepare_pictures
-from ..processing import load_image_processor, load_tokenizer, open_image, prompt_ids
+from ..processing import load_image_processor, load_tokenizer, prompt_ids
 from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
 from ..sidefiles import read_json, reading

@@ -36,10 +36,10 @@ def validate_model(folder: Path, device: str = "cpu", steps: int = 20, prompt: s
     source = open_source(folder)
     config = source.config
     media = media or Media()
-    media.check(config, prompt or "")
-    decoded = decode_media(media, folder, config) if media.given else default_media(folder, config)
-    tokenizer = load_tokenizer(folder, config)
+    media.check(config, prompt or "")  # the demo's prompt names the default media, which is not given
     prompt = prompt or DEMO_PROMPTS[config.modality]
+    decoded = decode_media(media, folder, config, [prompt]) if media.given else default_media(folder, config)
+    tokenizer = load_tokenizer(folder, config)
     dtype = gpu_dtype(source)
     reference = build_model(source, torch.float32, device=device)
     ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=device)

@@ -355,7 +355,7 @@ def check_node(graph: str, node: onnx.NodeProto, quantized: QuantizedNode, sourc
 
 def check_weights(folder: Path, checkpoint: Path, progress=quiet) -> WeightCheck:
     """Every quantized node of the export in `folder` against the checkpoint it was exported from."""
-    from .onnx_export import checkpoint_weights
+    from ..onnx_weights import checkpoint_weights
 
     manifest = OnnxManifest.read(folder, "an `onnx` export")
     quantization = manifest.quantization

@@ -28,12 +28,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from blake3 import blake3  # vLLM's own dependency (it hashes multimodal items with it): 4x BLAKE2b's speed here
+from blake3 import blake3  # vLLM's own dependency (it hashes multimodal items with it)
+
+from . import DEFAULT_CONTEXT_CACHE_GIB
+
+DIGEST_BYTES = 16
+
+
+def context_cache_bytes(config) -> int:
+    """The context cache's size per rank (`--hf-overrides '{"context_cache_gib": N}'`), in bytes."""
+    return int(float(getattr(config, "context_cache_gib", DEFAULT_CONTEXT_CACHE_GIB)) * 2**30)
 
 
 def media_digest(*parts: np.ndarray | bytes | None) -> torch.Tensor:
-    """A content hash of an item's media (pixels, samples, each array's shape and dtype), as (16,) uint8."""
-    digest = blake3(max_threads=blake3.AUTO)  # the same digest, on every core: 64 MB in 7 ms, not 13, on two
+    """A content hash of an item's media (pixels, samples, each array's shape and dtype), as (DIGEST_BYTES,) uint8."""
+    digest = blake3(max_threads=blake3.AUTO)  # the same digest, computed on every core
     for part in parts:
         if isinstance(part, np.ndarray):
             part = np.ascontiguousarray(part)
@@ -41,12 +50,12 @@ def media_digest(*parts: np.ndarray | bytes | None) -> torch.Tensor:
             part = memoryview(part).cast("B")
         digest.update(b"none" if part is None else part)
         digest.update(b"|")
-    return torch.frombuffer(bytearray(digest.digest(length=16)), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(digest.digest(length=DIGEST_BYTES)), dtype=torch.uint8)
 
 
 def named_digest(uuid: str) -> torch.Tensor:
     """The digest of an item its request names (vLLM's `multi_modal_uuids`, which vLLM's own caches take in place of
-    the item's hash: one name, one medium), with no hash of its media: 16 bytes, not 64 MB of a sound track."""
+    the item's hash: one name, one medium), with no hash of its media."""
     return media_digest(b"multi_modal_uuid", uuid.encode())
 
 

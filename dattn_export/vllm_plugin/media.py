@@ -23,8 +23,9 @@ from vllm.exceptions import VLLMError, VLLMUnprocessableEntityError
 from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector, MediaWithBytes
 from vllm.multimodal.video import VIDEO_LOADER_REGISTRY, VideoLoader
 
+from ..decoding.files import FileBytes
+from ..decoding.video import VIDEO_FPS, load_video
 from ..errors import InputError
-from ..processing import VIDEO_FPS, FileBytes, load_video
 from . import MEDIA_CONNECTOR, VIDEO_BACKEND
 from .context_cache import ByteBoundCache, media_digest
 
@@ -70,8 +71,7 @@ class UnchangedFiles:
     keeps its decode and the file has not changed since it was read: the same inode, size, modification and change
     times (no call can set a change time back), its times over SETTLED_NS older than that read (a write within one
     tick of the file system's clock after them would leave them as they were). Every other load is vLLM's. A
-    question on an hour of video must not read and hash the file again (40 MB took 33 ms here; a later question
-    under `serve` went from 0.125 s to 0.052-0.056 s without it; an hour of 1080p is gigabytes)."""
+    question on an hour of video must not read and hash the file again: an hour of 1080p is gigabytes."""
 
     SETTLED_NS = 2 * 10**9  # FAT's clock ticks every 2 s; ext4's and XFS's every few ms
 
@@ -116,7 +116,7 @@ class DAttnVideoLoader(VideoLoader):
         `max_frames` (the model's limit), which `serve` passes, bound the memory a large or long video takes:
         frames are resized as they are decoded, and decoding stops one frame past the limit (the processor then
         refuses the video). With `cache_gib`, a file decoded before (the same bytes, the same two settings) is
-        not decoded again: 16 minutes of video took 0.5 s to decode here, 8 ms to hash."""
+        not decoded again: hashing its bytes is far cheaper than decoding them."""
         digest = media_digest(data, f"{frame_size} {max_frames}".encode())
         if (decoded := cls.cache(cache_gib).get(key := bytes(digest.tolist()))) is None:
             try:

@@ -144,7 +144,7 @@ def vidi_logits(model, ids, streams=()):
     streams as (embeddings, mask): an image, or a video's frames and audio."""
     config, m = model.config, model.model
     gemma = config.model_type == "dattn_gemma2"
-    heads = lambda proj, x: proj(x).unflatten(-1, (-1, config.head_dim)).transpose(1, 2)  # noqa: E731
+    heads = lambda proj, x: proj(x).unflatten(-1, (-1, config.head_dim)).transpose(1, 2)
     normalizer = torch.tensor(config.hidden_size**0.5) if gemma else torch.tensor(1.0)
     h = F.embedding(ids, m.embed_tokens.weight) * normalizer
     streams = [(x * normalizer, mask) for x, mask in streams]

@@ -15,8 +15,12 @@ What it measures (GPU: the released models' shapes; dry run: tiny shapes through
            and timed beside the torch op and SDPA;
   models   both demo models and a model of Mistral-7B's width (2 layers), in bf16 through the reference with the
            kernel as the attention op, against the same weights' fp32 run: logits error, greedy tokens;
+  bounds   what the device does at most: a bf16 matmul's rate and a copy's (deployment.py);
   speed    the kernel against PyTorch's SDPA (flash) on the equivalent conventional attention, and the wide model's
-           prefill at 2k, 16k and 64k context tokens;
+           prefill at 2k, 16k and 64k context tokens beside the matmul peak (at least 65% of it);
+  decode, validate, hour   the PyTorch model as `generate --device cuda` runs it (deployment.py): decode steps
+           beside the bandwidth bound, `validate --backend torch --device cuda`, an hour of video at both released
+           shapes;
   tests    the test suite's kernel tests (tests/test_kernels.py, tests/test_torch_op.py, their `gpu` tests too)
            compiled on the GPU instead of interpreted: each test's outcome (the dry run collects them only);
   not_run  what cannot run there, and why.
@@ -36,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import deployment
+
 ROOT = Path(__file__).resolve().parents[2]
 CARRIED = ROOT / ".gpu_check"  # the wheels that travel (git-ignored, named in the device call's carry)
 CARRIED_PACKAGES = ("av",)  # what the kernel tests import (through our video decoding) that the machine lacks
@@ -43,7 +49,10 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 # the kernel tests there: compiled, 8 at a time; not the PTX compilations, which need no GPU and run here
 GPU_TESTS = ["tests/test_kernels.py", "tests/test_torch_op.py", "-k", "not ptx"]
 # imported by a function of ours that the check does not call
-NOT_CALLED = {"tensorrt": "tensorrt_plugin.register(): the check launches the plugins' kernels without TensorRT"}
+NOT_CALLED = {
+    "tensorrt": "tensorrt_plugin.register(): the check launches the plugins' kernels without TensorRT",
+    "polygraphy": "polygraphy_data's saving (validate --save-polygraphy), which validate --backend torch has not",
+}
 CARRY_LIMIT = 64 << 20  # what travels to the GPU machine: the working tree and the carried folder together
 SCHEMA = 1
 # kernel vs fp32 reference, outputs O(1): as tests/test_kernels.py
@@ -62,12 +71,16 @@ THERE = {
     "anyio", "sniffio", "shellingham", "typer", "ml_dtypes", "google", "psutil", "annotated_doc",
 }  # fmt: skip
 NOT_RUN = [
-    ("TensorRT engines and the DecomposedAttention plugin", "TensorRT is not installed there and its wheels "
-     "(hundreds of MB) cannot travel; tests/test_trt.py's gpu tests run them where TensorRT is"),
+    ("TensorRT engines (built with the plugins, and run)", "TensorRT is not installed there and its wheels "
+     "(hundreds of MB) cannot travel: the plugins' kernels run through the CUDA driver instead (`plugin`); "
+     "tests/test_trt.py's gpu tests build and run engines where TensorRT is"),
     ("ONNX Runtime's CUDA provider (--device cuda)", "onnxruntime-gpu's wheel is 255 MB, over the 64 MiB that "
      "travels; tests/test_onnx.py's gpu test runs it where onnxruntime-gpu is"),
     ("vLLM on a GPU", "vLLM is not installed there and cannot travel"),
 ]  # fmt: skip
+
+
+DEPLOYMENT = {"cuda": deployment.GPU, "cpu": deployment.DRY}  # deployment.py's shapes, by where the check runs
 
 
 @dataclass(frozen=True)
@@ -93,15 +106,7 @@ GPU = Sizes(
     contexts=(2048, 16384, 65536),
     prefill_queries=256,
     decode_past=2048,
-    wide=dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        num_hidden_layers=2,
-        vocab_size=32768,
-    ),  # fmt: skip
+    wide=deployment.MISTRAL_7B | {"num_hidden_layers": 2},
     prefill_contexts=(2048, 16384, 65536),
     prompt=64,
     new_tokens=16,
@@ -112,15 +117,7 @@ DRY = Sizes(
     contexts=(40,),
     prefill_queries=3,
     decode_past=5,
-    wide=dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_hidden_layers=2,
-        vocab_size=512,
-    ),  # fmt: skip
+    wide=deployment.TINY,
     prefill_contexts=(64,),
     prompt=6,
     new_tokens=3,
@@ -135,18 +132,23 @@ class Report:
     date: str
     versions: dict
     dry_run: bool
+    bounds: list[dict] = field(default_factory=list)
     kernel: list[dict] = field(default_factory=list)
     plugin: list[dict] = field(default_factory=list)
     models: list[dict] = field(default_factory=list)
     speed: list[dict] = field(default_factory=list)
     prefill: list[dict] = field(default_factory=list)
+    decode: list[dict] = field(default_factory=list)
+    validate: list[dict] = field(default_factory=list)
+    hour: list[dict] = field(default_factory=list)
     tests: list[dict] = field(default_factory=list)
     not_run: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def passed(self) -> bool:
-        return all(row["passed"] for row in (*self.kernel, *self.plugin, *self.models, *self.tests))
+        gated = (self.kernel, self.plugin, self.models, self.prefill, self.decode, self.validate, self.hour, self.tests)
+        return all(row["passed"] for rows in gated for row in rows)
 
 
 def cases(sizes: Sizes):
@@ -175,7 +177,7 @@ def op_inputs(shape: tuple, dtype, segments: int, context: int, queries: int, pa
 
     heads, kv_heads, dim, softcap, window, scale = shape
     g = torch.Generator().manual_seed(seed)
-    rand = lambda *dims: torch.randn(*dims, generator=g).to(device, dtype)  # noqa: E731
+    rand = lambda *dims: torch.randn(*dims, generator=g).to(device, dtype)
     keys = past + queries
     mask = torch.ones(1, context, dtype=torch.int32)
     mask[:, context * 2 // 3 :] = segments
@@ -272,14 +274,6 @@ def plugin_rows(sizes: Sizes, device: str) -> list[dict]:
     return rows
 
 
-def kernel_op(*inputs, **keywords):
-    """The reference's attention op (its keywords) run by the Triton kernel."""
-    from dattn_export.plugins.contract import Attributes
-    from dattn_export.plugins.triton_kernel import launch
-
-    return launch(*inputs, Attributes.from_reference(**keywords))
-
-
 def model_configs(sizes: Sizes) -> dict:
     from dattn_export.presets import tiny_config
 
@@ -299,6 +293,7 @@ def model_rows(sizes: Sizes, device: str) -> list[dict]:
 
     from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
     from dattn_export.plugins.contract import using_op
+    from dattn_export.plugins.torch_op import model_op
     from dattn_export.presets import randomize_weights
 
     rows = []
@@ -314,7 +309,7 @@ def model_rows(sizes: Sizes, device: str) -> list[dict]:
             expected = model(ids, pixels).logits.float()
             expected_tokens = model.generate(ids, pixels, max_new_tokens=sizes.new_tokens)[0].tolist()
             model = model.to(torch.bfloat16)
-            with using_op(model, kernel_op):
+            with using_op(model, model_op):
                 got = model(ids, pixels.bfloat16()).logits.float()
                 tokens = model.generate(ids, pixels.bfloat16(), max_new_tokens=sizes.new_tokens)[0].tolist()
         scale = expected.abs().max().item()
@@ -355,7 +350,7 @@ def conventional_case(heads: int, kv_heads: int, dim: int, queries: int, past: i
     import torch.nn.functional as F
 
     keys = past + queries
-    rand = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float16)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float16)
     q, k, v = rand(1, heads, queries, dim), rand(1, kv_heads, keys, dim), rand(1, kv_heads, keys, dim)
     k_vis, v_vis = rand(1, kv_heads, context, dim), rand(1, kv_heads, context, dim)
     key_mask = torch.ones(1, keys, dtype=torch.bool, device=device)
@@ -390,16 +385,19 @@ def prefill_rows(sizes: Sizes, device: str) -> list[dict]:
     """The wide model in bf16 with the kernel: every layer's context K/V for N context tokens (linear in N: the
     context never attends to itself), then the prompt's prefill over them."""
     import torch
+    from torch.utils.flop_counter import FlopCounterMode
 
     from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
     from dattn_export.plugins.contract import using_op
+    from dattn_export.plugins.torch_op import model_op
 
     config = list(model_configs(sizes).values())[-1]
     with torch.device(device):
         model = MODEL_CLASSES[config.model_type](config).to(torch.bfloat16).eval()
     ids = torch.randint(3, config.vocab_size, (1, sizes.prompt), device=device)
+    peak = deployment.bounds(device, DEPLOYMENT[device])["matmul_tflops"]
     rows = []
-    with torch.no_grad(), using_op(model, kernel_op):
+    with torch.no_grad(), using_op(model, model_op):
         for context in sizes.prefill_contexts:
             embeds = torch.randn(1, context, config.hidden_size, device=device, dtype=torch.bfloat16)
 
@@ -408,8 +406,13 @@ def prefill_rows(sizes: Sizes, device: str) -> list[dict]:
                 return model(ids, context_key_values=caches).logits
 
             ms = timed(prefill, max(1, sizes.timing_repeats // 4), device)
+            with FlopCounterMode(display=False) as counter:  # the matrix products (the attention's are < 1% here)
+                prefill()
+            tflops = counter.get_total_flops() / ms / 1e9
             rows.append(dict(model=f"hidden {config.hidden_size}, {config.num_hidden_layers} layers",
-                             context_tokens=context, prompt_tokens=sizes.prompt, ms=ms))  # fmt: skip
+                             context_tokens=context, prompt_tokens=sizes.prompt, ms=ms, tflops=tflops,
+                             peak_tflops=peak, of_peak=tflops / peak,
+                             passed=device != "cuda" or tflops >= deployment.PREFILL_SHARE * peak))  # fmt: skip
     return rows
 
 
@@ -470,8 +473,15 @@ def check(out: Path, dry_run: bool) -> Report:
     name = "CPU (Triton interpreter), dry run" if dry_run else torch.cuda.get_device_name()
     report = Report(SCHEMA, name, datetime.date.today().isoformat(), versions(), dry_run)
     start = time.perf_counter()
-    for part, rows in (("kernel", kernel_rows), ("plugin", plugin_rows), ("models", model_rows), ("speed", speed_rows),
-                       ("prefill", prefill_rows), ("tests", test_rows)):  # fmt: skip
+    deploy = DEPLOYMENT[device]
+    parts = (
+        ("bounds", lambda _, d: deployment.bounds_rows(deploy, d)), ("kernel", kernel_rows), ("plugin", plugin_rows),
+        ("models", model_rows), ("speed", speed_rows), ("prefill", prefill_rows),
+        ("decode", lambda _, d: deployment.decode_rows(deploy, d)),
+        ("validate", lambda sizes_, d: deployment.validate_rows(deploy, d, sizes_.wide)),
+        ("hour", lambda _, d: deployment.hour_rows(deploy, d)), ("tests", test_rows),
+    )  # fmt: skip
+    for part, rows in parts:
         part_start = time.perf_counter()
         setattr(report, part, rows(sizes, device))
         print(f"{part}: {len(getattr(report, part))} rows, {time.perf_counter() - part_start:.1f} s", flush=True)
@@ -520,7 +530,18 @@ def markdown(report: Report) -> str:
          ["model", "logits_max_abs", "logits_scale", "relative", "tokens_agree", "tokens", "passed"]),
         ("Kernel against SDPA (fp16, ms a call)", report.speed,
          ["attention", "context", "phase", "dattn_ms", "sdpa_ms", "speedup"]),
-        ("Prefill (bf16, kernel)", report.prefill, ["model", "context_tokens", "prompt_tokens", "ms"]),
+        ("What this device does at most (measured: the bounds below)", report.bounds,
+         ["device", "matmul_tflops", "copy_gbs"]),
+        ("Prefill (bf16, kernel): the rate of its matrix products beside the measured bf16 peak", report.prefill,
+         ["model", "context_tokens", "prompt_tokens", "ms", "tflops", "peak_tflops", "of_peak", "passed"]),
+        ("Decode (bf16, kernel, static cache, CUDA graph): ms a token beside the bandwidth bound (the bytes a step "
+         "reads over the measured copy rate)", report.decode,
+         ["model", "context_tokens", "ms_per_token", "bound_ms", "vs_bound", "capture_s", "passed"]),
+        ("validate --backend torch --device cuda (the deployed model against its fp32 run)", report.validate,
+         ["model", "dtype", "logits_max_abs", "tolerance", "tokens_agree", "tokens", "passed"]),
+        ("An hour of video: generate --device cuda --video", report.hour,
+         ["model", "frames", "visual_tokens", "audio_tokens", "load_s", "decode_file_s", "towers_and_context_s",
+          "prompt_s", "first_token_s", "tokens_per_s", "peak_gpu_gib"]),
         (f"The kernel tests on this device: {tests_summary(report.tests)}; the ones that did not pass",
          [row for row in report.tests if not row["passed"]], ["test", "outcome", "message"]),
         ("Not run", report.not_run, ["what", "why"]),
