@@ -48,7 +48,15 @@ def train_all(root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)  # what a failed attempt left
     root.mkdir(parents=True)
     launcher = Path(sys.executable).with_name("deepspeed")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # DeepSpeed compiles its shared-memory all-reduce on first use, under a lock file in the torch extensions folder;
+    # a build killed midway leaves that lock behind and every later launch waits on it forever. A folder of this
+    # run's own cannot hold a stale lock.
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TORCH_EXTENSIONS_DIR": str(root / "torch-extensions"),
+    }
     for world in sorted({w for w, _ in RUNS.values()}):
         plan = [{**run, "out": str(root / name)} for name, (w, run) in RUNS.items() if w == world]
         plan_file = root / f"plan-w{world}.json"
