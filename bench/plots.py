@@ -17,6 +17,11 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
+def bar_label(value: float) -> str:
+    """Three significant figures, whole numbers from 100 up (1,234 rather than 1.23e+03)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def grouped_bars(path: Path, title: str, groups: list[str], series: dict[str, list[float]], unit: str,
                  log: bool = False) -> None:  # fmt: skip
     """One group of bars per entry of `groups`, one bar per series in each; values in `unit`."""
@@ -30,14 +35,14 @@ def grouped_bars(path: Path, title: str, groups: list[str], series: dict[str, li
     for number, (name, values) in enumerate(series.items()):
         places = [g + (number - (len(series) - 1) / 2) * width for g in range(len(groups))]
         bars = axes.bar(places, values, width, label=name)
-        axes.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=8, padding=2)
+        axes.bar_label(bars, labels=[bar_label(v) for v in values], fontsize=8, padding=2)
     axes.set_xticks(range(len(groups)), groups, fontsize=9)
     axes.set_ylabel(unit)
     if log:
         axes.set_yscale("log")
     axes.set_title(title, fontsize=11)
-    axes.legend(fontsize=9)
-    axes.margins(y=0.15)
+    axes.legend(fontsize=8, ncols=2, loc="upper left")  # two columns: short enough to clear the bars under it
+    axes.margins(y=0.3)
     figure.text(0.99, 0.01, f"{machine()}; {datetime.date.today()}", ha="right", va="bottom", fontsize=7, alpha=0.7)
     figure.tight_layout()
     figure.savefig(path)
