@@ -18,7 +18,7 @@ from .decoding.video import load_video
 from .errors import InputError
 from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
 from .modeling.streams import AUDIO
-from .processing import MEDIA_MARKERS, audio_features, frame_square, load_audio_processor, load_image_processor
+from .processing import audio_features, frame_square, load_audio_processor, load_image_processor, media_marker
 from .ui import err, stage
 
 MEDIA_OPTIONS = {"images": "--image", "video": "--video", "frames": "--frames", "audio": "--audio"}  # Media's fields
@@ -52,8 +52,7 @@ class Media:
         with them."""
         takes = [kind for kind in MEDIA_OPTIONS if any(kind in stream.media for stream in config.streams)]
         options = " or ".join(", ".join(MEDIA_OPTIONS[kind] for kind in takes).rsplit(", ", 1))
-        marker = next((m for m in MEDIA_MARKERS if m in prompt), None)
-        if marker:
+        if marker := media_marker(prompt):
             if not self.given:
                 raise InputError(
                     "--prompt",
@@ -103,7 +102,7 @@ def decode_media(media: Media, folder: Path, config, prompts: Sequence[str] = ()
     duration = media_duration(media.video) if media.video else None
     decoded = DecodedMedia([open_image(p) for p in media.images], frames, samples, duration)
     for prompt in prompts if media.given else ():
-        if not any(marker in prompt for marker in MEDIA_MARKERS):
+        if media_marker(prompt) is None:
             err.print(UNMARKED.format(prompt=prompt), markup=False)
     return decoded
 

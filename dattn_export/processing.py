@@ -39,6 +39,11 @@ def load_tokenizer(folder: Path, config):
 MEDIA_MARKERS = ("<image>", "<video>")  # where a prompt says its picture or video sits: text, cut out of the ids
 
 
+def media_marker(prompt: str) -> str | None:
+    """The media marker the prompt names (the first of MEDIA_MARKERS it holds), or None."""
+    return next((marker for marker in MEDIA_MARKERS if marker in prompt), None)
+
+
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
     """The prompt's token ids as the released code makes them (Vidi's `tokenizer_image_token`, then its model's
     multimodal input preparation): the text before the media marker with the tokenizer's special tokens, each piece

@@ -28,7 +28,7 @@ from ..media import Media, decode_media, encode_media
 from ..modeling.attention import dattn_op, segment_shares
 from ..modeling.streams import AUDIO
 from ..plugins.contract import using_op
-from ..processing import MEDIA_MARKERS, load_tokenizer, prompt_ids
+from ..processing import load_tokenizer, media_marker, prompt_ids
 
 PLOT_SIZE = {"visual_mass.png": (1200, 600), "laws.png": (900, 500)}  # pixels, at 100 dpi
 
@@ -82,7 +82,7 @@ def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool 
     decoded = decode_media(media, checkpoint, source.config, [prompt])
     model = build_model(source)
     tokenizer = load_tokenizer(checkpoint, model.config)
-    marker = next((m for m in MEDIA_MARKERS if m in prompt), None)
+    marker = media_marker(prompt)
     before_text = prompt.partition(marker)[0] if marker else ""
     image_after = len(tokenizer(before_text)["input_ids"])  # with no marker, only the BOS token comes before it
     ids = prompt_ids(tokenizer, prompt)

@@ -113,9 +113,8 @@ class QuantizedTable:
     def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
         rows = max(1, int(EMBEDDING_ROWS_BYTES // (self.width * self.table.dtype.itemsize)))
         quantize = weight_quantizer(self.scheme, bits=4).quantize_ndarray
-        if hasattr(
-            self.table, "weight"
-        ):  # bound to its checkpoint tensor (onnx_weights.StreamedWeight): chunk by chunk
+        # bound to its checkpoint tensor (onnx_weights.StreamedWeight): chunk by chunk
+        if hasattr(self.table, "weight"):
             pieces = (c.numpy() for c in self.table.weight.chunks(rows * self.width))
         else:
             whole = self.table.numpy().reshape(-1)

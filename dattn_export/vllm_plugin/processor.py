@@ -26,10 +26,10 @@ from vllm.multimodal.processing import (
 
 from ..modeling.streams import AUDIO
 from ..processing import (
-    MEDIA_MARKERS,
     audio_features,
     load_audio_processor,
     load_image_processor,
+    media_marker,
     picture_bytes,
     prompt_ids,
     tiles_bytes,
@@ -127,7 +127,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         does); ids that hold no marker are taken as they are."""
         tokenizer = self.info.get_tokenizer()
         text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-        if isinstance(prompt, str) or any(marker in text for marker in MEDIA_MARKERS):
+        if isinstance(prompt, str) or media_marker(text) is not None:
             return prompt_ids(tokenizer, text.removeprefix(tokenizer.bos_token or ""))
         return prompt
 
