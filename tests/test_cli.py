@@ -10,13 +10,14 @@ import sys
 import click
 import pytest
 import torch
-from helpers.cli import fork_server, run_cli, run_fresh
+from helpers.cli import error_line, fork_server, run_cli, run_fresh
 from safetensors.torch import load_file, save_file
 
 from dattn_export import __version__
 from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import DEMO_PROMPT, DEMO_VIDEO_PROMPT, write_demo_checkpoint
 from dattn_export.media import Media
+from dattn_export.memory import MEMORY_ENV
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
 from dattn_export.stages.generate import run_prompt
 
@@ -61,6 +62,13 @@ def test_a_forked_command_is_a_fresh_one(demo_checkpoint, tmp_path):
     for args in (["info", demo_checkpoint], ["info", tmp_path / "missing"], ["convert", demo_checkpoint]):
         forked, fresh = run_cli(*args, cwd=tmp_path), run_fresh(*args, cwd=tmp_path)
         assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    # what a command reads as it runs (a memory limit) is set in its child alone: refused under it, then verified
+    assert run_cli("convert", demo_checkpoint, "-o", tmp_path / "out").returncode == 0
+    limited = os.environ | {MEMORY_ENV: "0.001"}
+    forked, fresh = (run("verify", tmp_path / "out", env=limited) for run in (run_cli, run_fresh))
+    assert forked.returncode == fresh.returncode == 3 and forked.stdout == fresh.stdout  # the lines before: rates
+    assert error_line(forked.stderr) == error_line(fresh.stderr) and "Error: memory: " in error_line(forked.stderr)
+    assert run_cli("verify", tmp_path / "out").returncode == 0
 
 
 def test_version_and_help():

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from helpers.builders import build_model, checkpoint_of, released_model
-from helpers.cli import error_line
+from helpers.cli import error_line, run_cli
 
 from dattn_export import memory
 from dattn_export.checkpoints import weights
@@ -61,9 +61,7 @@ def test_the_reference_streams_where_the_whole_model_does_not_fit(tmp_path, monk
 
 def cli(*args, memory_gib: float | None = None):
     env = os.environ | ({memory.MEMORY_ENV: str(memory_gib)} if memory_gib is not None else {})
-    return subprocess.run(
-        [sys.executable, "-m", "dattn_export", *map(str, args)], capture_output=True, text=True, env=env, timeout=600
-    )
+    return run_cli(*args, env=env, timeout=600)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """ONNX export: the graphs, run by ONNX Runtime, against the PyTorch reference."""
 
+import functools
 import json
 import os
 import shlex
@@ -24,6 +25,24 @@ from dattn_export.runtime import graph as graph_runtime
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.validate import Comparison, validate
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny model of a family and its export (weights in .data files with `external`), made once for the tests that
+    only read them: (model, folder, manifest)."""
+    import dattn_export.stages.onnx_export as onnx_export
+
+    @functools.cache
+    def export(family: str, external: bool = False):
+        model, root = build_model(family), tmp_path_factory.mktemp(f"{family}-export")
+        with pytest.MonkeyPatch.context() as patch:
+            if external:  # past the threshold (64 MiB) whatever the size
+                patch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
+            manifest = export_onnx(checkpoint_of(model, root / "ckpt"), root / "onnx")
+        return model, root / "onnx", manifest
+
+    return export
 
 
 @pytest.mark.slow
@@ -56,12 +75,11 @@ def test_onnx_runtime_matches_reference(tmp_path, family, mode):
 
 
 @pytest.mark.slow
-def test_chunked_visual_encoding_and_prompt_pieces_equal_one_run(tmp_path, monkeypatch):
+def test_chunked_visual_encoding_and_prompt_pieces_equal_one_run(exported, monkeypatch):
     """Diagonal V2V: visual tokens never mix, so the runtime may encode a long image sequence in chunks; a prompt
     past the attention budget runs in pieces of tokens (left-padded batch), the same logits and cache."""
-    model = build_model("gemma2")
-    export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
-    runtime = OrtModel(tmp_path / "onnx")
+    model, folder, _ = exported("gemma2")
+    runtime = OrtModel(folder)
     embeds, _ = runtime.embed_images(images(2, 3).numpy())  # 48 visual tokens
     whole, chunked = runtime.encode_context(embeds), runtime.encode_context(embeds, chunk=10)
     for a, b in zip(whole, chunked):
@@ -79,33 +97,25 @@ def test_chunked_visual_encoding_and_prompt_pieces_equal_one_run(tmp_path, monke
 
 
 @pytest.mark.slow
-def test_large_graphs_keep_weights_in_external_data(tmp_path, monkeypatch):
-    """Graphs whose weights pass the threshold (1 GiB; 0 here) keep them in a .data file beside the .onnx."""
-    import dattn_export.stages.onnx_export as onnx_export
-
-    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
-    model = build_model("mistral")
-    export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
+def test_large_graphs_keep_weights_in_external_data(exported):
+    """Graphs whose weights pass the threshold (64 MiB; 0 here) keep them in a .data file beside the .onnx."""
+    model, folder, _ = exported("mistral", external=True)
     for graph in ("vision", "context_kv", "decoder"):
-        data = tmp_path / "onnx" / f"{graph}.onnx.data"
+        data = folder / f"{graph}.onnx.data"
         assert data.is_file() and data.stat().st_size > 10_000, graph
-        proto = onnx.load(tmp_path / "onnx" / f"{graph}.onnx", load_external_data=False)
+        proto = onnx.load(folder / f"{graph}.onnx", load_external_data=False)
         assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer), graph
-    run_case(model, OrtModel(tmp_path / "onnx"), 3, 52, 0, 2, seed=3)
+    run_case(model, OrtModel(folder), 3, 52, 0, 2, seed=3)
 
 
 @pytest.mark.slow
-def test_visual_kv_reads_the_decoders_weights_from_its_data_file(tmp_path, monkeypatch):
+def test_visual_kv_reads_the_decoders_weights_from_its_data_file(exported):
     """Every layer weight context_kv.onnx has in common with decoder.onnx (the norms, K/V projections and MLPs) is on
     the disk once, in decoder.onnx.data, at the bytes the decoder reads; o_proj's folded group sum is context_kv's own.
     Each data file holds exactly what the graphs read from it."""
-    import dattn_export.stages.onnx_export as onnx_export
     from dattn_export.runtime.ort import external_tensors
 
-    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
-    model = build_model("mistral")
-    manifest = export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
-    folder = tmp_path / "onnx"
+    model, folder, manifest = exported("mistral", external=True)
     ranges = {
         g: external_tensors(onnx.load(folder / f"{g}.onnx", load_external_data=False).graph) for g in manifest.graphs
     }
@@ -127,10 +137,9 @@ def test_visual_kv_reads_the_decoders_weights_from_its_data_file(tmp_path, monke
         assert sum(length for _, length in read) == (folder / file).stat().st_size, file  # no byte unread
 
 
-def test_fused_node_and_function(tmp_path):
-    model = build_model("gemma2")
-    export_onnx(checkpoint_of(model, tmp_path / "ckpt"), tmp_path / "onnx")
-    decoder = onnx.load(tmp_path / "onnx" / "decoder.onnx")
+def test_fused_node_and_function(exported, tmp_path):
+    _, folder, _ = exported("gemma2")
+    decoder = onnx.load(folder / "decoder.onnx")
     nodes = [n for n in decoder.graph.node if n.domain == "dattn"]
     assert [n.op_type for n in nodes] == ["DecomposedAttention"] * 3
     attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
@@ -141,16 +150,16 @@ def test_fused_node_and_function(tmp_path):
     assert {(o.domain, o.version) for o in decoder.opset_import} == {("", 18), ("dattn", 1)}
     assert decoder.ir_version <= 10
     # the visual stream is diagonal: no attention node at all in context_kv.onnx
-    assert not [n for n in onnx.load(tmp_path / "onnx" / "context_kv.onnx").graph.node if n.domain == "dattn"]
+    assert not [n for n in onnx.load(folder / "context_kv.onnx").graph.node if n.domain == "dattn"]
     # no node keeps the exporter's notes (the stack it was traced from: this machine's paths, our line numbers)
     source = str(Path(dattn_export.__file__).parent).encode()  # where our code lies on this machine
-    for graph in tmp_path.glob("onnx/*.onnx"):
+    for graph in folder.glob("*.onnx"):
         assert not [n for n in onnx.load(graph).graph.node if n.metadata_props], graph.name
         assert source not in graph.read_bytes(), graph.name
     # every RMSNorm (four a layer, the final one) runs as ONNX Runtime's fused kernel
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(tmp_path / "onnx" / "decoder.onnx"), options, providers=["CPUExecutionProvider"])
+    ort.InferenceSession(str(folder / "decoder.onnx"), options, providers=["CPUExecutionProvider"])
     optimized = [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
     assert optimized.count("SimplifiedLayerNormalization") == 3 * 4 + 1
 

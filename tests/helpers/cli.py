@@ -1,6 +1,6 @@
 """The CLI as a user runs it: a process of its own, `python -m dattn_export`; forked from a process that has
 imported torch and transformers already (`cli_forkserver.py`) where the command's environment is the one the imports
-saw, started fresh otherwise."""
+saw (what the commands read only as they run, READ_WHEN_RUN, may differ: the child sets it), started fresh otherwise."""
 
 import atexit
 import json
@@ -14,8 +14,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dattn_export.memory import MEMORY_ENV
+
 FORKSERVER = Path(__file__).with_name("cli_forkserver.py")
 PER_TEST = "PYTEST_CURRENT_TEST"  # pytest names the running test in the environment; nothing imported reads it
+READ_WHEN_RUN = (MEMORY_ENV,)  # what the commands read from the environment as they run, never at import
 
 
 def cli_command(*args) -> list[str]:
@@ -24,7 +27,7 @@ def cli_command(*args) -> list[str]:
 
 
 def imports_see(env) -> dict:
-    return {name: value for name, value in env.items() if name != PER_TEST}
+    return {name: value for name, value in env.items() if name != PER_TEST and name not in READ_WHEN_RUN}
 
 
 class ForkServer:
@@ -48,9 +51,10 @@ class ForkServer:
         line = self.process.stdout.readline()
         return json.loads(line) if line else None
 
-    def run(self, args: list[str], cwd, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
         out, err = (self.folder / "stdout", self.folder / "stderr")
-        request = {"argv": args, "cwd": str(cwd or os.getcwd()), "stdout": str(out), "stderr": str(err)}
+        request = {"argv": args, "cwd": str(cwd or os.getcwd()), "stdout": str(out), "stderr": str(err),
+                   "env": {name: env.get(name) for name in READ_WHEN_RUN}}  # fmt: skip
         out.write_bytes(b"")
         err.write_bytes(b"")
         self.process.stdin.write((json.dumps(request) + "\n").encode())
@@ -79,7 +83,7 @@ def fork_server() -> ForkServer:
 def run_cli(*args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
     env, server = dict(os.environ if env is None else env), fork_server()
     if server.ready and imports_see(env) == server.env:
-        return server.run(list(map(str, args)), cwd, timeout)
+        return server.run(list(map(str, args)), cwd, env, timeout)
     return run_fresh(*args, cwd=cwd, env=env, timeout=timeout)
 
 

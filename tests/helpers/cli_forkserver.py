@@ -4,11 +4,12 @@ A command started fresh spends about 3.5 s of its time importing torch and trans
 time); forked from here it starts at once. The child is still a process of its own, as `python -m dattn_export`
 is: its own exit code, stdout and stderr (files), working folder and the same `run()` (which ends it with `os._exit`).
 What a fork cannot give is what a module reads from the environment when it is imported: `helpers.cli` forks only
-for a command whose environment is this server's, and this server serves nothing if the imports printed anything.
+for a command whose environment is this server's but for the names read as a command runs (the request's "env", set in
+the child), and this server serves nothing if the imports printed anything.
 
-Protocol (a line of JSON each way): a request {"argv", "cwd", "stdout", "stderr"} on stdin; the replies {"pid"}, then
-{"status"} (os.waitpid's), on the stdout this process had when it started (its fds 1 and 2 are the file named by its
-first argument: what the imports print)."""
+Protocol (a line of JSON each way): a request {"argv", "cwd", "stdout", "stderr", "env"} on stdin; the replies
+{"pid"}, then {"status"} (os.waitpid's), on the stdout this process had when it started (its fds 1 and 2 are the file
+named by its first argument: what the imports print)."""
 
 import importlib
 import json
@@ -41,6 +42,11 @@ def child(request: dict, channel: int) -> None:
         os.dup2(opened, fd)
         os.close(opened)
     os.chdir(request["cwd"])
+    for name, value in request["env"].items():  # what the command reads as it runs (helpers.cli.READ_WHEN_RUN)
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     # as `python -m dattn_export` has them (Click names the program from both)
     sys.modules["__main__"] = sys.modules["dattn_export.__main__"]
     sys.argv = [sys.modules["__main__"].__file__, *request["argv"]]
