@@ -53,8 +53,8 @@ class ForkServer:
 
     def run(self, args: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
         out, err = (self.folder / "stdout", self.folder / "stderr")
-        request = {"argv": args, "cwd": str(cwd or os.getcwd()), "stdout": str(out), "stderr": str(err),
-                   "env": {name: env.get(name) for name in READ_WHEN_RUN}}  # fmt: skip
+        request = {"argv": args, "cwd": str(cwd or os.getcwd()), "stdout": str(out), "stderr": str(err)}
+        request["env"] = {name: env.get(name) for name in READ_WHEN_RUN}  # unset (None) or the command's value
         out.write_bytes(b"")
         err.write_bytes(b"")
         self.process.stdin.write((json.dumps(request) + "\n").encode())
