@@ -131,7 +131,7 @@ def write_checkpoint(name: str, folder: Path, layout: str) -> int:
     from dattn_export.checkpoints.released import released_config
     from dattn_export.checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
     from dattn_export.checkpoints.source import model_shapes, tied_names
-    from dattn_export.demo_model import build_tokenizer
+    from dattn_export.demo_model import build_tokenizer, save_tokenizer
     from dattn_export.stages.convert import parse_size
 
     config = model_config(name)
@@ -162,7 +162,7 @@ def write_checkpoint(name: str, folder: Path, layout: str) -> int:
         index = {"metadata": {"total_size": sum(t.nbytes for t in planned)}, "weight_map": weight_map}
         (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
     (folder / "config.json").write_text(json.dumps(released_config(config, str(vision), str(audio)), indent=2))
-    build_tokenizer(min(config.vocab_size, 4096)).save_pretrained(folder)
+    save_tokenizer(build_tokenizer(min(config.vocab_size, 4096), config.family.name), folder)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     (folder / "generation_config.json").write_text(json.dumps(generation))
     return sum(t.nbytes for t in planned)

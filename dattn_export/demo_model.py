@@ -20,10 +20,12 @@ from .modeling.families import DEFAULT_FAMILY, FAMILIES
 from .modeling.modeling_dattn import MODEL_CLASSES
 from .presets import randomize_weights, tiny_config
 from .processing import IMAGE_PROCESSORS, default_audio_processor
+from .prompts import MEDIA_MARKERS, Prompt
 
-DEMO_PROMPT = "USER: <image>\nDescribe the image in one sentence.\nASSISTANT:"  # the released models' form
-DEMO_VIDEO_PROMPT = "USER: <image>\nWhat happens in the video, and what do you hear?\nASSISTANT:"
-DEMO_PROMPTS = {"image": DEMO_PROMPT, "video": DEMO_VIDEO_PROMPT}  # by what the model takes (its modality)
+DEMO_QUESTIONS = {  # by what the model takes (its modality)
+    "image": "Describe the image in one sentence.",
+    "video": "What happens in the video, and what do you hear?",
+}
 DEMO_VIDEO_FPS = 2  # the file's rate: generate takes one frame a second
 TOWER_FOLDER_SUFFIX = {"image": "", "video": "-video"}  # a video model's tower: smaller frames
 SHARD_BYTES = 256 * 1024  # small, so the demo checkpoint has several shards like a real one
@@ -37,22 +39,52 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained here on a few sentences: encodes any text, needs no download."""
+def demo_prompt(modality: str, tokenizer) -> Prompt:
+    """The demo's question about its media (validate's default): through the checkpoint's chat template, or where it
+    has none, as the released scripts' text before their template (the media's marker, a newline, the question)."""
+    question = DEMO_QUESTIONS[modality]
+    return Prompt(question) if tokenizer.chat_template else Prompt(f"{MEDIA_MARKERS[0]}\n{question}", "raw")
+
+
+def build_tokenizer(vocab_size: int, family: str = DEFAULT_FAMILY) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained here on a few sentences: encodes any text, needs no download; with the family's chat
+    template and its turns' special tokens (ids 3 on), as its released model's tokenizer has them."""
+    chat = FAMILIES[family]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<pad>", "<s>", "</s>"],  # ids 0, 1, 2 as in the config
+        special_tokens=["<pad>", "<s>", "</s>", *chat.chat_tokens],  # ids 0, 1, 2 as in the config
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer)
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left"
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        padding_side="left",
+        chat_template=chat.chat_template,
     )
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
+    """The tokenizer as the released training code's transformers 4.x saved it: its chat template inside
+    tokenizer_config.json, its class by the name transformers 4 and 5 both load (5 writes TokenizersBackend), its
+    merges as "a b" strings (tokenizers before 0.20, which transformers 4.44 pins, reads no pairs)."""
+    tokenizer.save_pretrained(folder, save_jinja_files=False)
+    edits = {
+        "tokenizer_config.json": lambda fields: fields | {"tokenizer_class": "PreTrainedTokenizerFast"},
+        "tokenizer.json": lambda fields: fields | {
+            "model": fields["model"] | {"merges": [" ".join(pair) for pair in fields["model"]["merges"]]}
+        },
+    }  # fmt: skip
+    for name, edit in edits.items():
+        path = Path(folder) / name
+        path.write_text(json.dumps(edit(json.loads(path.read_text())), ensure_ascii=False, indent=2) + "\n")
 
 
 def demo_image(size: int = 64) -> Image.Image:
@@ -146,7 +178,7 @@ def write_demo_checkpoint(
     else:
         fields = released_config(config, str(vision), str(audio))
         (out / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
-    build_tokenizer(config.vocab_size).save_pretrained(out)
+    save_tokenizer(build_tokenizer(config.vocab_size, family), out)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 16, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     demo_image().save(out / "demo.png")  # video models: a demo.mov beside

@@ -18,7 +18,8 @@ from .decoding.video import load_video
 from .errors import InputError
 from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
 from .modeling.streams import AUDIO
-from .processing import audio_features, frame_square, load_audio_processor, load_image_processor, media_marker
+from .processing import audio_features, frame_square, load_audio_processor, load_image_processor
+from .prompts import Prompt, media_marker
 from .ui import err, stage
 
 MEDIA_OPTIONS = {"images": "--image", "video": "--video", "frames": "--frames", "audio": "--audio"}  # Media's fields
@@ -47,15 +48,15 @@ class Media:
     def given(self) -> bool:
         return bool(self.images or self.video or self.frames or self.audio)
 
-    def check(self, config, prompt: str = "") -> None:
-        """What the model cannot take, one line each; `prompt`: one that names media (`<image>`, `<video>`) comes
-        with them."""
+    def check(self, config, prompt: Prompt | None = None) -> None:
+        """What the model cannot take, one line each; `prompt`: a finished one that names media (`<image>`,
+        `<video>`) comes with them."""
         takes = [kind for kind in MEDIA_OPTIONS if any(kind in stream.media for stream in config.streams)]
         options = " or ".join(", ".join(MEDIA_OPTIONS[kind] for kind in takes).rsplit(", ", 1))
-        if marker := media_marker(prompt):
+        if prompt is not None and prompt.kind == "raw" and (marker := media_marker(prompt.text)):
             if not self.given:
                 raise InputError(
-                    "--prompt",
+                    "--raw-prompt",
                     f"names {marker} but no media was given: pass it with {options} (or drop {marker} to ask about "
                     "the text alone)",
                 )
@@ -87,10 +88,10 @@ class DecodedMedia:
         return time_ranges(text, self.duration, config.family)
 
 
-def decode_media(media: Media, folder: Path, config, prompts: Sequence[str] = ()) -> DecodedMedia:
+def decode_media(media: Media, folder: Path, config, prompts: Sequence[Prompt] = ()) -> DecodedMedia:
     """Every file read and decoded before any model work, so that a bad one is the first and only message; video
-    frames resized to the tower's square as they are decoded (`frame_square`). Then a note for each of `prompts`
-    that comes with media but names none where the released models expect it."""
+    frames resized to the tower's square as they are decoded (`frame_square`). Then a note for each finished prompt
+    of `prompts` that comes with media but names none where the released models expect it."""
     square = frame_square(folder, config) if media.video or media.frames else None
     frames = samples = None
     if media.video:  # with its own sound track (when it has one) unless an audio file is given
@@ -102,8 +103,8 @@ def decode_media(media: Media, folder: Path, config, prompts: Sequence[str] = ()
     duration = media_duration(media.video) if media.video else None
     decoded = DecodedMedia([open_image(p) for p in media.images], frames, samples, duration)
     for prompt in prompts if media.given else ():
-        if media_marker(prompt) is None:
-            err.print(UNMARKED.format(prompt=prompt), markup=False)
+        if prompt.kind == "raw" and media_marker(prompt.text) is None:
+            err.print(UNMARKED.format(prompt=prompt.text), markup=False)
     return decoded
 
 

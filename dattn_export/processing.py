@@ -1,10 +1,9 @@
-"""The checkpoint's processors, offline: its tokenizer (a prompt's ids as the released code makes them), its
-image processor (pictures prepared as the released code prepares them, and as bytes for vLLM) and its audio
-feature extractor (Whisper's log-mel chunks). Decoding media files is `decoding/`'s."""
+"""The checkpoint's processors, offline: its tokenizer (a prompt's ids: `prompts.py`), its image processor
+(pictures prepared as the released code prepares them, and as bytes for vLLM) and its audio feature extractor
+(Whisper's log-mel chunks). Decoding media files is `decoding/`'s."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -34,27 +33,6 @@ def load_tokenizer(folder: Path, config):
             read_json(Path(folder) / name, name)
     with reading(Path(folder) / names[0], "tokenizer"):
         return AutoTokenizer.from_pretrained(str(folder), config=config, local_files_only=True)
-
-
-MEDIA_MARKERS = ("<image>", "<video>")  # where a prompt says its picture or video sits: text, cut out of the ids
-
-
-def media_marker(prompt: str) -> str | None:
-    """The media marker the prompt names (the first of MEDIA_MARKERS it holds), or None."""
-    return next((marker for marker in MEDIA_MARKERS if marker in prompt), None)
-
-
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt's token ids as the released code makes them (Vidi's `tokenizer_image_token`, then its model's
-    multimodal input preparation): the text before the media marker with the tokenizer's special tokens, each piece
-    after one without, and the marker itself, which stands for the media's own stream, cut out. The released models
-    were trained on `<image>` and a newline before the question (Vidi's one marker, for a picture or a video;
-    `<video>` reads the same here)."""
-    first, *rest = re.split("|".join(map(re.escape, MEDIA_MARKERS)), prompt)
-    ids = tokenizer(first)["input_ids"]
-    for piece in rest:
-        ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
-    return ids
 
 
 def processor_folder(folder: Path, config) -> Path | None:

@@ -10,15 +10,17 @@ import sys
 import click
 import pytest
 import torch
+from helpers.checks import released_question_ids
 from helpers.cli import error_line, fork_server, run_cli, run_fresh
 from safetensors.torch import load_file, save_file
 
 from dattn_export import __version__
 from dattn_export.checkpoints.source import load_model
-from dattn_export.demo_model import DEMO_PROMPT, DEMO_VIDEO_PROMPT, write_demo_checkpoint
+from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint
 from dattn_export.media import Media
 from dattn_export.memory import MEMORY_ENV
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
+from dattn_export.prompts import Prompt
 from dattn_export.stages.generate import run_prompt
 
 
@@ -91,9 +93,7 @@ def test_demo_end_to_end(pipeline):
     model = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config)
     pixels = load_images([checkpoint / "demo.png"], model.config, load_image_processor(checkpoint, model.config))
-    # the released code's tokenization (Vidi's tokenizer_image_token): the marker cut out, its sides tokenized apart
-    before, _, after = DEMO_PROMPT.partition("<image>")
-    ids = torch.tensor([tokenizer(before)["input_ids"] + tokenizer(after, add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor([released_question_ids(tokenizer, model.config.family.name, DEMO_QUESTIONS["image"])])
     expected = model.generate(ids, pixels, torch.ones_like(ids), max_new_tokens=12, eos_token_id=2)
     assert generated == expected[0].tolist()
     assert len(list(checkpoint.glob("model-*-of-*.safetensors"))) > 1  # sharded like a real training output
@@ -110,7 +110,8 @@ def test_video_demo_end_to_end(tmp_path):
     assert "validation passed" in result.stdout
     generated = json.loads(re.search(r"generated ids \(\d+\): (\[.*\])", result.stdout).group(1))
     checkpoint = tmp_path / "out" / "checkpoint"
-    expected = run_prompt(checkpoint, DEMO_VIDEO_PROMPT, Media(video=checkpoint / "demo.mov"), max_new_tokens=6)
+    question = Prompt(DEMO_QUESTIONS["video"])
+    expected = run_prompt(checkpoint, question, Media(video=checkpoint / "demo.mov"), max_new_tokens=6)
     assert generated == expected.generated_ids
     assert expected.visual_tokens == 6 * 16 and expected.audio_tokens == 3  # 6 frames at 1 fps; 6 s of sound
     manifest = json.loads((tmp_path / "out" / "onnx" / "onnx_manifest.json").read_text())

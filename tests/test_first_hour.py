@@ -14,7 +14,7 @@ from helpers.cli import error_line as cli_error_line
 from helpers.cli import run_cli
 from helpers.guides import readme_blocks
 
-from dattn_export.demo_model import DEMO_PROMPT, write_demo_checkpoint
+from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_SECONDS = 2.0  # a refusal that imports nothing heavy (torch alone takes longer to import)
@@ -285,12 +285,13 @@ def test_output_in_a_log_is_neither_wrapped_nor_cut(demo, tmp_path):
 
 @pytest.mark.slow
 def test_generate_refuses_a_prompt_that_names_an_image_it_was_not_given(demo):
-    """Reported: `generate --prompt $'USER: <image>\\n...'` without --image answered from 0 visual tokens, rc 0."""
-    result = run_cli_without((), "generate", demo / "converted", "--prompt", "USER: <image>\nWhat is it?\nASSISTANT:")
+    """Reported: `generate --prompt $'USER: <image>\\n...'` without --image answered from 0 visual tokens, rc 0 (a
+    finished prompt now: --raw-prompt)."""
+    finished = "USER: <image>\nWhat is it?\nASSISTANT:"
+    result = run_cli_without((), "generate", demo / "converted", "--raw-prompt", finished)
     line = error_line(result)
     assert result.returncode == 2 and "names <image> but no media was given: pass it with --image" in line, line
-    text_only = DEMO_PROMPT.replace("<image>\n", "")
-    plain = run_cli("generate", demo / "converted", "--prompt", text_only, "--max-new-tokens", "2")
+    plain = run_cli("generate", demo / "converted", "--prompt", DEMO_QUESTIONS["image"], "--max-new-tokens", "2")
     assert plain.returncode == 0, plain.stderr  # a prompt that names no picture is answered from its text
 
 
@@ -337,7 +338,7 @@ def test_analyze_without_matplotlib_says_so_before_the_work(demo, tmp_path):
     """Reported: `analyze ... -o out` without matplotlib worked 9 s, then said `pip install matplotlib`."""
     result = run_cli_without(
         ("matplotlib",), "analyze", demo / "converted", "--image", demo / "checkpoint" / "demo.png", "--prompt",
-        "USER: <image>\nWhat?", "-o", tmp_path / "out",
+        "What?", "-o", tmp_path / "out",
     )  # fmt: skip
     line = error_line(result)
     assert result.returncode == 3 and "matplotlib: is not installed" in line and "[analyze] extra" in line
@@ -406,7 +407,7 @@ def test_an_answer_that_is_no_utf8_prints_its_bytes_escaped(tmp_path):
 def test_generate_on_graphs_reports_the_models_parameters(demo):
     """Reported: `generate --backend ort` printed an empty `parameters` row; it counts the exported model's, as the
     reference's does."""
-    prompt = ("--prompt", DEMO_PROMPT, "--image", demo / "checkpoint" / "demo.png", "--max-new-tokens", "2")
+    prompt = ("--prompt", DEMO_QUESTIONS["image"], "--image", demo / "checkpoint" / "demo.png", "--max-new-tokens", "2")
     rows = {}
     for backend, folder in (("torch", demo / "converted"), ("ort", demo / "onnx")):
         result = run_cli("generate", folder, "--backend", backend, *prompt)
@@ -448,7 +449,8 @@ def test_prompts_are_tokenized_as_the_released_code_tokenizes_them(tmp_path):
     BOS, the marker (IMAGE_TOKEN_INDEX) then cut out of the text stream by the model. Written out here from that
     code; `<video>` reads the same."""
     from dattn_export.checkpoints.source import open_source
-    from dattn_export.processing import load_tokenizer, prompt_ids
+    from dattn_export.processing import load_tokenizer
+    from dattn_export.prompts import prompt_ids
 
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
     tokenizer = load_tokenizer(checkpoint, open_source(checkpoint).config)
@@ -467,8 +469,10 @@ def test_a_prompt_with_media_and_no_marker_gets_a_note(demo):
     """Reported: the video guide asked questions with and without `<video>`, both accepted silently (22 prompt tokens
     against 32). The marker is cut out as the released code does; a prompt without one is answered with a note."""
     media = ("--image", demo / "checkpoint" / "demo.png", "--max-new-tokens", "2")
-    plain = run_cli("generate", demo / "converted", "--prompt", "USER: What is it?\nASSISTANT:", *media)
-    marked = run_cli("generate", demo / "converted", "--prompt", "USER: <image>\nWhat is it?\nASSISTANT:", *media)
+    plain = run_cli("generate", demo / "converted", "--raw-prompt", "USER: What is it?\nASSISTANT:", *media)
+    marked = run_cli("generate", demo / "converted", "--raw-prompt", "USER: <image>\nWhat is it?\nASSISTANT:", *media)
+    asked = run_cli("generate", demo / "converted", "--prompt", "What is it?", *media)  # the marker placed for it
+    assert asked.returncode == 0 and "note:" not in asked.stderr, asked.stderr
     assert plain.returncode == marked.returncode == 0, plain.stderr
     note = "has no <image> before its question: the released models were trained on '<image>' and a newline there"
     assert note in plain.stderr and "note:" not in marked.stderr

@@ -8,7 +8,7 @@ import torch
 from helpers.cli import run_cli
 
 from dattn_export.checkpoints.source import load_model
-from dattn_export.demo_model import DEMO_PROMPT, DEMO_VIDEO_PROMPT, write_demo_checkpoint, write_video
+from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint, write_video
 from dattn_export.media import Media, decode_media, encode_media, graph_context
 from dattn_export.modeling.families import DEFAULT_FAMILY
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
@@ -17,7 +17,12 @@ from dattn_export.stages.onnx_export import export_onnx
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[test]')")
 
-PROMPTS = [DEMO_PROMPT, "USER: How many objects are there?\nASSISTANT:"]
+# finished prompts, tokenized whole: the numbers do not depend on how a prompt was made
+PROMPTS = [
+    "USER: <image>\nDescribe the image in one sentence.\nASSISTANT:",
+    "USER: How many objects are there?\nASSISTANT:",
+]
+VIDEO_PROMPT = "USER: <image>\nWhat happens in the video, and what do you hear?\nASSISTANT:"
 
 
 @pytest.mark.slow
@@ -64,7 +69,7 @@ def test_genai_answers_about_a_video_as_the_reference(tmp_path):
     tokenizer = load_tokenizer(checkpoint, model.config)
     with torch.no_grad():
         streams = encode_media(model, checkpoint, decoded, {})
-        for prompt in [DEMO_VIDEO_PROMPT, PROMPTS[1]] * 2:
+        for prompt in [VIDEO_PROMPT, PROMPTS[1]] * 2:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
             tokens, logits = runtime.generate(ids.numpy(), context, 12)
             full = torch.cat([ids, torch.tensor([tokens])], dim=1)[:, :-1]
@@ -79,7 +84,7 @@ def test_generate_backend_genai_and_what_genai_cannot_drive(pipeline, tmp_path):
     (our decoder graph on ONNX Runtime) does; a WINGS model's export says in its manifest why genai cannot drive it,
     and generate says so in one line."""
     checkpoint = pipeline / "dattn-demo" / "checkpoint"
-    args = ("--image", checkpoint / "demo.png", "--prompt", DEMO_PROMPT, "--max-new-tokens", "8")
+    args = ("--image", checkpoint / "demo.png", "--prompt", DEMO_QUESTIONS["image"], "--max-new-tokens", "8")
     torch_ = run_cli("generate", checkpoint, *args)
     expected = [line for line in torch_.stdout.splitlines() if line.startswith("generated ids")]
     assert expected, torch_.stderr

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers.checks import released_question_ids
 from helpers.cli import run_cli
 from helpers.released_images import open_picture, process_images, with_output_size
 from PIL import Image
@@ -19,7 +20,7 @@ from transformers import CLIPImageProcessorPil, SiglipImageProcessorPil
 
 from dattn_export.checkpoints.source import load_model
 from dattn_export.decoding.files import open_image
-from dattn_export.demo_model import DEMO_PROMPT, write_demo_checkpoint
+from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint
 from dattn_export.media import Media
 from dattn_export.modeling.images import anyres_tiles, prepare_pictures
 from dattn_export.processing import load_image_processor, load_tokenizer, normalize_pixels, picture_bytes, tiles_bytes
@@ -119,13 +120,13 @@ def test_generate_sees_the_released_pixels(clip_model, tmp_path):
     """`generate --image`: its tokens are those of the reference model given the released path's pixels."""
     rule, checkpoint, _ = clip_model
     path = picture_file(tmp_path, (80, 64), "RGBA")
-    result = run_cli("generate", checkpoint, "--prompt", DEMO_PROMPT, "--image", path, "--max-new-tokens", "6")
+    question = DEMO_QUESTIONS["image"]
+    result = run_cli("generate", checkpoint, "--prompt", question, "--image", path, "--max-new-tokens", "6")
     assert result.returncode == 0, result.stderr
     generated = json.loads(re.search(r"generated ids \(\d+\): (\[.*\])", result.stdout).group(1))
     model = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config)
-    before, _, after = DEMO_PROMPT.partition("<image>")  # the released tokenization: the marker cut out
-    ids = torch.tensor([tokenizer(before)["input_ids"] + tokenizer(after, add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor([released_question_ids(tokenizer, model.config.family.name, question)])
     with torch.no_grad():
         expected = model.generate(
             ids, released_pixels(checkpoint, rule, path), torch.ones_like(ids), max_new_tokens=6, eos_token_id=2

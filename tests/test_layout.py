@@ -97,7 +97,7 @@ def test_every_stream_has_its_part_on_every_floor():
         "media.MODEL_KINDS": (media.MODEL_KINDS, every, "modality"),
         "push.USAGE_SNIPPETS": (push.USAGE_SNIPPETS, every, "modality"),
         "verify.PROBES": (verify.PROBES, every, "modality"),
-        "demo_model.DEMO_PROMPTS": (demo_model.DEMO_PROMPTS, every, "modality"),
+        "demo_model.DEMO_QUESTIONS": (demo_model.DEMO_QUESTIONS, every, "modality"),
         "demo_model.TOWER_FOLDER_SUFFIX": (demo_model.TOWER_FOLDER_SUFFIX, every, "modality"),
     }
     lacking = {

@@ -7,15 +7,16 @@ import re
 import pytest
 from helpers.cli import error_line, run_cli
 
-from dattn_export.demo_model import DEMO_PROMPT
+from dattn_export.demo_model import DEMO_QUESTIONS
 from dattn_export.errors import InputError
 from dattn_export.media import Media
-from dattn_export.stages.generate import read_prompts, run_prompt, run_prompts, run_prompts_graphs
+from dattn_export.prompts import Prompt, read_prompts
+from dattn_export.stages.generate import run_prompt, run_prompts, run_prompts_graphs
 
 PROMPTS = [
-    DEMO_PROMPT,
-    "USER: <image>\nHow many objects are there, and where?\nASSISTANT:",
-    "USER: Name one colour.\nASSISTANT:",
+    Prompt(DEMO_QUESTIONS["image"]),
+    Prompt("How many objects are there, and where?"),
+    Prompt("USER: Name one colour.\nASSISTANT:", "raw"),
 ]
 
 
@@ -45,26 +46,37 @@ def test_each_prompt_gets_the_answer_it_gets_alone(pipeline, alone, backend):
 
 @pytest.mark.slow
 def test_generate_takes_prompts_repeated_and_from_a_file(pipeline, alone, tmp_path):
-    """--prompt given twice and a JSON-lines file (a prompt with line breaks, as a string and as an object): the
-    answers in that order, then one table with the encoding once and each answer's time."""
+    """--prompt, --raw-prompt and a JSON-lines file (questions as a string and as an object): the answers in that
+    order (questions, then finished prompts, then the file's), then one table with the encoding once and each
+    answer's time."""
     demo = pipeline / "dattn-demo"
-    lines = [json.dumps(PROMPTS[1]), "", json.dumps({"prompt": PROMPTS[0]})]
+    lines = [json.dumps(PROMPTS[1].text), "", json.dumps({"prompt": PROMPTS[0].text})]
     (tmp_path / "questions.jsonl").write_text("\n".join(lines) + "\n")
     result = run_cli(
         "generate", demo / "onnx", "--backend", "ort", "--image", demo / "checkpoint" / "demo.png",
-        "--prompt", PROMPTS[2], "--prompt", PROMPTS[0], "--prompts", tmp_path / "questions.jsonl",
+        "--raw-prompt", PROMPTS[2].text, "--prompt", PROMPTS[0].text, "--prompts", tmp_path / "questions.jsonl",
         "--max-new-tokens", "8",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     printed = re.findall(r"answer \d: generated ids \(\d+\): (\[.*\])", result.stdout)
-    assert [json.loads(ids) for ids in printed] == [alone[2], alone[0], alone[1], alone[0]]
+    assert [json.loads(ids) for ids in printed] == [alone[0], alone[2], alone[1], alone[0]]
     assert "time, once" in result.stdout and "answer 4: " in result.stdout
     assert len(re.findall(r"done encode", result.stderr)) == 1
 
 
 def test_a_prompts_file_is_lines_or_json_lines(tmp_path):
     (tmp_path / "plain.txt").write_text("first question\n\n  second one\n")
-    assert read_prompts(tmp_path / "plain.txt") == ["first question", "  second one"]
+    assert read_prompts(tmp_path / "plain.txt") == [Prompt("first question"), Prompt("  second one")]
+    kinds = ['"a question"', '{"query": "a door opens"}', '{"raw_prompt": "USER: <image>\\nWhat?"}']
+    (tmp_path / "kinds.jsonl").write_text("\n".join(kinds))
+    assert read_prompts(tmp_path / "kinds.jsonl") == [
+        Prompt("a question"),
+        Prompt("a door opens", "query"),
+        Prompt("USER: <image>\nWhat?", "raw"),
+    ]
+    (tmp_path / "marked.txt").write_text("USER: <image> What?\n")
+    with pytest.raises(InputError, match=r'line 1 holds <image>: give a finished prompt as \{"raw_prompt": ...\}'):
+        read_prompts(tmp_path / "marked.txt")
     (tmp_path / "bad.jsonl").write_text('"fine"\n{"prompt": 3}\n')
     with pytest.raises(InputError, match=r'line 2 is neither a string nor an object with a "prompt" string'):
         read_prompts(tmp_path / "bad.jsonl")
@@ -78,4 +90,7 @@ def test_a_prompts_file_is_lines_or_json_lines(tmp_path):
 
 def test_generate_without_a_prompt_says_how_to_give_one(tmp_path):
     result = run_cli("generate", tmp_path)
-    assert result.returncode == 2 and "--prompt TEXT (repeatable) or --prompts FILE" in error_line(result.stderr)
+    assert (
+        result.returncode == 2
+        and "--prompt TEXT (repeatable), --query TEXT, --raw-prompt TEXT or --prompts FILE" in error_line(result.stderr)
+    )

@@ -107,7 +107,9 @@ def test_disk_too_small_is_refused_before_writing(checkpoint, tmp_path):
 def test_disk_filling_up_while_writing(checkpoint, tmp_path):
     """analyze's plots have no size known in advance: the disk fills while writing them."""
     mount = tmp_path / "tiny"
-    command = cli_command("analyze", checkpoint, "--image", checkpoint / "demo.png", "--prompt", "a <image> b", "-o")
+    command = cli_command(
+        "analyze", checkpoint, "--image", checkpoint / "demo.png", "--raw-prompt", "a <image> b", "-o"
+    )
     result = on_tmpfs(mount, "24k", command + [mount / "report"])
     line = one_line(result, 3)
     assert "the disk filled up while writing" in line and str(mount / "report") in line, line

@@ -17,7 +17,7 @@ from huggingface_hub import ModelCard
 from PIL import Image
 
 from dattn_export.checkpoints.source import load_model
-from dattn_export.demo_model import DEMO_PROMPT, write_demo_checkpoint
+from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint
 from dattn_export.stages.convert import convert
 
 TOKEN = "hf_alice_secret_token_42"
@@ -178,7 +178,7 @@ def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp
     assert (
         "| tensors reload | ok |" in card.text
         and "trust_remote_code=True" in card.text
-        and all(repr(piece) in card.text for piece in DEMO_PROMPT.split("<image>"))  # released: the marker cut out
+        and repr("<image>\n" + DEMO_QUESTIONS["image"]) in card.text  # asked the released way, the marker first
     )
 
 

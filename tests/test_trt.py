@@ -80,8 +80,9 @@ def test_trt_command_says_what_is_missing(pipeline, tmp_path):
 def test_engines_match_pytorch_with_plugin_and_with_function(tmp_path, family):
     """Engines with the plugin and engines with the ONNX function fallback both validate against PyTorch, and
     `generate --backend trt` gives the reference's tokens."""
-    from dattn_export.demo_model import DEMO_PROMPT
+    from dattn_export.demo_model import DEMO_QUESTIONS
     from dattn_export.media import Media
+    from dattn_export.prompts import Prompt
     from dattn_export.stages.generate import run_prompt, run_prompt_graphs
     from dattn_export.stages.trt_build import Limits, build_engines
     from dattn_export.stages.validate import validate
@@ -95,8 +96,9 @@ def test_engines_match_pytorch_with_plugin_and_with_function(tmp_path, family):
         report = validate(tmp_path / name, checkpoint, backend="trt", steps=10)
         assert report.passed, report.to_json()
         media = Media(images=[checkpoint / "demo.png"])
-        generated = run_prompt_graphs(tmp_path / name, DEMO_PROMPT, media, 8, "trt").generated_ids
-        assert generated == run_prompt(checkpoint, DEMO_PROMPT, media, 8).generated_ids
+        question = Prompt(DEMO_QUESTIONS["image"])
+        generated = run_prompt_graphs(tmp_path / name, question, media, 8, "trt").generated_ids
+        assert generated == run_prompt(checkpoint, question, media, 8).generated_ids
 
 
 def test_min_opt_max_set_named_axes_over_the_shorthands(tmp_path):

@@ -465,6 +465,9 @@ def test_generate_prints_a_video_s_answer_as_time_ranges(tmp_path, family, monke
         def __call__(self, *args, **kwargs):
             return self.tokenizer(*args, **kwargs)
 
+        def __getattr__(self, name):  # the chat template and the rest: the tokenizer's
+            return getattr(self.tokenizer, name)
+
         def decode(self, *args, **kwargs):
             return answer
 

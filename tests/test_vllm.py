@@ -45,6 +45,7 @@ from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.media import DecodedMedia, Media, decode_media, encode_media
 from dattn_export.modeling.streams import TILES
 from dattn_export.processing import audio_features, load_audio_processor, load_image_processor, load_tokenizer
+from dattn_export.prompts import Prompt, prompt_ids
 from dattn_export.stages.convert import convert
 from dattn_export.vllm_plugin.video import DEFAULT_MAX_FRAMES, longest_sound_track, max_video_frames
 
@@ -417,7 +418,8 @@ def serving(folder: Path, log: Path, *options: str):
         def chat(text: str, media: dict | None):
             content = [{"type": "text", "text": text}] + ([] if media is None else [media])
             request = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0)
-            reply = client.chat.completions.create(**request, logprobs=True, extra_body=AS_IDS)
+            reply = client.chat.completions.create(**request, logprobs=True, extra_body=AS_IDS | PROMPT_IDS)
+            chat.prompt_ids = reply.prompt_token_ids  # the last request's, as the plugin made them
             return reply.choices[0]
 
         chat.url, chat.model, chat.pid = f"http://127.0.0.1:{port}/v1", model, server.pid
@@ -436,6 +438,7 @@ def video_part(url: str) -> dict:
 
 
 AS_IDS = {"return_tokens_as_token_ids": True}  # an answer as token ids: a random model's bytes need not be text
+PROMPT_IDS = {"return_token_ids": True}  # the reply holds the prompt's ids
 
 
 def answer_ids(choice) -> list[int]:
@@ -443,8 +446,16 @@ def answer_ids(choice) -> list[int]:
     return [int(entry.token.removeprefix("token_id:")) for entry in choice.logprobs.content]
 
 
-def expected_ids(folder: Path, text: str, media: DecodedMedia) -> list[int]:
-    return reference(folder, text, media, 8)[0]
+def expected_ids(folder: Path, question: str, media: DecodedMedia) -> list[int]:
+    """The reference's answer to a chat request's question about its media."""
+    return reference(folder, question_ids(folder, question, media=True), media, 8)[0]
+
+
+def question_ids(folder: Path, question: str, media: bool) -> list[int]:
+    """The ids `generate --prompt QUESTION` asks with: the released way, through the folder's chat template."""
+    config = folder_config(folder)
+    tokenizer = load_tokenizer(folder, config)
+    return prompt_ids(tokenizer, Prompt(question).text_for(tokenizer, config.family, media))
 
 
 def bomb_png() -> bytes:
@@ -472,7 +483,7 @@ def tree_rss(pid: int) -> int:
 @pytest.mark.slow
 @vllm_missing
 def test_serve_stays_up_and_right_under_good_and_bad_requests(served, tmp_path):
-    """24 good requests from 6 threads with 14 kinds of bad request mixed in: every good one gets the reference's
+    """24 good requests from 6 threads with 13 kinds of bad request mixed in: every good one gets the reference's
     answer, every bad one a 4xx naming its fault (none a 500: a picture that decompresses past Pillow's bomb limit
     and an image URL nobody answers are the request's fault, which the plugin's media connector says), the server
     stays up, and its memory stays flat."""
@@ -493,7 +504,6 @@ def test_serve_stays_up_and_right_under_good_and_bad_requests(served, tmp_path):
             return answer_ids(client.chat.completions.create(**request, logprobs=True, extra_body=AS_IDS).choices[0])
 
         bad = {
-            "no image": lambda: ask("a b c"),
             "corrupt image": lambda: ask("a b c", image_part(data_url(b"not a png", "image/png"))),
             "invalid base64": lambda: ask("a b c", image_part("data:image/png;base64,@@not base64@@")),
             "image over the pixel limit": lambda: ask("a b c", image_part(png_url(Image.new("L", (8200, 8200))))),
@@ -563,9 +573,12 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
     local = ("--allowed-local-media-path", str(tmp_path))
     with serving(folder, tmp_path / "serve.log", *limit, *local, "--context-cache-gib", "0.5") as chat:
         text = "what is in the video"
+        asked = question_ids(folder, text, media=True)  # the chat template's, with no --chat-template given
         expected = expected_ids(folder, text, decode_media(Media(video=clip), folder, folder_config(folder)))
         request = video_part(data_url(clip.read_bytes(), "video/quicktime"))
-        assert answer_ids(chat(text, request)) == expected
+        assert answer_ids(chat(text, request)) == expected and chat.prompt_ids == asked
+        text_only = reference(folder, question_ids(folder, text, media=False), DecodedMedia([], None, None), 8)[0]
+        assert answer_ids(chat(text, None)) == text_only  # a question without a video: the text alone
         by_path = video_part(clip.resolve().as_uri())  # written before the server started: its times have settled
         assert answer_ids(chat(text, by_path)) == expected == answer_ids(chat(text, by_path))
         # a content part's uuid names its medium (vLLM requires one name per medium): another video under the
@@ -573,7 +586,6 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
         for video in (clip, other):
             assert answer_ids(chat(text, video_part(video.resolve().as_uri()) | {"uuid": "clip"})) == expected
         bad = {
-            "no video": (text, None),
             "corrupt video": (text, video_part(data_url(b"not a video", "video/quicktime"))),
             "too many frames": (text, video_part(data_url(long_clip.read_bytes(), "video/quicktime"))),
         }

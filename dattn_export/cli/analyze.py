@@ -8,24 +8,25 @@ import click
 
 from ..extras import require
 from ..folders import TRAINING_OUTPUT, resolve
-from .common import MEDIA_PATH, examples, output_option, video_options
+from .common import MEDIA_PATH, examples, one_prompt, output_option, prompt_option, video_options
 
 
 @click.command(
     epilog=examples(
-        "dattn-export analyze ./converted --image cat.png --prompt $'USER: <image>\\nWhat is it?\\nASSISTANT:' -o out",
-        "dattn-export analyze ./video-model --video clip.mp4 --prompt $'USER: <image>\\nWhat happens?' -o out",
+        "dattn-export analyze ./converted --image cat.png --prompt 'What is it?' -o out",
+        "dattn-export analyze ./video-model --video clip.mp4 --raw-prompt $'USER: <image>\\nWhat happens?' -o out",
     )
 )
 @click.argument("checkpoint", type=click.Path())
 @click.option("--image", type=MEDIA_PATH, help="Image file.")
 @video_options
-@click.option("--prompt", required=True, help="Prompt; mark where the image sits with <image> for the LAWS curves.")
+@prompt_option(required=True)
 @output_option("Report folder: report.json, visual_mass.png, laws.png.")
 @click.option("--force", is_flag=True, help="Replace the report folder if it exists.")
-def analyze(checkpoint: str, image, video, frames, audio, prompt: str, out: Path, force: bool):
+def analyze(checkpoint: str, image, video, frames, audio, prompt: str, raw_prompt: str, out: Path, force: bool):
     """Per layer and text token, the attention mass on the image (a video model: on its frames and on its audio);
     MLLM-LAWS curves and attention shift; plots."""
+    prompt = one_prompt(prompt, raw_prompt, required=True)
     checkpoint = resolve(checkpoint, "analyze", *TRAINING_OUTPUT)
     require("matplotlib")  # the plots come last: say so before the work
     from ..media import Media

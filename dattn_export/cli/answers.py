@@ -27,7 +27,7 @@ def print_answers(title: str, answers, rows: list[tuple[str, str]]) -> None:
     out.print(summary_table(title, [*rows, ("time, once", once), ("time, each prompt", each)]))
 
 
-def answers_json(answers, prompts: list[str], checkpoint: Path, backend: str) -> dict:
+def answers_json(answers, prompts: list, checkpoint: Path, backend: str) -> dict:
     import dataclasses
 
     first = answers.results[0]
@@ -38,7 +38,11 @@ def answers_json(answers, prompts: list[str], checkpoint: Path, backend: str) ->
         "audio_tokens": first.audio_tokens,
         "seconds": answers.seconds,
         "answers": [
-            {"prompt": prompt, **{k: v for k, v in dataclasses.asdict(result).items() if k not in ANSWER_SHARED}}
+            {
+                "prompt": prompt.text,
+                "kind": prompt.kind,
+                **{k: v for k, v in dataclasses.asdict(result).items() if k not in ANSWER_SHARED},
+            }
             for prompt, result in zip(prompts, answers.results)
         ],
     }

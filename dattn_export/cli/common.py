@@ -142,6 +142,51 @@ VIDEO_OPTIONS = [
 ]
 
 
+def prompt_option(required: bool):
+    """--prompt (a question, through the chat template) and --raw-prompt (a finished prompt): one of them, as the
+    prompt (`one_prompt`)."""
+
+    def decorate(command):
+        command = click.option(
+            "--raw-prompt",
+            help="A finished prompt, tokenized as it is (no chat template): mark the media with <image>.",
+        )(command)
+        default = "" if required else " (default: the demo's)"
+        return click.option(
+            "--prompt", help=f"A question, asked through the checkpoint's chat template, the media first{default}."
+        )(command)
+
+    return decorate
+
+
+def one_prompt(question: str | None, raw: str | None, required: bool):
+    """The prompt of `prompt_option`'s options, checked before anything heavy is imported; None: the default."""
+    from ..prompts import Prompt
+
+    if question is not None and raw is not None:
+        raise click.UsageError("--prompt and --raw-prompt exclude each other")
+    if question is None and raw is None and required:
+        raise click.UsageError("give a prompt: --prompt TEXT (a question) or --raw-prompt TEXT")
+    return Prompt(question) if question is not None else Prompt(raw, "raw") if raw is not None else None
+
+
+def given_prompts(
+    questions: tuple[str, ...], queries: tuple[str, ...], raw: tuple[str, ...], prompts_file: Path | None, video
+) -> list:
+    """The prompts as given (--prompt, --query, --raw-prompt, then a --prompts file), checked before anything heavy
+    is imported: a question that holds a media marker (a prompt finished by hand) is refused, naming --raw-prompt."""
+    from ..prompts import QUERY_WITHOUT_VIDEO, Prompt, read_prompts
+
+    prompts = [Prompt(q) for q in questions] + [Prompt(q, "query") for q in queries] + [Prompt(r, "raw") for r in raw]
+    prompts += read_prompts(prompts_file) if prompts_file else []
+    if not prompts:
+        raise click.UsageError("give a prompt: --prompt TEXT (repeatable), --query TEXT, --raw-prompt TEXT or "
+                               "--prompts FILE")  # fmt: skip
+    if video is None and any(prompt.kind == "query" for prompt in prompts):
+        raise InputError("--query", QUERY_WITHOUT_VIDEO)
+    return prompts
+
+
 def device_option(command):
     """--device: where the model or the graphs run (--backend torch or ort)."""
     return click.option(

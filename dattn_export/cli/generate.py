@@ -9,28 +9,42 @@ import click
 from ..extras import require_backend
 from ..folders import BACKENDS, resolve
 from .answers import answers_json, print_answers, print_prompt_result
-from .common import MEDIA_PATH, check_device, device_option, examples, video_options
+from .common import MEDIA_PATH, check_device, device_option, examples, given_prompts, video_options
 
 
 @click.command(
     epilog=examples(
-        "dattn-export generate ./converted --prompt $'USER: <image>\\nWhat is shown?\\nASSISTANT:' --image cat.png",
-        "dattn-export generate ./onnx --backend genai --image cat.png --prompts questions.jsonl --max-new-tokens 64",
+        "dattn-export generate ./converted --image cat.png --prompt 'What is shown?'",
+        "dattn-export generate ./video-model --video clip.mp4 --query 'a man opens the door' --query 'a dog barks'",
     )
 )
 @click.argument("checkpoint", type=click.Path(), metavar="FOLDER")
 @click.option(
     "--prompt",
-    "prompts",
+    "questions",
     multiple=True,
-    help="Text prompt (repeatable: the media is encoded once and every prompt answered from it).",
+    help="A question, asked as the released models were trained: the media's marker first, through the "
+    "checkpoint's chat template (repeatable: the media is encoded once and every prompt answered from it).",
+)
+@click.option(
+    "--query",
+    "queries",
+    multiple=True,
+    help="A retrieval query about --video (repeatable): the family's released task prompt around it, asked as --prompt "
+    "is; the answer's time ranges printed as the released script prints them.",
+)
+@click.option(
+    "--raw-prompt",
+    "raw_prompts",
+    multiple=True,
+    help="A finished prompt, tokenized as it is (no chat template): mark the media's place with <image>.",
 )
 @click.option(
     "--prompts",
     "prompts_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help='A file of prompts, after any --prompt: one a line, or JSON lines (.jsonl: a string or {"prompt": ...} '
-    "a line, for prompts with line breaks).",
+    help='A file of questions, after the options above: one a line, or JSON lines (.jsonl: a string or {"prompt": '
+    '...}; {"query": ...} or {"raw_prompt": ...} for the other kinds).',
 )
 @click.option("--image", "images", multiple=True, type=MEDIA_PATH, help="Image file (repeatable).")
 @video_options
@@ -50,7 +64,9 @@ from .common import MEDIA_PATH, check_device, device_option, examples, video_opt
 @click.option("--json", "as_json", is_flag=True, help="Print the answers, token counts and timings as JSON.")
 def generate(
     checkpoint: str,
-    prompts: tuple[str, ...],
+    questions: tuple[str, ...],
+    queries: tuple[str, ...],
+    raw_prompts: tuple[str, ...],
     prompts_file: Path | None,
     images: tuple[Path, ...],
     video: Path | None,
@@ -64,14 +80,12 @@ def generate(
     """Greedy generation from FOLDER: a checkpoint or converted folder with the PyTorch reference model, or the
     exported graphs with the backend that runs them."""
     check_device(backend, device)
-    if not prompts and prompts_file is None:
-        raise click.UsageError("give a prompt: --prompt TEXT (repeatable) or --prompts FILE")
+    prompts = given_prompts(questions, queries, raw_prompts, prompts_file, video)
     checkpoint = resolve(checkpoint, f"generate --backend {backend}", *BACKENDS[backend], hub=backend == "torch")
     require_backend(backend)
     from ..media import Media
-    from ..stages.generate import read_prompts, run_prompts, run_prompts_graphs
+    from ..stages.generate import run_prompts, run_prompts_graphs
 
-    prompts = [*prompts, *(read_prompts(prompts_file) if prompts_file else [])]
     media = Media(images=list(images), video=video, frames=frames, audio=audio)
     if backend == "torch":
         answers = run_prompts(checkpoint, prompts, media, max_new_tokens, device)

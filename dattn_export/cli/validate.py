@@ -8,13 +8,13 @@ import click
 
 from ..extras import require, require_backend
 from ..folders import BACKENDS, TRAINING_OUTPUT, resolve
-from .common import MEDIA_PATH, check_device, device_option, examples, video_options
+from .common import MEDIA_PATH, check_device, device_option, examples, one_prompt, prompt_option, video_options
 
 
 @click.command(
     epilog=examples(
         "dattn-export validate ./onnx",
-        "dattn-export validate ./engines --backend trt --image cat.png --prompt $'USER: <image>\\nWhat is it?'",
+        "dattn-export validate ./engines --backend trt --image cat.png --prompt 'What is it?'",
     )
 )
 @click.argument("folder", type=click.Path(), metavar="FOLDER")
@@ -50,7 +50,7 @@ from .common import MEDIA_PATH, check_device, device_option, examples, video_opt
     show_default=True,
     help="Relative tolerance on the logits: each passes within atol + rtol * |reference| (numpy's allclose).",
 )
-@click.option("--prompt", default=None, help="Prompt (default: the demo's).")
+@prompt_option(required=False)
 @click.option("--image", type=MEDIA_PATH, help="Image (default: the demo's picture).")
 @video_options
 @click.option(
@@ -80,6 +80,7 @@ def validate(
     atol: float | None,
     rtol: float,
     prompt: str | None,
+    raw_prompt: str | None,
     image,
     video,
     frames,
@@ -93,6 +94,7 @@ def validate(
     with the PyTorch reference; exit 1 beyond tolerance. A video model takes --video, --frames or --audio (default:
     the demo video's frames and sound)."""
     check_device(backend, device)
+    prompt = one_prompt(prompt, raw_prompt, required=False)
     if weights_only and no_weight_check:
         raise click.UsageError("--weights-only and --no-weight-check exclude each other")
     if backend == "torch" and (against or save_polygraphy or weights_only or atol is not None):

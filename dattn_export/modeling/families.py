@@ -38,6 +38,13 @@ class Family:
     released_range_pattern: str | None = None
     released_seconds_format: str = "{:02d}"
     released_extra_fields: dict = field(default_factory=dict)  # keys its saved config.json has beside ours
+    # the task its released model was trained on, as its inference script asks it: the user's query (a trailing
+    # period cut) in this text, with the video's length in seconds where it has {length}; None: no released task
+    released_task: str | None = None
+    # the family's chat format (a Jinja chat template over one or more turns, the media's marker first) and the
+    # special tokens its turns are written with
+    chat_template: str = ""
+    chat_tokens: tuple[str, ...] = ()
     tiny: dict = field(default_factory=dict)  # a tiny text model (presets.py) that exercises the family's features
 
     @property
@@ -54,12 +61,75 @@ class Family:
     def model_class_name(self) -> str:
         return f"DAttn{self.prefix}ForCausalLM"
 
+    def task_prompt(self, query: str, length: float) -> str:
+        """The released inference script's question for a retrieval query about a video `length` seconds long."""
+        if self.released_task is None:
+            raise ValueError(f"the {self.name} family has no released task")
+        return self.released_task.format(query=query[:-1] if query.endswith(".") else query, length=length)
+
     def projection_has_bias(self, projection: str, attention_bias: bool) -> bool:
         """Whether `projection` (q_proj, k_proj, v_proj, o_proj) has a bias, given the config's attention_bias."""
         if self.biased_projections is None:
             return attention_bias
         return projection in self.biased_projections
 
+
+# A message's content as text: a string as it is; a list of parts (transformers' and OpenAI's form) as the released
+# scripts write a question: the media's one marker and a newline first (a picture, or a video with its sound), then
+# the text parts, each on a line of its own.
+CONTENT_TEXT = (
+    "{%- macro content_text(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}"
+    "{%- if content | selectattr('type', 'in', ['image', 'image_url', 'video', 'video_url']) | list -%}"
+    "<image>{{ '\\n' }}"
+    "{%- endif -%}"
+    "{{ content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('\\n') }}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+)
+
+# Mistral v0.3's instruction turns (Vidi_7B): "[INST] question[/INST]", " answer</s>"; a system message before the
+# last question, as Mistral's own template places it
+MISTRAL_CHAT = CONTENT_TEXT + (
+    "{{- bos_token -}}"
+    "{%- set system = messages | selectattr('role', 'equalto', 'system') | map(attribute='content') | list -%}"
+    "{%- set turns = messages | rejectattr('role', 'equalto', 'system') | list -%}"
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for message in turns -%}{%- if message['role'] == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in turns -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{- '[INST] ' -}}"
+    "{%- if system and loop.index0 == ns.last -%}{{- content_text(system[0]) + '\\n\\n' -}}{%- endif -%}"
+    "{{- content_text(message['content']) + '[/INST]' -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- ' ' + content_text(message['content']) | trim + eos_token -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+# Gemma 2's turns (Vidi1.5_9B): "<start_of_turn>user\n...<end_of_turn>\n", the model's turn opened to answer
+GEMMA2_CHAT = CONTENT_TEXT + (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{- raise_exception('Gemma 2 has no system role') -}}{%- endif -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{- raise_exception('the turns must alternate: user, assistant, user, ...') -}}"
+    "{%- endif -%}"
+    "{%- set role = 'user' if message['role'] == 'user' else 'model' -%}"
+    "{{- '<start_of_turn>' + role + '\\n' + content_text(message['content']) | trim + '<end_of_turn>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+)
+
+# ChatML (Qwen2's instruct models)
+CHATML_CHAT = CONTENT_TEXT + (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content_text(message['content']) + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 DEFAULT_FAMILY = "mistral"  # the demo's and the presets'
 
@@ -87,6 +157,12 @@ FAMILIES = {
             released_scales_streams=False,
             released_range_pattern=r"([\d|\.]+)-([\d|\.]+)",  # Vidi_7B/inference.py
             released_seconds_format="{:.2f}",
+            released_task=(  # Vidi_7B/inference.py
+                "Given the frames from a video, answer the time range in percentage that corresponds to query text "
+                "split by comma. Video length is: {length:.2f} and text query is: {query}."
+            ),
+            chat_template=MISTRAL_CHAT,
+            chat_tokens=("[INST]", "[/INST]"),
             # heads of 32: vLLM's CPU attention has kernels from 32 up, so the demo serves on CPU too
             tiny=dict(TINY_SIZES, num_key_value_heads=2, head_dim=32, sliding_window=None),
         ),
@@ -107,6 +183,9 @@ FAMILIES = {
             released_range_pattern=r"(\d\.\d+)-(\d\.\d+)",  # Vidi1.5_9B/vidi/eval/inference.py
             released_seconds_format="{:02d}",
             released_extra_fields={"cache_implementation": "hybrid"},
+            released_task="During which time segments in the video can we see {query}?",  # Vidi1.5_9B eval/inference.py
+            chat_template=GEMMA2_CHAT,
+            chat_tokens=("<start_of_turn>", "<end_of_turn>"),
             tiny=dict(
                 TINY_SIZES,
                 num_key_value_heads=1,
@@ -129,6 +208,8 @@ FAMILIES = {
             window_per_layer=True,
             genai_type="qwen2",
             biased_projections=("q_proj", "k_proj", "v_proj"),
+            chat_template=CHATML_CHAT,
+            chat_tokens=("<|im_start|>", "<|im_end|>"),
             tiny=dict(
                 TINY_SIZES,
                 num_attention_heads=2,

@@ -28,7 +28,8 @@ from ..media import Media, decode_media, encode_media
 from ..modeling.attention import dattn_op, segment_shares
 from ..modeling.streams import AUDIO
 from ..plugins.contract import using_op
-from ..processing import load_tokenizer, media_marker, prompt_ids
+from ..processing import load_tokenizer
+from ..prompts import Prompt, as_prompt, media_marker, prompt_ids
 
 PLOT_SIZE = {"visual_mass.png": (1200, 600), "laws.png": (900, 500)}  # pixels, at 100 dpi
 
@@ -73,19 +74,21 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float | None:
 
 
 @torch.no_grad()
-def analyze(checkpoint: Path, media: Media, prompt: str, out: Path, force: bool = False) -> AttentionReport:
+def analyze(checkpoint: Path, media: Media, prompt: str | Prompt, out: Path, force: bool = False) -> AttentionReport:
     source = open_source(checkpoint)
     check_output(out, force, source.inputs())
+    prompt = as_prompt(prompt)
     media.check(source.config, prompt)
     if not (media.images or media.video or media.frames):
         raise InputError("--image", "nothing to analyze: pass an image (a video model: --video or --frames)")
     decoded = decode_media(media, checkpoint, source.config, [prompt])
+    tokenizer = load_tokenizer(checkpoint, source.config)
+    text = prompt.text_for(tokenizer, source.config.family, media=True, length=decoded.duration)
     model = build_model(source)
-    tokenizer = load_tokenizer(checkpoint, model.config)
-    marker = media_marker(prompt)
-    before_text = prompt.partition(marker)[0] if marker else ""
+    marker = media_marker(text)
+    before_text = text.partition(marker)[0] if marker else ""
     image_after = len(tokenizer(before_text)["input_ids"])  # with no marker, only the BOS token comes before it
-    ids = prompt_ids(tokenizer, prompt)
+    ids = prompt_ids(tokenizer, text)
     if len(ids) == image_after:
         raise InputError("--prompt", "has no text after the image: nothing attends to it")
     streams = encode_media(model, checkpoint, decoded, {})

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..artifacts import atomic_dir
-from ..demo_model import DEMO_PROMPT, DEMO_VIDEO_PROMPT, write_demo_checkpoint
+from ..demo_model import DEMO_QUESTIONS, write_demo_checkpoint
 from ..folders import check_demo_folder
 from ..media import Media
 from ..modeling.families import DEFAULT_FAMILY
+from ..prompts import Prompt
 from ..ui import stage
 from .convert import convert
 from .generate import PromptResult, run_prompt
@@ -48,7 +49,7 @@ def run_demo(
         with atomic_dir(checkpoint, overwrite=True) as tmp:
             write_demo_checkpoint(tmp, family, video=video)
     media = Media(video=checkpoint / "demo.mov") if video else Media(images=[checkpoint / "demo.png"])
-    prompt = DEMO_VIDEO_PROMPT if video else DEMO_PROMPT
+    prompt = Prompt(DEMO_QUESTIONS["video" if video else "image"])
     result = run_prompt(checkpoint, prompt, media, max_new_tokens)
     with stage("convert to safetensors + manifest, verify against the source", seconds):
         convert(checkpoint, converted, force=True)

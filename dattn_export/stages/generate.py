@@ -3,7 +3,6 @@ greedy decoding."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from ..checkpoints.source import build_model, folder_config, open_source, parame
 from ..errors import InputError
 from ..media import Media, context_tokens, decode_media, encode_media, graph_context
 from ..plugins.torch_op import model_op
-from ..processing import load_tokenizer, prompt_ids
+from ..processing import load_tokenizer
+from ..prompts import Prompt, as_prompt, prompt_ids, prompt_texts
 from ..runtime.static_decode import static_generate
 from ..sidefiles import read_json
 from ..ui import stage
@@ -81,17 +81,19 @@ def answer_label(number: int, prompts: int, what: str) -> str:
 
 
 def run_prompts_graphs(
-    folder: Path, prompts: list[str], media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
+    folder: Path, prompts: list[str | Prompt], media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
 ) -> Answers:
     """Prompts through exported graphs: the context by our graphs (once, for every prompt), each prompt's greedy
     decoding by our decoder graph on ONNX Runtime (ort, on `device`) or TensorRT (trt), or by onnxruntime-genai."""
     seconds: dict[str, float] = {}
     folder = Path(folder)
     config = folder_config(folder)
+    prompts = [as_prompt(prompt) for prompt in prompts]
     for prompt in prompts:
         media.check(config, prompt)
     decoded = decode_media(media, folder, config, prompts)
     tokenizer, eos = load_tokenizer(folder, config), eos_token_id(folder, config)
+    texts = prompt_texts(prompts, tokenizer, config.family, media.given, decoded.duration)
     name = GRAPH_RUNTIMES[backend]
     with stage(f"load the graphs ({name})", seconds):
         runtime, graphs = open_runtime(folder, backend, device)
@@ -100,9 +102,9 @@ def run_prompts_graphs(
     caches, mask = context
     visual_tokens, audio_tokens = context_tokens(config, mask)
     results = []
-    for number, prompt in enumerate(prompts, 1):
+    for number, text in enumerate(texts, 1):
         answer: dict[str, float] = {}
-        ids = np.array([prompt_ids(tokenizer, prompt)])
+        ids = np.array([prompt_ids(tokenizer, text)])
         with stage(answer_label(number, len(prompts), f"generate up to {max_new_tokens} tokens with {name}"), answer):
             if backend == "genai":
                 generated, _ = runtime.generate(ids, context, max_new_tokens)
@@ -126,7 +128,7 @@ def run_prompts_graphs(
 
 
 def run_prompt_graphs(
-    folder: Path, prompt: str, media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
+    folder: Path, prompt: str | Prompt, media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
 ) -> PromptResult:
     return run_prompts_graphs(folder, [prompt], media, max_new_tokens, backend, device).one()
 
@@ -138,16 +140,20 @@ def gpu_dtype(source) -> torch.dtype:
 
 
 @torch.no_grad()
-def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: int, device: str = "cpu") -> Answers:
+def run_prompts(
+    folder: Path, prompts: list[str | Prompt], media: Media, max_new_tokens: int, device: str = "cpu"
+) -> Answers:
     """Prompts through the reference model: the media encoded once (the context's K/V for every layer), each prompt
     answered from it by greedy decoding. On a GPU (`device` "cuda"): the model in 16 bits with the Triton kernel as
     its attention, decoding from a static cache replayed from a CUDA graph (runtime/static_decode.py)."""
     seconds: dict[str, float] = {}
     source = open_source(folder)
+    prompts = [as_prompt(prompt) for prompt in prompts]
     for prompt in prompts:
         media.check(source.config, prompt)
     decoded = decode_media(media, folder, source.config, prompts)
     tokenizer, eos = load_tokenizer(folder, source.config), eos_token_id(folder, source.config)
+    texts = prompt_texts(prompts, tokenizer, source.config.family, media.given, decoded.duration)
     dtype = gpu_dtype(source) if device == "cuda" else torch.float32
     with stage(
         "load checkpoint" if device == "cpu" else f"load checkpoint onto the GPU ({dtype_name(dtype)})", seconds
@@ -158,9 +164,9 @@ def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: 
     segments = streams.get("context_mask", torch.zeros(1, 0, dtype=torch.long))
     visual_tokens, audio_tokens = context_tokens(model.config, segments)
     results = []
-    for number, prompt in enumerate(prompts, 1):
+    for number, text in enumerate(texts, 1):
         answer: dict[str, float] = {}
-        ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=device)
+        ids = torch.tensor([prompt_ids(tokenizer, text)], device=device)
         with stage(answer_label(number, len(prompts), f"generate up to {max_new_tokens} tokens (greedy)"), answer):
             if device == "cuda":
                 decoded_ids = static_generate(model, ids, max_new_tokens, eos_token_id=eos, op=model_op,
@@ -185,28 +191,7 @@ def run_prompts(folder: Path, prompts: list[str], media: Media, max_new_tokens: 
     return Answers(results, seconds)
 
 
-def run_prompt(folder: Path, prompt: str, media: Media, max_new_tokens: int, device: str = "cpu") -> PromptResult:
+def run_prompt(
+    folder: Path, prompt: str | Prompt, media: Media, max_new_tokens: int, device: str = "cpu"
+) -> PromptResult:
     return run_prompts(folder, [prompt], media, max_new_tokens, device).one()
-
-
-def read_prompts(path: Path) -> list[str]:
-    """A prompts file: JSON lines (`.jsonl`: each a string or an object with "prompt", so a prompt may hold line
-    breaks), else one prompt a line; blank lines skipped."""
-    prompts = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        if Path(path).suffix != ".jsonl":
-            prompts.append(line)
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(path, f"line {number} is not JSON ({e.msg})") from None
-        prompt = item.get("prompt") if isinstance(item, dict) else item
-        if not isinstance(prompt, str):
-            raise InputError(path, f'line {number} is neither a string nor an object with a "prompt" string')
-        prompts.append(prompt)
-    if not prompts:
-        raise InputError(path, "holds no prompt")
-    return prompts

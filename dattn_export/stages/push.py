@@ -42,14 +42,24 @@ class UploadFile:
     rewritten: bool = False  # the folder's file, published without this machine's paths
 
 
-def usage_snippet(repo_id: str, prompt: str, modality: str = "image") -> str:
-    """How the model card shows the model used on what it takes (`modality`: image | video), on `prompt` in the
-    released form (`<image>` before the question)."""
-    before, _, after = prompt.partition("<image>")
-    return USAGE_SNIPPETS[modality](repo_id, before, after)
+def usage_snippet(repo_id: str, question: str, modality: str = "image") -> str:
+    """How the model card shows the model used on what it takes (`modality`: image | video), asked `question` as the
+    released scripts ask."""
+    return USAGE_SNIPPETS[modality](repo_id, question)
 
 
-def video_usage_snippet(repo_id: str, before: str, after: str) -> str:
+def prompt_lines(question: str) -> str:
+    """A snippet's lines that make the prompt's ids as `prompts.py` makes them: the released scripts' way."""
+    content = "<image>\n" + question
+    return f"""    # asked as the released scripts ask: the media's marker first, the chat template, its BOS removed;
+    # then the marker cut out and the text on its sides tokenized apart
+    messages = [{{"role": "user", "content": {content!r}}}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    before, after = text.replace(tokenizer.bos_token, "").split("<image>")
+    ids = tokenizer(before)["input_ids"] + tokenizer(after, add_special_tokens=False)["input_ids"]"""
+
+
+def video_usage_snippet(repo_id: str, question: str) -> str:
     """A video model: frames (one a second), prepared as the released code prepares them (the model's
     `encode_frames`), and 16 kHz audio in Whisper's 30 s chunks; only torch, transformers and PIL."""
     return f'''```python
@@ -75,8 +85,7 @@ with torch.no_grad():
     visual = model.model.encode_frames(frames, processor)  # prepared as the released code does
     audio = model.model.encode_audio([mels], [sum(len(c) // mel.hop_length for c in chunks)])
     context, segments = model.model.join_contexts(visual, audio)  # one context: each key's stream in `segments`
-    # the released prompt form: the media's marker, "<image>", cut out and the text on its sides tokenized apart
-    ids = tokenizer({before!r})["input_ids"] + tokenizer({after!r}, add_special_tokens=False)["input_ids"]
+{prompt_lines(question)}
     tokens = model.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=32,
         context_key_values=context, context_mask=segments,
@@ -85,7 +94,7 @@ print(tokenizer.decode(tokens[0], skip_special_tokens=True))
 ```'''
 
 
-def image_usage_snippet(repo_id: str, before: str, after: str) -> str:
+def image_usage_snippet(repo_id: str, question: str) -> str:
     """An image model: the picture prepared as the released code prepares it (the model's `encode_pictures`, by
     config.json's mm_image_aspect_ratio), its K/V computed once and reusable for any prompt."""
     return f'''```python
@@ -101,8 +110,7 @@ processor = AutoImageProcessor.from_pretrained(repo)
 image = Image.open("image.png").convert("RGB")
 with torch.no_grad():
     visual, context_mask = model.model.encode_pictures([image], processor)  # prepared as the released code does
-    # the released prompt form: the media's marker, "<image>", cut out and the text on its sides tokenized apart
-    ids = tokenizer({before!r})["input_ids"] + tokenizer({after!r}, add_special_tokens=False)["input_ids"]
+{prompt_lines(question)}
     tokens = model.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=32,
         context_key_values=visual, context_mask=context_mask,
@@ -124,7 +132,7 @@ def model_card(
 ) -> str:
     from huggingface_hub import ModelCard, ModelCardData
 
-    from ..demo_model import DEMO_PROMPTS
+    from ..demo_model import DEMO_QUESTIONS
 
     config = folder_config(folder)
     manifest = ConvertManifest.read(folder)
@@ -213,7 +221,7 @@ def model_card(
         "",
         "The model code ships in this repository (`modeling_dattn.py`); nothing else is downloaded.",
         "",
-        usage_snippet(repo_id, DEMO_PROMPTS[config.modality], config.modality),
+        usage_snippet(repo_id, DEMO_QUESTIONS[config.modality], config.modality),
         "",
     ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))

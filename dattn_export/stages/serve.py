@@ -16,22 +16,13 @@ from ..extras import require
 from ..folders import CONVERTED, check_kind
 from ..processing import frame_square, load_audio_processor
 from ..sidefiles import read_json
+from ..ui import err
 from ..vllm_plugin import DEFAULT_CONTEXT_CACHE_GIB, MEDIA_CONNECTOR, VIDEO_BACKEND, unsupported
 from ..vllm_plugin.video import encoder_token_budget, max_video_frames
 
-# The prompt as our reference reads it (BOS, then the text) for tokenizers without a chat template: the messages'
-# text, one after another; the image or video is the encoder's input, never a token in the text. A chat request
-# without one is refused (a completion request without one is answered text-only, as the reference answers it).
-PLAIN_CHAT_TEMPLATE = (
-    "{% set ns = namespace(images=0) %}{{ bos_token }}{% for message in messages %}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ('image', 'image_url', 'video', 'video_url') %}{% set ns.images = ns.images + 1 %}"
-    "{% endif %}"
-    "{% endfor %}{% endif %}{% endfor %}"
-    "{% if ns.images == 0 %}{{ raise_exception('a D-Attn model answers about an image or a video: the request has "
-    "none') }}"
-    "{% endif %}"
+NO_CHAT_TEMPLATE = (
+    "note: {folder} has no chat template: vLLM answers completion requests (a finished prompt, <image> where the "
+    "media goes) and refuses chat requests; pass the model's with --chat-template FILE"
 )
 
 
@@ -132,7 +123,7 @@ def vllm_serve_command(
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     command += ["--tensor-parallel-size", str(tensor_parallel_size), "--host", host, "--port", str(port)]
     if not has_chat_template(folder) and "--chat-template" not in extra:
-        command += ["--chat-template", PLAIN_CHAT_TEMPLATE]
+        err.print(NO_CHAT_TEMPLATE.format(folder=folder), markup=False)
     if context_cache_gib is not None:
         if option_value(extra, "--hf-overrides") is not None:
             raise InputError("--hf-overrides", 'given with --context-cache-gib: put "context_cache_gib" in it instead')

@@ -21,12 +21,13 @@ from PIL import Image
 from ..artifacts import VALIDATION_REPORT, OnnxManifest, TrtManifest, from_json
 from ..checkpoints.source import load_model
 from ..decoding.files import open_image
-from ..demo_model import DEMO_PROMPTS, DEMO_VIDEO_FPS, demo_audio, demo_frames, demo_image
+from ..demo_model import DEMO_VIDEO_FPS, demo_audio, demo_frames, demo_image, demo_prompt
 from ..errors import InputError
 from ..graphs import layer_caches
 from ..media import DecodedMedia, Media, context_tokens, decode_media, encode_media, graph_context
 from ..modeling.images import anyres_tiles, prepare_pictures
-from ..processing import load_image_processor, load_tokenizer, prompt_ids
+from ..processing import load_image_processor, load_tokenizer
+from ..prompts import Prompt, as_prompt, prompt_ids
 from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
 from ..sidefiles import read_json, reading
@@ -133,7 +134,7 @@ def validate(
     against: Path | None = None,
     backend: str = "ort",
     steps: int = 20,
-    prompt: str | None = None,
+    prompt: str | Prompt | None = None,
     media: Media | None = None,
     threads: int | None = None,
     save_polygraphy: Path | None = None,
@@ -170,9 +171,10 @@ def validate(
     config = reference.config
     media = media or Media()
     media.check(config)
-    prompt = prompt or DEMO_PROMPTS[config.modality]
     tokenizer = load_tokenizer(folder if (folder / "tokenizer_config.json").is_file() else against, config)
-    ids = torch.tensor([prompt_ids(tokenizer, prompt)])
+    prompt = as_prompt(prompt) if prompt else demo_prompt(config.modality, tokenizer)
+    text = prompt.text_for(tokenizer, config.family, media=True)  # the default media when none is given
+    ids = torch.tensor([prompt_ids(tokenizer, text)])
     mask = torch.ones_like(ids)
     inputs = {"input_ids": ids, "attention_mask": mask}
     dtype = manifest.dtype
@@ -187,7 +189,7 @@ def validate(
     if manifest.quantization:
         report.weights = weights
         result = accuracy_gate(
-            runtime, reference, tokenizer, manifest.quantization.scheme, prompt, steps, got_kv, got_mask
+            runtime, reference, tokenizer, manifest.quantization.scheme, text, steps, got_kv, got_mask
         )
         report.gate = result
     report.reference_tokens = expected_tokens.tolist()

@@ -16,10 +16,11 @@ import torch
 
 from ..artifacts import dtype_name
 from ..checkpoints.source import build_model, open_source
-from ..demo_model import DEMO_PROMPTS
+from ..demo_model import demo_prompt
 from ..media import Media, context_tokens, decode_media, encode_media
 from ..plugins.torch_op import model_op
-from ..processing import load_tokenizer, prompt_ids
+from ..processing import load_tokenizer
+from ..prompts import Prompt, as_prompt, prompt_ids
 from ..runtime.static_decode import static_generate
 from .generate import gpu_dtype
 from .validate import Comparison, ValidationReport, default_media
@@ -30,19 +31,21 @@ SCALE_TOLERANCES = {"bfloat16": 0.05, "float16": 0.02}
 
 
 @torch.no_grad()
-def validate_model(folder: Path, device: str = "cpu", steps: int = 20, prompt: str | None = None,
+def validate_model(folder: Path, device: str = "cpu", steps: int = 20, prompt: str | Prompt | None = None,
                    media: Media | None = None) -> ValidationReport:  # fmt: skip
     folder = Path(folder)
     source = open_source(folder)
     config = source.config
     media = media or Media()
-    media.check(config, prompt or "")  # the demo's prompt names the default media, which is not given
-    prompt = prompt or DEMO_PROMPTS[config.modality]
-    decoded = decode_media(media, folder, config, [prompt]) if media.given else default_media(folder, config)
+    prompt = as_prompt(prompt) if prompt else None
+    media.check(config, prompt)  # the demo's prompt is about the default media, which is not given
     tokenizer = load_tokenizer(folder, config)
+    prompt = prompt or demo_prompt(config.modality, tokenizer)
+    decoded = decode_media(media, folder, config, [prompt]) if media.given else default_media(folder, config)
+    text = prompt.text_for(tokenizer, config.family, media=True, length=decoded.duration)
     dtype = gpu_dtype(source)
     reference = build_model(source, torch.float32, device=device)
-    ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=device)
+    ids = torch.tensor([prompt_ids(tokenizer, text)], device=device)
     streams = encode_media(reference, folder, decoded, {})
     expected_tokens = reference.generate(ids, max_new_tokens=steps, **streams)[0].tolist()
     expected = [reference(ids, **streams).logits[:, -1].float()]

@@ -111,6 +111,32 @@ def check_model(out: Path, progress=quiet) -> Check:
     return Check("model loads and runs", True, f"logits {list(logits.shape)} finite")
 
 
+def check_chat_template(out: Path, source=None) -> Check:
+    """The folder asks as its source was trained to be asked: its chat template renders a question about a picture
+    (the media's marker in its turn), and is its source's where the source has a tokenizer."""
+    from ..checkpoints.source import folder_config
+    from ..processing import TOKENIZER_FILES, load_tokenizer
+    from ..prompts import MEDIA_MARKERS, chat_text
+
+    name = "chat template"
+    tokenizer = load_tokenizer(out, folder_config(out))
+    template = tokenizer.chat_template
+    if not template:
+        return Check(name, True, "none: generate asks with --raw-prompt (or add the model's as chat_template.jinja)")
+    try:
+        asked = chat_text(tokenizer, f"{MEDIA_MARKERS[0]}\nWhat is in the picture?")
+    except Exception as e:  # noqa: BLE001  (a template that does not render is this check's finding)
+        return Check(name, False, f"does not render a question: {type(e).__name__}")
+    if MEDIA_MARKERS[0] not in asked:
+        return Check(name, False, "drops the media's marker from a question")
+    folder = None if source is None else source.reader.config_dir  # where its tokenizer files are, if anywhere
+    if folder is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
+        if load_tokenizer(folder, source.config).chat_template != template:
+            return Check(name, False, "differs from the source's")
+        return Check(name, True, "the source's; renders a question with its media")
+    return Check(name, True, "renders a question with its media")
+
+
 def verify(
     out: Path, against: Path | None = None, base: Path | None = None, vision_heads: int | None = None, progress=quiet
 ) -> list[Check]:
@@ -125,4 +151,5 @@ def verify(
         check_files(out, manifest, progress),
         check_tensors(out, manifest, source, progress),
         check_model(out, progress),
+        check_chat_template(out, source),
     ]

@@ -43,6 +43,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from ..modeling.context import ContextStreams
 from ..modeling.streams import AUDIO
 from ..processing import load_image_processor, normalize_pixels
+from ..prompts import MEDIA_MARKERS
 from . import unsupported
 from .context_cache import ContextBatch, ContextCache, context_cache_bytes, digest_keys
 from .inputs import PictureInputs, VideoInputs
@@ -163,7 +164,9 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
-        return None  # the image is not in the text: it is the encoder's input
+        """The released marker, which a chat request's text then starts with (`<image>` and a newline, for a picture
+        or a video, as the released scripts ask); the processor cuts it out (the media is the encoder's input)."""
+        return MEDIA_MARKERS[0]
 
     def embed_multimodal(self, **inputs) -> list[torch.Tensor]:
         """Each request's context, (tokens, hidden + 1): the tokens the cross-attention caches are built from, and

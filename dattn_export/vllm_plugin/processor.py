@@ -25,15 +25,8 @@ from vllm.multimodal.processing import (
 )
 
 from ..modeling.streams import AUDIO
-from ..processing import (
-    audio_features,
-    load_audio_processor,
-    load_image_processor,
-    media_marker,
-    picture_bytes,
-    prompt_ids,
-    tiles_bytes,
-)
+from ..processing import audio_features, load_audio_processor, load_image_processor, picture_bytes, tiles_bytes
+from ..prompts import media_marker, prompt_ids
 from . import VIDEO_BACKEND
 from .context_cache import ByteBoundCache, context_cache_bytes, media_digest, named_digest
 from .inputs import VIDEO_FIELDS, picture_parts, video_field_parts

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from dattn_export.checkpoints.released import released_config, released_fields
 from dattn_export.checkpoints.source import config_from_dict, saved_state_dict
-from dattn_export.demo_model import build_tokenizer, write_demo_checkpoint
+from dattn_export.demo_model import build_tokenizer, save_tokenizer, write_demo_checkpoint
 from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
 from dattn_export.presets import randomize_weights, tiny_config
 
@@ -66,7 +66,7 @@ def write_hf(folder, model, tensors, fmt="safetensors", shards=2):
     """fmt: safetensors, bin (torch.save zip), or legacy-bin (the pre-1.6 non-zip torch format)."""
     folder.mkdir(parents=True)
     model.config.save_pretrained(folder)
-    build_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    save_tokenizer(build_tokenizer(model.config.vocab_size, model.config.family.name), folder)
     names = list(tensors)
     parts = [names[i::shards] for i in range(shards)]
     stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")

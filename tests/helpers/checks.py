@@ -53,3 +53,21 @@ def context_segments(batch: int, lengths: list[int], generator: torch.Generator 
     if generator is not None:
         ids = ids[:, torch.randperm(ids.shape[1], generator=generator)]
     return ids
+
+
+# The released scripts' prompt around the media's marker for a question (their preprocess_chat over the family's chat
+# template, the BOS text removed), written out: the text before the marker and after it
+RELEASED_TURNS = {
+    "mistral": ("[INST] ", "\n{question}[/INST]"),
+    "gemma2": ("<start_of_turn>user\n", "\n{question}<end_of_turn>\n<start_of_turn>model\n"),
+}
+
+
+def released_question_ids(tokenizer, family: str, question: str) -> list[int]:
+    """The ids the released scripts ask `question` about a picture or a video with (tokenizer_image_token: each side
+    of the marker tokenized apart, the later side without its BOS)."""
+    before, after = RELEASED_TURNS[family]
+    return (
+        tokenizer(before)["input_ids"]
+        + tokenizer(after.format(question=question), add_special_tokens=False)["input_ids"]
+    )
