@@ -758,7 +758,7 @@ CASES = {
                 ws.folder("checkpoint"),
                 "--image",
                 ws.folder("checkpoint") / "demo.png",
-                "--prompt",
+                "--raw-prompt",
                 "hi <image>",
                 "-o",
                 ws.out,

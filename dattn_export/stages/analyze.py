@@ -29,7 +29,7 @@ from ..modeling.attention import dattn_op, segment_shares
 from ..modeling.streams import AUDIO
 from ..plugins.contract import using_op
 from ..processing import load_tokenizer
-from ..prompts import Prompt, as_prompt, media_marker, prompt_ids
+from ..prompts import PROMPT_KINDS, Prompt, as_prompt, media_marker, prompt_ids
 
 PLOT_SIZE = {"visual_mass.png": (1200, 600), "laws.png": (900, 500)}  # pixels, at 100 dpi
 
@@ -90,7 +90,7 @@ def analyze(checkpoint: Path, media: Media, prompt: str | Prompt, out: Path, for
     image_after = len(tokenizer(before_text)["input_ids"])  # with no marker, only the BOS token comes before it
     ids = prompt_ids(tokenizer, text)
     if len(ids) == image_after:
-        raise InputError("--prompt", "has no text after the image: nothing attends to it")
+        raise InputError(PROMPT_KINDS[prompt.kind], "has no text after the image: nothing attends to it")
     streams = encode_media(model, checkpoint, decoded, {})
     heard = "context_mask" in streams and bool((streams["context_mask"] == AUDIO.segment).any())
     calls = []  # every attention call's inputs, layer by layer
