@@ -763,7 +763,7 @@ CASES = {
                 "-o",
                 ws.out,
             ],
-            "--prompt",
+            "--raw-prompt",
         ),
         2,
         "has no text after the image",
