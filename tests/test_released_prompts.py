@@ -41,6 +41,26 @@ def test_prompts_are_the_released_scripts(family):
         assert prompt_ids(tokenizer, text) == released_ids(case)
 
 
+def test_the_chat_template_asks_the_retrieval_task_as_the_released_scripts(family):
+    """The family's chat template with `task="retrieval"` (and the video's length, where the task states it) puts a
+    user's query in the released task prompt: what a plain chat client asks a served model with (vLLM's
+    `chat_template_kwargs`), the released script's text for every case of the oracle's."""
+    record = oracle(family)
+    tokenizer = load_tokenizer(FIXTURES / family, None)
+    for case in record["cases"]:
+        if case["kind"] != "query":
+            continue
+        for content in (f"<image>\n{case['text']}", [{"type": "video"}, {"type": "text", "text": case["text"]}]):
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True,
+                task="retrieval", video_length=record["length"],
+            )  # fmt: skip
+            assert text.replace(tokenizer.bos_token, "") == case["prompt"]
+    if family == "mistral":  # its task prompt states the video's length
+        with pytest.raises(Exception, match="pass video_length"):
+            tokenizer.apply_chat_template([{"role": "user", "content": "a dog"}], tokenize=False, task="retrieval")
+
+
 def video_checkpoint(tmp_path: Path, family: str) -> Path:
     """The demo video model with the oracle's tokenizer files (the demo writes the same ones: held here too)."""
     folder = write_demo_checkpoint(tmp_path / "video", family, video=True)

@@ -29,6 +29,7 @@ from helpers.real_checkpoints import free_port
 from helpers.released_images import process_images, with_output_size
 from helpers.vllm_requests import (
     ASKED_AGAIN,
+    CHAT_QUESTION,
     LONG_VIDEO_REQUEST,
     NAMED,
     NAMED_AS,
@@ -41,6 +42,7 @@ from helpers.vllm_requests import (
 from PIL import Image
 
 from dattn_export.checkpoints.source import folder_config, load_model
+from dattn_export.decoding.files import media_duration
 from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.media import DecodedMedia, Media, decode_media, encode_media
 from dattn_export.modeling.streams import TILES
@@ -161,11 +163,17 @@ def assert_equal_reference(folder: Path, requests: list, answers: list[dict]) ->
 def test_vllm_equals_reference(served, tmp_path, model, tensor_parallel):
     """Five requests with their own images (one given as token ids without BOS) and a text-only one, at most three
     in flight: every greedy token and its log-probability as our reference gives them (a text-only request, as
-    the reference's: no visual keys). Each family at TP=1 and at TP=2. CLIP, pictures
-    padded to squares: vLLM's pixels are the released path's for that rule too. Qwen2, whose reference equals
-    transformers' Qwen2 (test_families.py), at TP=2."""
+    the reference's: no visual keys); a question asked through `LLM.chat`, with generate's ids and answer. Each
+    family at TP=1 and at TP=2. CLIP, pictures padded to squares: vLLM's pixels are the released path's for that rule
+    too. Qwen2, whose reference equals transformers' Qwen2 (test_families.py), at TP=2."""
     folder = served[model]
-    assert_equal_reference(folder, REQUESTS, vllm_requests(folder, tensor_parallel, tmp_path / "vllm.json"))
+    *answers, asked = vllm_requests(folder, tensor_parallel, tmp_path / "vllm.json")
+    assert_equal_reference(folder, REQUESTS, answers)
+    # offline chat (`LLM.chat`) asks with `generate --prompt`'s ids: the folder's chat template, the marker first
+    question, seed, steps = CHAT_QUESTION
+    ids = question_ids(folder, question, media=True)
+    assert asked["chat"]["prompt_ids"] == ids
+    assert asked["chat"]["tokens"] == reference(folder, ids, request_decoded(folder, seed), steps)[0]
     # the media decide the numbers: another picture or video moves the first log-probability far beyond the tolerance
     text, seed, _ = REQUESTS[0]
     same, other = (reference(folder, text, request_decoded(folder, s), 1)[1][0] for s in (seed, seed + 7))
@@ -415,10 +423,12 @@ def serving(folder: Path, log: Path, *options: str):
         command = list(itertools.dropwhile(lambda word: re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", word), printed[1:]))
         assert command == Path(f"/proc/{server.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
 
-        def chat(text: str, media: dict | None):
+        def chat(text: str, media: dict | None, **template):
+            """`template`: the chat template's keywords (vLLM's chat_template_kwargs)."""
             content = [{"type": "text", "text": text}] + ([] if media is None else [media])
             request = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0)
-            reply = client.chat.completions.create(**request, logprobs=True, extra_body=AS_IDS | PROMPT_IDS)
+            options = AS_IDS | PROMPT_IDS | ({"chat_template_kwargs": template} if template else {})
+            reply = client.chat.completions.create(**request, logprobs=True, extra_body=options)
             chat.prompt_ids = reply.prompt_token_ids  # the last request's, as the plugin made them
             return reply.choices[0]
 
@@ -579,6 +589,13 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
         assert answer_ids(chat(text, request)) == expected and chat.prompt_ids == asked
         text_only = reference(folder, question_ids(folder, text, media=False), DecodedMedia([], None, None), 8)[0]
         assert answer_ids(chat(text, None)) == text_only  # a question without a video: the text alone
+        # the released retrieval task from a plain client: the query as the text, the template told the task (and,
+        # for Vidi_7B's, the video's length): `generate --query`'s ids
+        config, length = folder_config(folder), media_duration(clip)
+        tokenizer = load_tokenizer(folder, config)
+        query = Prompt("a red circle moves to the left.", "query").text_for(tokenizer, config.family, True, length)
+        chat("a red circle moves to the left.", request, task="retrieval", video_length=length)
+        assert chat.prompt_ids == prompt_ids(tokenizer, query)
         by_path = video_part(clip.resolve().as_uri())  # written before the server started: its times have settled
         assert answer_ids(chat(text, by_path)) == expected == answer_ids(chat(text, by_path))
         # a content part's uuid names its medium (vLLM requires one name per medium): another video under the

@@ -10,6 +10,7 @@ Hub repo beside the model files that import it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from string import Formatter
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,9 @@ class Family:
     # the task its released model was trained on, as its inference script asks it: the user's query (a trailing
     # period cut) in this text, with the video's length in seconds where it has {length}; None: no released task
     released_task: str | None = None
-    # the family's chat format (a Jinja chat template over one or more turns, the media's marker first) and the
-    # special tokens its turns are written with
-    chat_template: str = ""
+    # the family's chat turns (Jinja, the body of its chat template: `chat_template`) and the special tokens they are
+    # written with
+    chat_turns: str = ""
     chat_tokens: tuple[str, ...] = ()
     tiny: dict = field(default_factory=dict)  # a tiny text model (presets.py) that exercises the family's features
 
@@ -61,6 +62,13 @@ class Family:
     def model_class_name(self) -> str:
         return f"DAttn{self.prefix}ForCausalLM"
 
+    @property
+    def chat_template(self) -> str:
+        """The family's chat template: its turns, a turn's content as the released scripts write a question (the
+        media's marker first), and, where a request asks for it (the template's `task="retrieval"`, with
+        `video_length` where the task states it), the released task prompt around the user's text."""
+        return CONTENT_TEXT + task_macro(self.released_task) + self.chat_turns
+
     def task_prompt(self, query: str, length: float) -> str:
         """The released inference script's question for a retrieval query about a video `length` seconds long."""
         if self.released_task is None:
@@ -74,24 +82,55 @@ class Family:
         return projection in self.biased_projections
 
 
-# A message's content as text: a string as it is; a list of parts (transformers' and OpenAI's form) as the released
+# A message's content as text: a string as it is, a list of parts (transformers' and OpenAI's form) as the released
 # scripts write a question: the media's one marker and a newline first (a picture, or a video with its sound), then
-# the text parts, each on a line of its own.
+# the text parts, each on a line of its own. A user's text (`asked`) in the family's task prompt where the request
+# asks for the retrieval task (`task_macro`).
 CONTENT_TEXT = (
-    "{%- macro content_text(content) -%}"
-    "{%- if content is string -%}{{ content }}"
+    "{%- macro content_text(content, asked=false) -%}"
+    "{%- if content is string -%}"
+    "{%- set marker = '<image>\\n' if content.startswith('<image>\\n') else '' -%}"
+    "{%- set text = content[marker | length:] -%}"
     "{%- else -%}"
-    "{%- if content | selectattr('type', 'in', ['image', 'image_url', 'video', 'video_url']) | list -%}"
-    "<image>{{ '\\n' }}"
+    "{%- set media = content | selectattr('type', 'in', ['image', 'image_url', 'video', 'video_url']) | list -%}"
+    "{%- set marker = '<image>\\n' if media else '' -%}"
+    "{%- set text = content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('\\n') -%}"
     "{%- endif -%}"
-    "{{ content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('\\n') }}"
+    "{{- marker -}}"
+    "{%- if asked and task is defined and task == 'retrieval' -%}{{- task_prompt(text) -}}{%- else -%}{{- text -}}"
     "{%- endif -%}"
     "{%- endmacro -%}"
 )
 
+
+def task_macro(task: str | None) -> str:
+    """Jinja: `task_prompt(text)`, the released task prompt (`Family.released_task`, the one source) around a query,
+    its trailing period cut; the video's length from the template's `video_length` where the prompt states it."""
+    if task is None:
+        body = "{{- raise_exception('this model has no released retrieval task') -}}"
+    else:
+        parts, needs_length = [], False
+        for literal, name, spec, _ in Formatter().parse(task):
+            parts.append("'" + literal.replace("\\", "\\\\").replace("'", "\\'") + "'")
+            if name == "query":
+                parts.append("query")
+            elif name == "length":
+                parts.append(f"('%{spec}' | format(video_length))")
+                needs_length = True
+        body = "{%- set query = text[:-1] if text.endswith('.') else text -%}"
+        if needs_length:
+            body += (
+                "{%- if video_length is not defined -%}"
+                "{{- raise_exception('the retrieval task states the video length: pass video_length (seconds)') -}}"
+                "{%- endif -%}"
+            )
+        body += "{{- " + " ~ ".join(parts) + " -}}"
+    return "{%- macro task_prompt(text) -%}" + body + "{%- endmacro -%}"
+
+
 # Mistral v0.3's instruction turns (Vidi_7B): "[INST] question[/INST]", " answer</s>"; a system message before the
 # last question, as Mistral's own template places it
-MISTRAL_CHAT = CONTENT_TEXT + (
+MISTRAL_TURNS = (
     "{{- bos_token -}}"
     "{%- set system = messages | selectattr('role', 'equalto', 'system') | map(attribute='content') | list -%}"
     "{%- set turns = messages | rejectattr('role', 'equalto', 'system') | list -%}"
@@ -102,7 +141,7 @@ MISTRAL_CHAT = CONTENT_TEXT + (
     "{%- if message['role'] == 'user' -%}"
     "{{- '[INST] ' -}}"
     "{%- if system and loop.index0 == ns.last -%}{{- content_text(system[0]) + '\\n\\n' -}}{%- endif -%}"
-    "{{- content_text(message['content']) + '[/INST]' -}}"
+    "{{- content_text(message['content'], true) + '[/INST]' -}}"
     "{%- elif message['role'] == 'assistant' -%}"
     "{{- ' ' + content_text(message['content']) | trim + eos_token -}}"
     "{%- endif -%}"
@@ -110,7 +149,7 @@ MISTRAL_CHAT = CONTENT_TEXT + (
 )
 
 # Gemma 2's turns (Vidi1.5_9B): "<start_of_turn>user\n...<end_of_turn>\n", the model's turn opened to answer
-GEMMA2_CHAT = CONTENT_TEXT + (
+GEMMA2_TURNS = (
     "{{- bos_token -}}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}{{- raise_exception('Gemma 2 has no system role') -}}{%- endif -%}"
@@ -118,15 +157,17 @@ GEMMA2_CHAT = CONTENT_TEXT + (
     "{{- raise_exception('the turns must alternate: user, assistant, user, ...') -}}"
     "{%- endif -%}"
     "{%- set role = 'user' if message['role'] == 'user' else 'model' -%}"
-    "{{- '<start_of_turn>' + role + '\\n' + content_text(message['content']) | trim + '<end_of_turn>\\n' -}}"
+    "{{- '<start_of_turn>' + role + '\\n' + content_text(message['content'], role == 'user') | trim -}}"
+    "{{- '<end_of_turn>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
 )
 
 # ChatML (Qwen2's instruct models)
-CHATML_CHAT = CONTENT_TEXT + (
+CHATML_TURNS = (
     "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content_text(message['content']) + '<|im_end|>\\n' -}}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content_text(message['content'], message['role'] == 'user')"
+    " + '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
@@ -161,7 +202,7 @@ FAMILIES = {
                 "Given the frames from a video, answer the time range in percentage that corresponds to query text "
                 "split by comma. Video length is: {length:.2f} and text query is: {query}."
             ),
-            chat_template=MISTRAL_CHAT,
+            chat_turns=MISTRAL_TURNS,
             chat_tokens=("[INST]", "[/INST]"),
             # heads of 32: vLLM's CPU attention has kernels from 32 up, so the demo serves on CPU too
             tiny=dict(TINY_SIZES, num_key_value_heads=2, head_dim=32, sliding_window=None),
@@ -184,7 +225,7 @@ FAMILIES = {
             released_seconds_format="{:02d}",
             released_extra_fields={"cache_implementation": "hybrid"},
             released_task="During which time segments in the video can we see {query}?",  # Vidi1.5_9B eval/inference.py
-            chat_template=GEMMA2_CHAT,
+            chat_turns=GEMMA2_TURNS,
             chat_tokens=("<start_of_turn>", "<end_of_turn>"),
             tiny=dict(
                 TINY_SIZES,
@@ -208,7 +249,7 @@ FAMILIES = {
             window_per_layer=True,
             genai_type="qwen2",
             biased_projections=("q_proj", "k_proj", "v_proj"),
-            chat_template=CHATML_CHAT,
+            chat_turns=CHATML_TURNS,
             chat_tokens=("<|im_start|>", "<|im_end|>"),
             tiny=dict(
                 TINY_SIZES,

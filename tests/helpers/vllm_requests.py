@@ -141,6 +141,8 @@ def main(
         text, steps = LONG_VIDEO_REQUEST
         requests = [(text, "long", steps)]
     results = answers(llm, video_model, requests, long_frames)
+    if not (long_frames or video_model or ray_address or repeat_gib is not None):
+        results.append({"chat": chat_answer(llm, CHAT_QUESTION)})
     if repeat_gib is not None:  # REPEATED as a fresh engine's cache sees it, then each rank's statistics
         llm.collective_rpc(empty_context_cache)
         results += answers(llm, video_model, REPEATED) + answers(llm, video_model, ASKED_AGAIN)
@@ -156,6 +158,20 @@ def main(
     llm.llm_engine.engine_core.shutdown()
     if ray_address:
         ray.shutdown()
+
+
+CHAT_QUESTION = ("What is in the picture?", 0, 6)  # (question, image seed, tokens) asked through `LLM.chat`
+
+
+def chat_answer(llm, question: tuple) -> dict:
+    """A question about a picture asked through `LLM.chat` (the folder's chat template): its prompt ids and tokens."""
+    from vllm import SamplingParams
+
+    text, seed, steps = question
+    content = [{"type": "image_pil", "image_pil": request_image(seed)}, {"type": "text", "text": text}]
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    (output,) = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)
+    return {"prompt_ids": output.prompt_token_ids, "tokens": list(output.outputs[0].token_ids)}
 
 
 def answers(llm, video_model: bool, requests: list, long_frames: int = 0, name: str | None = None) -> list[dict]:
