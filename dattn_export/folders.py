@@ -161,6 +161,8 @@ def resolve(
     except FileNotFoundError:
         if not (hub and could_be_repo_id(text)):
             raise InputError(text, missing(path)) from None
+        if meant := local_near_miss(text):  # a typo in a local path's first part, not a repo id
+            raise InputError(text, f"{missing(path)}; not looked up on the Hub as a repo id: {meant!r} exists here")
         from .hub import download
 
         path = download(text)
@@ -180,6 +182,15 @@ def resolve(
             "BASE_MODEL -o CONVERTED`, then pass CONVERTED",
         )  # fmt: skip
     return path
+
+
+def local_near_miss(text: str) -> str | None:
+    """For a missing path that reads as a Hub repo id `NS/NAME`: the existing local path it is a typo of (its first
+    part a near miss of a folder here, the rest as given), or None."""
+    first, _, rest = text.partition("/")
+    folders = [p.name for p in Path.cwd().iterdir() if p.is_dir()]
+    close = difflib.get_close_matches(first, folders, n=1)
+    return f"{close[0]}/{rest}" if close and Path(close[0], rest).exists() else None
 
 
 def file_for_folder(path: Path, command: str, takes: tuple[FolderKind, ...]) -> str:
@@ -204,13 +215,29 @@ def could_be_repo_id(text: str) -> bool:
     )
 
 
-def missing(path: Path) -> str:
-    """What is wrong with a path that does not exist: the deepest part of it that does, and what that holds."""
+# the files a media option takes, by their suffixes (a folder of frames: None); its "did you mean" offers those
+MEDIA_SUFFIXES = {
+    "--image": {".png", ".jpg", ".jpeg", ".bmp", ".webp"},
+    "--video": {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v", ".mpg", ".mpeg", ".ts", ".flv", ".3gp"},
+    "--audio": {".wav", ".mp3", ".flac", ".m4a", ".aac", ".ogg", ".opus"},
+    "--frames": None,
+}
+
+
+def missing(path: Path, option: str | None = None) -> str:
+    """What is wrong with a path that does not exist: the deepest part of it that does, and what that holds; the
+    near-miss it offers, for a media `option`, one of the kind the option takes (a folder for --frames)."""
     existing = next((p for p in path.absolute().parents if p.exists()), None)
     if existing is None or not existing.is_dir():
         return "does not exist"
     absent = path.absolute().relative_to(existing).parts[0]
-    close = difflib.get_close_matches(absent, [p.name for p in existing.iterdir()], n=1)
+    names = [p.name for p in existing.iterdir()]
+    if option in MEDIA_SUFFIXES and absent == path.name:  # the file itself is what is missing: offer its kind
+        suffixes = MEDIA_SUFFIXES[option]
+        names = [
+            p.name for p in existing.iterdir() if (p.is_dir() if suffixes is None else p.suffix.lower() in suffixes)
+        ]
+    close = difflib.get_close_matches(absent, names, n=1)
     return f"does not exist (no {absent!r} in {existing}{f'; did you mean {close[0]!r}?' if close else ''})"
 
 

@@ -66,6 +66,11 @@ def stage(description: str, timings: dict[str, float] | None = None) -> Iterator
     err.print(f"[green]done[/] {description} ({timings[description]:.2f} s)")
 
 
+def counted(count: int, noun: str) -> str:
+    """ "1 input", "2 inputs"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def human_bytes(count: float) -> str:
     """1234567890 -> '1.23 GB' (decimal units, as disks and the Hub count)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):

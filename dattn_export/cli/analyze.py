@@ -7,15 +7,16 @@ from pathlib import Path
 import click
 
 from ..extras import require
-from ..folders import TRAINING_OUTPUT, resolve
+from ..folders import TRAINING_OUTPUT, check_output, resolve
 from .common import MEDIA_PATH, examples, one_prompt, output_option, prompt_option, video_options
 
 
 @click.command(
+    short_help="The text's attention on the media, layer by layer.",
     epilog=examples(
         "dattn-export analyze ./converted --image cat.png --prompt 'What is it?' -o out",
         "dattn-export analyze ./video-model --video clip.mp4 --raw-prompt $'USER: <image>\\nWhat happens?' -o out",
-    )
+    ),
 )
 @click.argument("checkpoint", type=click.Path())
 @click.option("--image", type=MEDIA_PATH, help="Image file.")
@@ -28,6 +29,7 @@ def analyze(checkpoint: str, image, video, frames, audio, prompt: str, raw_promp
     MLLM-LAWS curves and attention shift; plots."""
     prompt = one_prompt(prompt, raw_prompt, required=True)
     checkpoint = resolve(checkpoint, "analyze", *TRAINING_OUTPUT)
+    check_output(out, force, [checkpoint])  # before the imports: "already exists" at once
     require("matplotlib")  # the plots come last: say so before the work
     from ..media import Media
     from ..stages.analyze import analyze as run_analyze

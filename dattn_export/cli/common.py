@@ -121,7 +121,7 @@ class MediaPath(click.Path):
         from ..folders import missing
 
         if not os.path.lexists(value):
-            raise InputError(value, missing(Path(value)))
+            raise InputError(value, missing(Path(value), param.opts[0] if param is not None else None))
         return super().convert(value, param, ctx)
 
 

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import click
 
-from ..folders import TRAINING_OUTPUT, resolve
+from ..folders import TRAINING_OUTPUT, check_output, resolve
 from .common import DTYPE, DTYPE_HELP, examples, output_option, source_options
 
 
 @click.command(
+    short_help="Training output to verified safetensors and a manifest.",
     epilog=examples(
         "dattn-export convert ./checkpoint-1200 -o ./converted",
         "dattn-export convert ./global_step1200 -o ./converted --dtype bf16 --max-shard-size 2GB --force",
-    )
+    ),
 )
 @click.argument("checkpoint", type=click.Path())
 @output_option("Output folder (written beside, then renamed into place).")
@@ -33,6 +34,7 @@ from .common import DTYPE, DTYPE_HELP, examples, output_option, source_options
 def convert(checkpoint: str, out: Path, dtype: str, max_shard_size: str, force: bool, base, vision_heads):
     """Convert training output (HF, Trainer, DeepSpeed ZeRO, adapter-only) to verified sharded safetensors."""
     checkpoint = resolve(checkpoint, "convert", *TRAINING_OUTPUT, base=base, base_option=True)
+    check_output(out, force, [checkpoint])  # before the imports: "already exists" at once
     from ..checkpoints.names import audio_tower_role
     from ..stages.convert import convert as run_convert
     from ..ui import human_bytes, progress, summary_table

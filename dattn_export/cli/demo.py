@@ -18,7 +18,10 @@ RANDOM_WEIGHTS = (
 )
 
 
-@click.command(epilog=examples("dattn-export demo", "dattn-export demo ./video-demo --family gemma2 --input video"))
+@click.command(
+    short_help="The whole pipeline on a tiny built-in model.",
+    epilog=examples("dattn-export demo", "dattn-export demo ./video-demo --family gemma2 --input video"),
+)
 @click.argument("directory", default="dattn-demo", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--family",

@@ -13,10 +13,11 @@ from .common import MEDIA_PATH, check_device, device_option, examples, given_pro
 
 
 @click.command(
+    short_help="Answer questions about media, on any backend.",
     epilog=examples(
         "dattn-export generate ./converted --image cat.png --prompt 'What is shown?'",
         "dattn-export generate ./video-model --video clip.mp4 --query 'a man opens the door' --query 'a dog barks'",
-    )
+    ),
 )
 @click.argument("checkpoint", type=click.Path(), metavar="FOLDER")
 @click.option(
@@ -95,7 +96,9 @@ def generate(
         import json
 
         click.echo(json.dumps(answers_json(answers, prompts, checkpoint, backend), indent=2))
-    elif len(prompts) == 1:
-        print_prompt_result("dattn-export generate", answers.one(), [("checkpoint", str(checkpoint))])
+        return
+    folder = [("checkpoint" if backend == "torch" else "graphs", str(checkpoint))]
+    if len(prompts) == 1:
+        print_prompt_result("dattn-export generate", answers.one(), folder)
     else:
-        print_answers("dattn-export generate", answers, [("checkpoint", str(checkpoint))])
+        print_answers("dattn-export generate", answers, folder)

@@ -11,7 +11,8 @@ from .common import examples, source_options
 
 
 @click.command(
-    epilog=examples("dattn-export info ./global_step1200 --json", "dattn-export info bytedance/Vidi1.5-9B@main")
+    short_help="A checkpoint's layout, architecture and size.",
+    epilog=examples("dattn-export info ./global_step1200 --json", "dattn-export info bytedance/Vidi1.5-9B@main"),
 )
 @click.argument("checkpoint", type=click.Path())
 @source_options

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..folders import TRAINING_OUTPUT, resolve
+from ..folders import TRAINING_OUTPUT, check_output, resolve
 from .common import DTYPE, DTYPE_HELP, examples, output_option, source_options
 
 QUANTIZE_OPTIONS = ("block_size", "asymmetric", "quantize_lm_head", "quantize_embedding", "accuracy_level")
@@ -26,6 +26,7 @@ def refuse_quantize_options() -> None:
 
 @click.command(
     "onnx",
+    short_help="Export ONNX graphs, one fused attention node a layer.",
     epilog=examples(
         "dattn-export onnx ./converted -o ./onnx",
         "dattn-export onnx ./converted -o ./onnx-int4 --quantize int4 --quantize-lm-head",
@@ -102,10 +103,11 @@ def onnx_command(
     if quantize is None:
         refuse_quantize_options()
     checkpoint = resolve(checkpoint, "onnx", *TRAINING_OUTPUT, base=base, base_option=True)
+    check_output(out, force, [checkpoint])  # before the imports: "already exists" at once
     from ..artifacts import Scheme
     from ..stages.onnx_export import export_onnx
+    from ..ui import counted, progress, summary_table
     from ..ui import out as stdout
-    from ..ui import progress, summary_table
 
     scheme = quantize and Scheme(
         quantize, int(block_size), not asymmetric, quantize_lm_head, quantize_embedding, accuracy_level
@@ -125,8 +127,8 @@ def onnx_command(
     rows = [
         (
             name,
-            f"{graph.file}: {len(graph.inputs)} inputs, {len(graph.outputs)} outputs, "
-            f"{graph.fused_attention_nodes} fused attention nodes",
+            f"{graph.file}: {counted(len(graph.inputs), 'input')}, {counted(len(graph.outputs), 'output')}, "
+            f"{counted(graph.fused_attention_nodes, 'fused attention node')}",
         )
         for name, graph in manifest.graphs.items()
     ]

@@ -11,10 +11,11 @@ from .common import examples
 
 
 @click.command(
+    short_help="Publish a converted folder to the Hugging Face Hub.",
     epilog=examples(
         "dattn-export push ./converted --repo-id me/my-dattn --dry-run",
         "dattn-export push ./converted --repo-id me/my-dattn --private --validation-report onnx/validation_report.json",
-    )
+    ),
 )
 @click.argument("converted", type=click.Path(), metavar="CONVERTED")
 @click.option("--repo-id", required=True, help="namespace/name on the Hub.")
@@ -78,6 +79,7 @@ def push(
         click.echo(
             f"dry run: {len(result.files)} files, {total:,} bytes would be committed to {repo_id}; nothing contacted"
         )
+        click.echo(f"{'sha256':<64}  {'bytes':>14}  file")
         for f in result.files:
             click.echo(f"{f.sha256}  {f.size:>14,}  {f.path_in_repo}")
         if rewritten := [f.path_in_repo for f in result.files if f.rewritten]:

@@ -12,6 +12,7 @@ from .common import examples
 
 
 @click.command(
+    short_help="Serve a converted folder with vLLM (OpenAI API).",
     context_settings={"ignore_unknown_options": True},
     epilog=examples(
         "dattn-export serve ./converted", "dattn-export serve ./converted -tp 2 --port 8001 --max-model-len 8192"

@@ -36,10 +36,11 @@ def merged(dicts) -> dict[str, int]:
 
 
 @click.command(
+    short_help="Build TensorRT engines with the D-Attn plugin.",
     epilog=examples(
         "dattn-export trt ./onnx-fp16 -o ./engines --fp16",
         "dattn-export trt ./onnx -o ./engines --max-batch 4 --opt sequence=64 --max context_sequence=4608,images=2",
-    )
+    ),
 )
 @click.argument("onnx_folder", type=click.Path(), metavar="ONNX")
 @output_option("Folder for the engines and trt_manifest.json.", name="engines")

@@ -12,10 +12,11 @@ from .common import MEDIA_PATH, check_device, device_option, examples, one_promp
 
 
 @click.command(
+    short_help="An export's numbers against the PyTorch reference.",
     epilog=examples(
         "dattn-export validate ./onnx",
         "dattn-export validate ./engines --backend trt --image cat.png --prompt 'What is it?'",
-    )
+    ),
 )
 @click.argument("folder", type=click.Path(), metavar="FOLDER")
 @click.option("--against", type=click.Path(), help="Reference checkpoint (default: the export's source).")
@@ -161,7 +162,7 @@ def print_validation(report, folder: Path, written: bool = True) -> None:
         rule = f"{report.gate.scheme} weights: held to the accuracy gate, not to a logits tolerance"
     where = "gpu" if report.backend == "trt" else report.device
     table = Table(
-        title=f"dattn-export validate {folder} ({report.backend} on {where}, {report.dtype}; {rule})",
+        title=f"{folder} against the PyTorch reference ({report.backend} on {where}, {report.dtype}; {rule})",
         title_justify="left",
     )
     for column in ("graph", "output", "max abs error", "max rel error", "p90 / p95 / p99 abs"):

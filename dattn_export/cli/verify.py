@@ -9,7 +9,8 @@ from .common import examples, source_options
 
 
 @click.command(
-    epilog=examples("dattn-export verify ./converted", "dattn-export verify ./converted --against ./checkpoint-1200")
+    short_help="Check a converted folder: hashes, tensors, model, template.",
+    epilog=examples("dattn-export verify ./converted", "dattn-export verify ./converted --against ./checkpoint-1200"),
 )
 @click.argument("converted", type=click.Path(), metavar="CONVERTED")
 @click.option("--against", type=click.Path(), help="The source checkpoint to compare every tensor with.")

@@ -11,9 +11,10 @@ import av
 from PIL import Image
 
 from ..errors import InputError
+from ..folders import MEDIA_SUFFIXES
 from ..sidefiles import reading
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
+IMAGE_SUFFIXES = MEDIA_SUFFIXES["--image"]
 
 
 @dataclass(frozen=True, repr=False)

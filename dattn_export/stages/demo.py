@@ -51,6 +51,7 @@ def run_demo(
     media = Media(video=checkpoint / "demo.mov") if video else Media(images=[checkpoint / "demo.png"])
     prompt = Prompt(DEMO_QUESTIONS["video" if video else "image"])
     result = run_prompt(checkpoint, prompt, media, max_new_tokens)
+    seconds |= result.seconds  # the stages' times in the order they ran
     with stage("convert to safetensors + manifest, verify against the source", seconds):
         convert(checkpoint, converted, force=True)
         checks = verify(converted, against=checkpoint)
@@ -59,4 +60,4 @@ def run_demo(
         export_onnx(converted, exported, force=True)
     with stage("validate the graphs on ONNX Runtime against PyTorch", seconds):
         report = validate(exported, against=checkpoint, steps=max_new_tokens, prompt=prompt, media=media)
-    return DemoRun(checkpoint, converted, exported, result, checks, report, {**seconds, **result.seconds})
+    return DemoRun(checkpoint, converted, exported, result, checks, report, seconds)

@@ -70,7 +70,11 @@ def check_tensors(out: Path, manifest: ConvertManifest, against, progress=quiet)
                         bad.append(f"{name} differs from the source after the cast")
             advance(sizes[shard] - read)  # the shard's header
     bad += [f"{name} missing from the shards" for name in sorted(set(manifest.tensors) - seen)]
-    what = "bit-exact against the source after the cast" if against is not None else "dtype and shape as recorded"
+    what = (
+        "bit-exact against the source after the cast"
+        if against is not None
+        else "each of the dtype and shape convert recorded (against no source: `verify --against SOURCE` compares)"
+    )
     return Check("tensors reload", not bad, "; ".join(bad[:3]) or f"{len(seen)} tensors, {what}")
 
 
@@ -122,19 +126,19 @@ def check_chat_template(out: Path, source=None) -> Check:
     tokenizer = load_tokenizer(out, folder_config(out))
     template = tokenizer.chat_template
     if not template:
-        return Check(name, True, "none: generate asks with --raw-prompt (or add the model's as chat_template.jinja)")
+        return Check(name, True, "no chat template: ask with --raw-prompt (or add the model's as chat_template.jinja)")
     try:
         asked = chat_text(tokenizer, f"{MEDIA_MARKERS[0]}\nWhat is in the picture?")
     except Exception as e:  # noqa: BLE001  (a template that does not render is this check's finding)
-        return Check(name, False, f"does not render a question: {type(e).__name__}")
+        return Check(name, False, f"chat template does not render a question: {type(e).__name__}")
     if MEDIA_MARKERS[0] not in asked:
-        return Check(name, False, "drops the media's marker from a question")
+        return Check(name, False, "chat template drops the media's marker from a question")
     folder = None if source is None else source.reader.config_dir  # where its tokenizer files are, if anywhere
     if folder is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
         if load_tokenizer(folder, source.config).chat_template != template:
-            return Check(name, False, "differs from the source's")
-        return Check(name, True, "the source's; renders a question with its media")
-    return Check(name, True, "renders a question with its media")
+            return Check(name, False, "chat template differs from the source's")
+        return Check(name, True, "chat template the source's, asking with the media first")
+    return Check(name, True, "chat template asks with the media first")
 
 
 def verify(
