@@ -25,7 +25,7 @@ for args in (
     ["verify", conv, "--against", ckpt],
     ["onnx", conv, "-o", onnx_dir, "--force"],
     ["validate", onnx_dir, *picture_args[0]],
-    ["generate", conv, "--prompt", "hi", "--max-new-tokens", "2", *picture_args[0]] if pictures else ["info", conv],
+    ["generate", conv, "--raw-prompt", "hi", "--max-new-tokens", "2", *picture_args[0]] if pictures else ["info", conv],
     ["push", conv, "--repo-id", "me/vidi-tiny", "--dry-run"],
 ):
     r = subprocess.run(["dattn-export", *map(str, args)], capture_output=True, text=True)
