@@ -48,7 +48,8 @@ from dattn_export.checkpoints.source import folder_config
 from dattn_export.decoding.files import FileBytes
 from dattn_export.decoding.video import load_video
 from dattn_export.demo_model import write_demo_checkpoint
-from dattn_export.media import Media, decode_media
+from dattn_export.media import decode_media
+from dattn_export.media_options import Media
 from dattn_export.modeling.families import FAMILIES
 from dattn_export.processing import frame_square
 from dattn_export.stages.convert import convert

@@ -52,7 +52,8 @@ import numpy as np
 from dattn_export.checkpoints.source import folder_config
 from dattn_export.decoding.sound import AUDIO_RATE
 from dattn_export.demo_model import write_demo_checkpoint, write_video
-from dattn_export.media import Media, decode_media
+from dattn_export.media import decode_media
+from dattn_export.media_options import Media
 from dattn_export.modeling.families import FAMILIES
 from dattn_export.processing import load_audio_processor
 from dattn_export.stages.convert import convert

@@ -1,12 +1,12 @@
 """A prompt's media, from the files given to the context the model reads: `Media` (the paths, checked against
-the model), `DecodedMedia` (pictures, video frames at the tower's square, the sound track's samples), then the
-context streams' K/V from the reference model (`encode_media`) or from the graphs (`graph_context`). generate,
-validate and analyze share it."""
+the model: `media_options.py`), `DecodedMedia` (pictures, video frames at the tower's square, the sound track's
+samples), then the context streams' K/V from the reference model (`encode_media`) or from the graphs
+(`graph_context`). generate, validate and analyze share it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,62 +15,18 @@ from .answers import time_ranges
 from .decoding.files import load_frame_folder, media_duration, open_image
 from .decoding.sound import AUDIO_RATE, load_audio
 from .decoding.video import load_video
-from .errors import InputError
+from .media_options import Media
 from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
 from .modeling.streams import AUDIO
 from .processing import audio_features, frame_square, load_audio_processor, load_image_processor
 from .prompts import Prompt, media_marker
 from .ui import err, stage
 
-MEDIA_OPTIONS = {"images": "--image", "video": "--video", "frames": "--frames", "audio": "--audio"}  # Media's fields
-MEDIA_KINDS = {"images": "an image", "video": "video or audio", "frames": "video or audio", "audio": "video or audio"}
-MODEL_KINDS = {"image": "an image model", "video": "a video model"}  # by modality
-
-
 UNMARKED = (
     "note: the prompt {prompt!r} has no <image> before its question: the released models were trained on "
     "'<image>' and a newline there (for a video too), which dattn-export cuts out as their code does; without "
     "it their answers may differ"
 )
-
-
-@dataclass
-class Media:
-    """What a prompt comes with: images (an image model), or a video model's frames (a video file or a folder of
-    frames) and audio (a file, else the video's own track when it has one)."""
-
-    images: list[Path] = field(default_factory=list)
-    video: Path | None = None
-    frames: Path | None = None
-    audio: Path | None = None
-
-    @property
-    def given(self) -> bool:
-        return bool(self.images or self.video or self.frames or self.audio)
-
-    def check(self, config, prompt: Prompt | None = None) -> None:
-        """What the model cannot take, one line each; `prompt`: a finished one that names media (`<image>`,
-        `<video>`) comes with them."""
-        takes = [kind for kind in MEDIA_OPTIONS if any(kind in stream.media for stream in config.streams)]
-        options = " or ".join(", ".join(MEDIA_OPTIONS[kind] for kind in takes).rsplit(", ", 1))
-        if prompt is not None and prompt.kind == "raw" and (marker := media_marker(prompt.text)):
-            if not self.given:
-                raise InputError(
-                    "--raw-prompt",
-                    f"names {marker} but no media was given: pass it with {options} (or drop {marker} to ask about "
-                    "the text alone)",
-                )
-        if given := next((kind for kind in MEDIA_OPTIONS if getattr(self, kind) and kind not in takes), None):
-            path = self.images[0] if given == "images" else getattr(self, given)
-            raise InputError(
-                path, f"is {MEDIA_KINDS[given]}, but the model is {MODEL_KINDS[config.modality]}: pass {options}"
-            )
-        if self.video and self.frames:
-            raise InputError(self.frames, "and --video both give frames: pass one")
-        for stream in config.streams:
-            if stream.pictures is not None and len(self.images) > stream.pictures:
-                most = stream.pictures
-                raise InputError(self.images[most], f"is image {most + 1}, but the model takes {most} a prompt")
 
 
 @dataclass

@@ -12,7 +12,8 @@ from PIL import Image
 
 from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import demo_image, write_demo_checkpoint
-from dattn_export.media import Media, decode_media, encode_media
+from dattn_export.media import decode_media, encode_media
+from dattn_export.media_options import Media
 from dattn_export.modeling.attention import dattn_op
 from dattn_export.plugins.contract import using_op
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer

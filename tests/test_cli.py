@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from dattn_export import __version__
 from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint
-from dattn_export.media import Media
+from dattn_export.media_options import Media
 from dattn_export.memory import MEMORY_ENV
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
 from dattn_export.prompts import Prompt

@@ -539,10 +539,12 @@ def test_the_documented_first_run_leaves_the_clone_clean(pipeline):
     assert sorted(check.stdout.split()) == sorted(paths), (paths, check.stdout)
 
 
-def test_refusals_about_the_output_and_the_prompt_come_before_the_heavy_imports(tmp_path):
-    """Reported: "already exists (pass --force ...)" and errors about the prompt took 4.5-6 s and 370 MB, where a
-    missing path is refused at once. Each is refused before torch is imported, in about a missing path's time."""
+def test_refusals_about_the_output_the_prompt_and_the_media_come_before_the_heavy_imports(tmp_path):
+    """Reported: "already exists (pass --force ...)" and errors about the prompt or the media took 4.5-6 s and 370 MB,
+    where a missing path is refused at once. Each is refused before torch is imported, in about a missing path's
+    time."""
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
+    video = write_demo_checkpoint(tmp_path / "video", video=True)
     (tmp_path / "taken").mkdir()
     cases = {
         "missing path": (["convert", tmp_path / "nowhere", "-o", tmp_path / "out"], "does not exist"),
@@ -553,6 +555,15 @@ def test_refusals_about_the_output_and_the_prompt_come_before_the_heavy_imports(
             "--raw-prompt",
         ),
         "a query without a video": (["generate", checkpoint, "--query", "a door opens"], "--video"),
+        "a video for an image model": (
+            ["generate", checkpoint, "--prompt", "hi", "--video", video / "demo.mov"],
+            "the model is an image model",
+        ),
+        "an image for a video model": (
+            ["analyze", video, "--prompt", "hi", "--image", checkpoint / "demo.png", "-o", tmp_path / "report"],
+            "the model is a video model",
+        ),
+        "a marker and no media": (["generate", checkpoint, "--raw-prompt", "<image> hi"], "--image"),
     }
     seconds = {}
     for case, (args, expected) in cases.items():

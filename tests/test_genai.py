@@ -9,7 +9,8 @@ from helpers.cli import run_cli
 
 from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint, write_video
-from dattn_export.media import Media, decode_media, encode_media, graph_context
+from dattn_export.media import decode_media, encode_media, graph_context
+from dattn_export.media_options import Media
 from dattn_export.modeling.families import DEFAULT_FAMILY
 from dattn_export.processing import load_image_processor, load_images, load_tokenizer
 from dattn_export.runtime.genai import GenaiRuntime

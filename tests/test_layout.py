@@ -79,7 +79,7 @@ def test_every_stream_has_its_part_on_every_floor():
     """A context stream is its class in modeling/streams.py plus its part on each floor above, each in one table
     keyed by its name (or by what it gives: its modality, its media): a stream added without one of them fails here,
     and the message names every table that lacks it. (vLLM's table is checked in test_vllm.py, which imports vLLM.)"""
-    from dattn_export import demo_model, graphs, media
+    from dattn_export import demo_model, graphs, media, media_options
     from dattn_export.modeling import context, streams
     from dattn_export.runtime import graph
     from dattn_export.stages import push, validate, verify
@@ -94,7 +94,7 @@ def test_every_stream_has_its_part_on_every_floor():
         "media.GRAPH_CONTEXTS": (media.GRAPH_CONTEXTS, first, "name"),
         "validate.CONTEXT_CHECKS": (validate.CONTEXT_CHECKS, first, "name"),
         "runtime.graph.STREAM_PARTS": (graph.STREAM_PARTS, video, "name"),
-        "media.MODEL_KINDS": (media.MODEL_KINDS, every, "modality"),
+        "media_options.MODEL_KINDS": (media_options.MODEL_KINDS, every, "modality"),
         "push.USAGE_SNIPPETS": (push.USAGE_SNIPPETS, every, "modality"),
         "verify.PROBES": (verify.PROBES, every, "modality"),
         "demo_model.DEMO_QUESTIONS": (demo_model.DEMO_QUESTIONS, every, "modality"),
@@ -106,7 +106,7 @@ def test_every_stream_has_its_part_on_every_floor():
     }
     assert {table: names for table, names in lacking.items() if names} == {}
     media_fields = {field for s in every for field in s.media}
-    assert media_fields == set(media.MEDIA_OPTIONS) == set(media.MEDIA_KINDS)
+    assert media_fields == set(media_options.MEDIA_OPTIONS) == set(media_options.MEDIA_KINDS)
 
 
 def test_every_module_says_its_job_in_few_enough_lines():

@@ -9,7 +9,7 @@ from helpers.cli import error_line, run_cli
 
 from dattn_export.demo_model import DEMO_QUESTIONS
 from dattn_export.errors import InputError
-from dattn_export.media import Media
+from dattn_export.media_options import Media
 from dattn_export.prompts import Prompt, read_prompts
 from dattn_export.stages.generate import run_prompt, run_prompts, run_prompts_graphs
 

@@ -14,7 +14,7 @@ from PIL import Image
 from dattn_export.checkpoints.released import is_released
 from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import write_demo_checkpoint
-from dattn_export.media import Media
+from dattn_export.media_options import Media
 from dattn_export.modeling.images import anyres_grid
 from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
 from dattn_export.presets import randomize_weights, tiny_config

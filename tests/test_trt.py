@@ -81,7 +81,7 @@ def test_engines_match_pytorch_with_plugin_and_with_function(tmp_path, family):
     """Engines with the plugin and engines with the ONNX function fallback both validate against PyTorch, and
     `generate --backend trt` gives the reference's tokens."""
     from dattn_export.demo_model import DEMO_QUESTIONS
-    from dattn_export.media import Media
+    from dattn_export.media_options import Media
     from dattn_export.prompts import Prompt
     from dattn_export.stages.generate import run_prompt, run_prompt_graphs
     from dattn_export.stages.trt_build import Limits, build_engines

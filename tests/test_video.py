@@ -22,7 +22,8 @@ from dattn_export.answers import time_ranges
 from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.errors import InputError
-from dattn_export.media import Media, decode_media
+from dattn_export.media import decode_media
+from dattn_export.media_options import Media
 from dattn_export.modeling import context
 from dattn_export.modeling import streams as stream_specs
 from dattn_export.modeling.families import FAMILIES

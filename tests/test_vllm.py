@@ -44,7 +44,8 @@ from PIL import Image
 from dattn_export.checkpoints.source import folder_config, load_model
 from dattn_export.decoding.files import media_duration
 from dattn_export.demo_model import write_demo_checkpoint, write_video
-from dattn_export.media import DecodedMedia, Media, decode_media, encode_media
+from dattn_export.media import DecodedMedia, decode_media, encode_media
+from dattn_export.media_options import Media
 from dattn_export.modeling.streams import TILES
 from dattn_export.processing import audio_features, load_audio_processor, load_image_processor, load_tokenizer
 from dattn_export.prompts import Prompt, prompt_ids

@@ -8,6 +8,7 @@ import click
 
 from ..extras import require
 from ..folders import TRAINING_OUTPUT, check_output, resolve
+from ..media_options import Media, check_early
 from .common import MEDIA_PATH, examples, one_prompt, output_option, prompt_option, video_options
 
 
@@ -30,13 +31,13 @@ def analyze(checkpoint: str, image, video, frames, audio, prompt: str, raw_promp
     prompt = one_prompt(prompt, raw_prompt, required=True)
     checkpoint = resolve(checkpoint, "analyze", *TRAINING_OUTPUT)
     check_output(out, force, [checkpoint])  # before the imports: "already exists" at once
+    media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
+    check_early(media, checkpoint, [prompt])
     require("matplotlib")  # the plots come last: say so before the work
-    from ..media import Media
     from ..stages.analyze import analyze as run_analyze
     from ..ui import out as stdout
     from ..ui import summary_table
 
-    media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
     report = run_analyze(checkpoint, media, prompt, out, force)
     shift = (
         "n/a (needs <image> with text on both sides)"

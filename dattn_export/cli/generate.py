@@ -8,6 +8,7 @@ import click
 
 from ..extras import require_backend
 from ..folders import BACKENDS, resolve
+from ..media_options import Media, check_early
 from .answers import answers_json, print_answers, print_prompt_result
 from .common import MEDIA_PATH, check_device, device_option, examples, given_prompts, video_options
 
@@ -83,11 +84,11 @@ def generate(
     check_device(backend, device)
     prompts = given_prompts(questions, queries, raw_prompts, prompts_file, video)
     checkpoint = resolve(checkpoint, f"generate --backend {backend}", *BACKENDS[backend], hub=backend == "torch")
+    media = Media(images=list(images), video=video, frames=frames, audio=audio)
+    check_early(media, checkpoint, prompts)
     require_backend(backend)
-    from ..media import Media
     from ..stages.generate import run_prompts, run_prompts_graphs
 
-    media = Media(images=list(images), video=video, frames=frames, audio=audio)
     if backend == "torch":
         answers = run_prompts(checkpoint, prompts, media, max_new_tokens, device)
     else:

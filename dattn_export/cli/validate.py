@@ -8,6 +8,7 @@ import click
 
 from ..extras import require, require_backend
 from ..folders import BACKENDS, TRAINING_OUTPUT, resolve
+from ..media_options import Media, check_early
 from .common import MEDIA_PATH, check_device, device_option, examples, one_prompt, prompt_option, video_options
 
 
@@ -103,15 +104,15 @@ def validate(
                                "--atol, --save-polygraphy or --weights-only")  # fmt: skip
     folder = resolve(folder, f"validate --backend {backend}", *BACKENDS[backend], hub=False)
     against = against and resolve(against, "validate --against", *TRAINING_OUTPUT)
+    media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
+    check_early(media, folder, [])  # a prompt that names media without them is asked about the default media
     require_backend(backend)
     if save_polygraphy:
         require("polygraphy")
-    from ..media import Media
     from ..stages.validate import validate as run_validate
     from ..ui import out as stdout
     from ..ui import progress
 
-    media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
     if backend == "torch":
         from ..stages.validate_model import validate_model
 

@@ -24,7 +24,8 @@ from ..checkpoints.source import build_model, open_source
 from ..errors import InputError
 from ..extras import require
 from ..folders import check_output
-from ..media import Media, decode_media, encode_media
+from ..media import decode_media, encode_media
+from ..media_options import Media
 from ..modeling.attention import dattn_op, segment_shares
 from ..modeling.streams import AUDIO
 from ..plugins.contract import using_op

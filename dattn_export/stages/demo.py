@@ -8,7 +8,7 @@ from pathlib import Path
 from ..artifacts import atomic_dir
 from ..demo_model import DEMO_QUESTIONS, write_demo_checkpoint
 from ..folders import check_demo_folder
-from ..media import Media
+from ..media_options import Media
 from ..modeling.families import DEFAULT_FAMILY
 from ..prompts import Prompt
 from ..ui import stage

@@ -14,7 +14,8 @@ from ..artifacts import dtype_name
 from ..checkpoints.names import parameter_counts
 from ..checkpoints.source import build_model, folder_config, open_source, parameter_shapes
 from ..errors import InputError
-from ..media import Media, context_tokens, decode_media, encode_media, graph_context
+from ..media import context_tokens, decode_media, encode_media, graph_context
+from ..media_options import Media
 from ..plugins.torch_op import model_op
 from ..processing import load_tokenizer
 from ..prompts import Prompt, as_prompt, prompt_ids, prompt_texts

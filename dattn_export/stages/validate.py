@@ -24,7 +24,8 @@ from ..decoding.files import open_image
 from ..demo_model import DEMO_VIDEO_FPS, demo_audio, demo_frames, demo_image, demo_prompt
 from ..errors import InputError
 from ..graphs import layer_caches
-from ..media import DecodedMedia, Media, context_tokens, decode_media, encode_media, graph_context
+from ..media import DecodedMedia, context_tokens, decode_media, encode_media, graph_context
+from ..media_options import Media
 from ..modeling.images import anyres_tiles, prepare_pictures
 from ..processing import load_image_processor, load_tokenizer
 from ..prompts import Prompt, as_prompt, prompt_ids

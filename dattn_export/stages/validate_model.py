@@ -17,7 +17,8 @@ import torch
 from ..artifacts import dtype_name
 from ..checkpoints.source import build_model, open_source
 from ..demo_model import demo_prompt
-from ..media import Media, context_tokens, decode_media, encode_media
+from ..media import context_tokens, decode_media, encode_media
+from ..media_options import Media
 from ..plugins.torch_op import model_op
 from ..processing import load_tokenizer
 from ..prompts import Prompt, as_prompt, prompt_ids
@@ -37,10 +38,9 @@ def validate_model(folder: Path, device: str = "cpu", steps: int = 20, prompt: s
     source = open_source(folder)
     config = source.config
     media = media or Media()
-    prompt = as_prompt(prompt) if prompt else None
-    media.check(config, prompt)  # the demo's prompt is about the default media, which is not given
+    media.check(config)  # a prompt is asked about the default media where none is given
     tokenizer = load_tokenizer(folder, config)
-    prompt = prompt or demo_prompt(config.modality, tokenizer)
+    prompt = as_prompt(prompt) if prompt else demo_prompt(config.modality, tokenizer)
     decoded = decode_media(media, folder, config, [prompt]) if media.given else default_media(folder, config)
     text = prompt.text_for(tokenizer, config.family, media=True, length=decoded.duration)
     dtype = gpu_dtype(source)

@@ -212,7 +212,8 @@ def hour_rows(sizes: Deployment, device: str) -> list[dict]:
     import torch
 
     from dattn_export.checkpoints.source import build_model, open_source
-    from dattn_export.media import Media, context_tokens, decode_media, encode_media
+    from dattn_export.media import context_tokens, decode_media, encode_media
+    from dattn_export.media_options import Media
     from dattn_export.plugins.torch_op import model_op
     from dattn_export.processing import load_tokenizer
     from dattn_export.prompts import prompt_ids
