@@ -126,7 +126,7 @@ def command_run(*arguments: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 def generate(folder: Path, backend: str, video: Path) -> dict:
     """One `generate` run: wall seconds, peak RSS (GiB), tokens and generated ids."""
-    arguments = ("--backend", backend, "--video", str(video), "--prompt", PROMPT, "--max-new-tokens", "4")
+    arguments = ("--backend", backend, "--video", str(video), "--raw-prompt", PROMPT, "--max-new-tokens", "4")
     run, measured = command_run("generate", str(folder), *arguments)
     if "error" in measured:
         return measured
