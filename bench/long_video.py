@@ -62,7 +62,7 @@ VLLM_RUNS = {
     "serve TP1": ("serve", 1),
     "serve TP2": ("serve", 2),
 }
-PROMPT = "USER: <video>\nDuring which time segments in the video can we see a clock?\nASSISTANT:"
+QUESTION = "During which time segments in the video can we see a clock?"  # asked through the chat template
 
 
 ENCODINGS = {  # a preset's x264 options
@@ -126,7 +126,7 @@ def command_run(*arguments: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 def generate(folder: Path, backend: str, video: Path) -> dict:
     """One `generate` run: wall seconds, peak RSS (GiB), tokens and generated ids."""
-    arguments = ("--backend", backend, "--video", str(video), "--raw-prompt", PROMPT, "--max-new-tokens", "4")
+    arguments = ("--backend", backend, "--video", str(video), "--prompt", QUESTION, "--max-new-tokens", "4")
     run, measured = command_run("generate", str(folder), *arguments)
     if "error" in measured:
         return measured
@@ -150,10 +150,12 @@ def validate(folder: Path, video: Path) -> dict:
 
 
 def vllm_engine_run(folder: Path, video: Path, tensor_parallel: int, out: Path) -> None:
-    """In a process of its own: one vLLM engine answers PROMPT about `video` (decoded as `generate` decodes it)."""
+    """In a process of its own: one vLLM engine answers QUESTION about `video` (decoded as `generate` decodes it),
+    asked through the chat template as `generate --prompt` asks it."""
     from vllm import LLM, SamplingParams
 
-    from dattn_export.processing import load_audio_processor
+    from dattn_export.processing import load_audio_processor, load_tokenizer
+    from dattn_export.prompts import Prompt
     from dattn_export.vllm_plugin.video import encoder_token_budget
 
     config = folder_config(folder)
@@ -171,7 +173,9 @@ def vllm_engine_run(folder: Path, video: Path, tensor_parallel: int, out: Path) 
         ),
     )
     start = time.perf_counter()
-    request = {"prompt": PROMPT, "multi_modal_data": {"video": (frames, {"audio": decoded.samples})}}
+    tokenizer = load_tokenizer(folder, config)
+    text = Prompt(QUESTION).text_for(tokenizer, config.family, media=True)
+    request = {"prompt": text, "multi_modal_data": {"video": (frames, {"audio": decoded.samples})}}
     (answer,) = llm.generate([request], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     seconds = time.perf_counter() - start
     out.write_text(json.dumps({"seconds": seconds, "ids": str(list(answer.outputs[0].token_ids))}))
@@ -179,7 +183,7 @@ def vllm_engine_run(folder: Path, video: Path, tensor_parallel: int, out: Path) 
 
 
 def vllm_run(converted: Path, video: Path, mode: str, tensor_parallel: int, frames: int, work: Path) -> dict:
-    """PROMPT about `video` (`frames` at 1 frame/s) under vLLM: the offline engine in a process of its own, or
+    """QUESTION about `video` (`frames` at 1 frame/s) under vLLM: the offline engine in a process of its own, or
     `dattn-export serve` on loopback asked in a chat request that names the file -> seconds to the answer and its
     token ids."""
     from dattn_export.stages.serve import cpu_environment
@@ -200,7 +204,7 @@ def vllm_run(converted: Path, video: Path, mode: str, tensor_parallel: int, fram
                "--allowed-local-media-path", str(video.resolve().parent))  # fmt: skip
     with served(converted, None, *options, kv_cache_gib="4", log=log) as (client, model):
         media = {"type": "video_url", "video_url": {"url": video.resolve().as_uri()}}
-        message = {"role": "user", "content": [{"type": "text", "text": PROMPT}, media]}
+        message = {"role": "user", "content": [{"type": "text", "text": QUESTION}, media]}
         start = time.perf_counter()
         reply = client.chat.completions.create(
             model=model, messages=[message], max_tokens=4, temperature=0, logprobs=True,
