@@ -45,12 +45,12 @@ import imageio_ffmpeg
 import numpy as np
 
 from dattn_export.checkpoints.source import folder_config
-from dattn_export.decoding.files import FileBytes
-from dattn_export.decoding.video import load_video
 from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.media import decode_media
 from dattn_export.media_options import Media
 from dattn_export.modeling.families import FAMILIES
+from dattn_export.modeling.media_files import FileBytes
+from dattn_export.modeling.video_decoding import load_video
 from dattn_export.processing import frame_square
 from dattn_export.stages.convert import convert
 from dattn_export.stages.onnx_export import export_onnx

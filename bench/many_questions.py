@@ -50,11 +50,11 @@ from pathlib import Path
 import numpy as np
 
 from dattn_export.checkpoints.source import folder_config
-from dattn_export.decoding.sound import AUDIO_RATE
 from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.media import decode_media
 from dattn_export.media_options import Media
 from dattn_export.modeling.families import FAMILIES
+from dattn_export.modeling.sound_decoding import AUDIO_RATE
 from dattn_export.processing import load_audio_processor
 from dattn_export.stages.convert import convert
 from dattn_export.stages.generate import run_prompts, run_prompts_graphs

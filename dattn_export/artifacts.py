@@ -41,15 +41,9 @@ CARRIED_FILES = (
     "processor_config.json",
 )
 MODELING_DIR = Path(__file__).parent / "modeling"
-REMOTE_CODE = (
-    "configuration_dattn.py",
-    "modeling_dattn.py",
-    "context.py",
-    "attention.py",
-    "images.py",
-    "families.py",
-    "streams.py",
-)  # so OUT loads with trust_remote_code
+# the model's code a Hub repo ships (modeling/, every module but the package's own), so OUT loads with
+# trust_remote_code=True: the configs, the model, its processor and the media decoders they use
+REMOTE_CODE = tuple(sorted(path.name for path in MODELING_DIR.glob("*.py") if path.name != "__init__.py"))
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,14 @@ from transformers import CLIPVisionConfig, PreTrainedTokenizerFast, SiglipVision
 from .checkpoints.released import OWN_KEYS, released_config
 from .checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
 from .checkpoints.source import saved_state_dict
-from .decoding.sound import AUDIO_RATE
 from .modeling.families import DEFAULT_FAMILY, FAMILIES
+from .modeling.marked_prompts import MEDIA_MARKERS
 from .modeling.modeling_dattn import MODEL_CLASSES
+from .modeling.processing_dattn import default_audio_processor
+from .modeling.sound_decoding import AUDIO_RATE
 from .presets import randomize_weights, tiny_config
-from .processing import IMAGE_PROCESSORS, default_audio_processor
-from .prompts import MEDIA_MARKERS, Prompt
+from .processing import IMAGE_PROCESSORS
+from .prompts import Prompt
 
 DEMO_QUESTIONS = {  # by what the model takes (its modality)
     "image": "Describe the image in one sentence.",

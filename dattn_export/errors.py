@@ -69,8 +69,12 @@ def from_os_error(error: OSError, fallback: str | Path = "") -> DattnError:
 
 def one_line(error: BaseException) -> tuple[int, str]:
     """The exit code and the line for any exception (the one table the CLI uses)."""
+    from .modeling.media_files import MediaError  # the decoders a Hub repo ships raise it: a file of the user's
+
     if isinstance(error, DattnError):
         return error.exit_code, str(error)
+    if isinstance(error, MediaError):
+        return INPUT, str(error)
     if isinstance(error, KeyboardInterrupt):
         return INTERRUPTED, "interrupted: nothing was left half-written"
     if isinstance(error, MemoryError):

@@ -12,14 +12,17 @@ from pathlib import Path
 import numpy as np
 
 from .answers import time_ranges
-from .decoding.files import load_frame_folder, media_duration, open_image
-from .decoding.sound import AUDIO_RATE, load_audio
-from .decoding.video import load_video
+from .decoding.files import load_frame_folder, open_image
 from .media_options import Media
 from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
+from .modeling.marked_prompts import media_marker
+from .modeling.media_files import media_duration
+from .modeling.processing_dattn import audio_features
+from .modeling.sound_decoding import AUDIO_RATE, load_audio
 from .modeling.streams import AUDIO
-from .processing import audio_features, frame_square, load_audio_processor, load_image_processor
-from .prompts import Prompt, media_marker
+from .modeling.video_decoding import load_video
+from .processing import frame_square, load_audio_processor, load_image_processor
+from .prompts import Prompt
 from .ui import err, stage
 
 UNMARKED = (

@@ -9,8 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from .errors import InputError
+from .modeling.marked_prompts import media_marker
 from .modeling.streams import streams_of
-from .prompts import Prompt, media_marker
+from .prompts import Prompt
 from .sidefiles import read_json
 
 MEDIA_OPTIONS = {"images": "--image", "video": "--video", "frames": "--frames", "audio": "--audio"}  # Media's fields

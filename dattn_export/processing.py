@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProcessorPil, WhisperFeatureExtractor
@@ -15,9 +15,11 @@ from .checkpoints.towers import tower_folder
 from .decoding.files import open_image
 from .errors import InputError
 from .modeling.images import anyres_tiles, prepare_pictures, squared, tower_side
+from .modeling.processing_dattn import default_audio_processor
 from .sidefiles import read_json, reading
 
 PROCESSOR_FILE = "preprocessor_config.json"
+PROCESSOR_CLASS = "processing_dattn.DAttnProcessor"  # AutoProcessor's (modeling/processing_dattn.py, shipped)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -51,6 +53,15 @@ def load_image_processor(folder: Path, config):
         return processor_class.from_pretrained(str(found), local_files_only=True)
     size = config.vision_config["image_size"]
     return processor_class(size={"height": size, "width": size}, do_center_crop=False)
+
+
+def save_processor_files(out: Path, folder: Path, config) -> None:
+    """What AutoProcessor loads a converted folder's processor from: processor_config.json naming the shipped class,
+    and the image processor's preprocessor_config.json where the checkpoint carried none (its tower's defaults)."""
+    if not (Path(out) / PROCESSOR_FILE).is_file():
+        load_image_processor(folder, config).save_pretrained(str(out))
+    fields = {"processor_class": PROCESSOR_CLASS.split(".")[1], "auto_map": {"AutoProcessor": PROCESSOR_CLASS}}
+    (Path(out) / "processor_config.json").write_text(json.dumps(fields, indent=2) + "\n")
 
 
 def load_images(paths: list[Path], config, image_processor) -> torch.Tensor:
@@ -110,16 +121,3 @@ def load_audio_processor(folder: Path, config) -> WhisperFeatureExtractor:
     if found is not None and (found / PROCESSOR_FILE).is_file():
         return WhisperFeatureExtractor.from_pretrained(str(found), local_files_only=True)
     return default_audio_processor(config.audio_config)
-
-
-def default_audio_processor(audio_config: dict) -> WhisperFeatureExtractor:
-    hop = WhisperFeatureExtractor().n_samples // (2 * audio_config["max_source_positions"])
-    return WhisperFeatureExtractor(feature_size=audio_config["num_mel_bins"], hop_length=hop)
-
-
-def audio_features(samples: np.ndarray, extractor) -> tuple[torch.Tensor, int]:
-    """(chunks, mel bins, chunk frames) log-mel features of 30 s chunks and the real mel frames in all
-    (process_audio; its `num_frames`, which transformers 4.x returned: each chunk's samples // hop length)."""
-    chunks = [samples[i : i + extractor.n_samples] for i in range(0, len(samples), extractor.n_samples)]
-    features = extractor(chunks, sampling_rate=extractor.sampling_rate, return_tensors="pt")
-    return features.input_features, sum(len(chunk) // extractor.hop_length for chunk in chunks)

@@ -6,32 +6,11 @@ torch is imported."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError
-
-MEDIA_MARKERS = ("<image>", "<video>")  # where a prompt says its picture or video sits: text, cut out of the ids
-
-
-def media_marker(prompt: str) -> str | None:
-    """The media marker the prompt names (the first of MEDIA_MARKERS it holds), or None."""
-    return next((marker for marker in MEDIA_MARKERS if marker in prompt), None)
-
-
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt's token ids as the released code makes them (Vidi's `tokenizer_image_token`, then its model's
-    multimodal input preparation): the text before the media marker with the tokenizer's special tokens, each piece
-    after one without, and the marker itself, which stands for the media's own stream, cut out. The released models
-    were trained on `<image>` and a newline before the question (Vidi's one marker, for a picture or a video;
-    `<video>` reads the same here)."""
-    first, *rest = re.split("|".join(map(re.escape, MEDIA_MARKERS)), prompt)
-    ids = tokenizer(first)["input_ids"]
-    for piece in rest:
-        ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
-    return ids
-
+from .modeling.marked_prompts import MEDIA_MARKERS, media_marker
 
 QUERY_WITHOUT_VIDEO = "asks when something happens in a video file: pass it with --video"
 

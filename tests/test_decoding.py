@@ -4,87 +4,19 @@ indices (every round(average rate)-th frame), samples as the ffmpeg command line
 static build of imageio-ffmpeg) in the containers, codecs, rates and layouts that cameras, phones and editors
 write."""
 
-import re
-import subprocess
-
 import numpy as np
 import pytest
+from helpers import released_media as released
+from helpers.released_media import FILES, H264, ROTATIONS, SOUND, SOURCE, ffmpeg, make
 
-from dattn_export.decoding import video as decoding
-from dattn_export.decoding.files import FileBytes, media_duration
-from dattn_export.decoding.sound import AUDIO_RATE, load_audio
-from dattn_export.decoding.video import load_video
-
-decord = pytest.importorskip("decord", reason="decord, the released decoder, is in the test extra")
-imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg", reason="the ffmpeg command line is in the test extra")
-
-SOURCE = ["-f", "lavfi", "-i", "testsrc2=size=160x90:rate={rate}"]
-SOUND = ["-f", "lavfi", "-i", "sine=frequency=440:sample_rate={hz}", "-ac", "{channels}"]
-H264 = ["-c:v", "libx264", "-pix_fmt", "yuv420p"]
-VP9 = ["-c:v", "libvpx-vp9", "-deadline", "realtime"]
-BT709 = ["-colorspace", "bt709", "-color_primaries", "bt709", "-color_trc", "bt709"]
-
-# name: (file, what ffmpeg is given, frame rate, sound: (rate, channels) or None)
-FILES = {
-    "mp4, h264 + stereo AAC 44.1 kHz": ("a.mp4", [*H264, "-c:a", "aac"], "30", (44100, 2)),
-    "29.97 fps (NTSC), AAC 48 kHz": ("ntsc.mp4", [*H264, "-c:a", "aac"], "30000/1001", (48000, 2)),
-    "webm, vp9 + opus": ("a.webm", [*VP9, "-c:a", "libopus"], "25", (48000, 2)),
-    "mkv, h264 + flac": ("a.mkv", [*H264, "-c:a", "flac"], "24", (44100, 1)),
-    "avi, mpeg4 + mp3": ("a.avi", ["-c:v", "mpeg4", "-c:a", "libmp3lame"], "25", (44100, 2)),
-    "mov, no sound track": ("a.mov", H264, "30", None),
-    "HD bt709": ("hd.mp4", [*H264, *BT709], "30", None),
-    # the first 2 s at 30 fps, then frames 2/30 s apart: an average rate (20.3) that is no frame's own
-    "variable frame rate": (
-        "vfr.mp4",
-        [*H264, "-vf", "setpts='if(lt(N,60),N,60+2*(N-60))/30/TB'", "-fps_mode", "vfr", "-c:a", "aac"],
-        "30",
-        (44100, 1),
-    ),
-}  # fmt: skip
-# a phone's portrait video: stored landscape, with a display matrix that turns it (the metadata alone is rewritten)
-ROTATIONS = {
-    "rotate 90": ["-display_rotation", "90"],
-    "rotate -90": ["-display_rotation", "-90"],
-    "rotate 180": ["-display_rotation", "180"],
-    "rotate 90, mirrored": ["-display_rotation", "90", "-display_hflip"],
-}
-
-
-def ffmpeg(*args) -> bytes:
-    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-v", "error", "-y", *map(str, args)]
-    return subprocess.run(command, capture_output=True, check=True).stdout
-
-
-def make(folder, name: str):
-    file, codecs, rate, sound = FILES[name]
-    inputs = [arg.format(rate=rate) for arg in SOURCE]
-    if sound:
-        inputs += [arg.format(hz=sound[0], channels=sound[1]) for arg in SOUND]
-    ffmpeg(*inputs, "-t", 5, *codecs, folder / file)
-    return folder / file
-
-
-def released_frames(path) -> np.ndarray:
-    """bytedance/vidi `vid_utils.load_video(file)` at fps 1, before its PIL conversion (an RGB no-op)."""
-    reader = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=0)
-    return reader.get_batch(list(range(0, len(reader), round(reader.get_avg_fps() / 1.0)))).asnumpy()
-
-
-def released_samples(path) -> np.ndarray:
-    """bytedance/vidi `vid_utils.load_audio(file)`: the ffmpeg command line's 16-bit mono at 16 kHz, / 32768."""
-    out = ffmpeg("-threads", 0, "-i", path, "-f", "s16le", "-ac", 1, "-acodec", "pcm_s16le", "-ar", AUDIO_RATE, "-")
-    return np.frombuffer(out, np.int16).astype(np.float32) / 32768.0
-
-
-def ffprobe_duration(path) -> float:
-    """The container's duration as the ffmpeg command line reports it (ffprobe's format=duration, to 1/100 s)."""
-    run = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-i", str(path)], capture_output=True, text=True)
-    hours, minutes, seconds = re.search(r"Duration: (\d+):(\d+):([\d.]+)", run.stderr).groups()
-    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+from dattn_export.modeling import video_decoding as decoding
+from dattn_export.modeling.media_files import FileBytes, media_duration
+from dattn_export.modeling.sound_decoding import AUDIO_RATE, load_audio
+from dattn_export.modeling.video_decoding import load_video
 
 
 def assert_frames_equal(path):
-    expected = released_frames(path)
+    expected = released.released_frames(path)
     ours = np.stack([np.asarray(frame) for frame in load_video(path)[0]])
     assert ours.shape == expected.shape and np.array_equal(ours, expected)
     return ours
@@ -95,12 +27,12 @@ def test_frames_and_samples_are_the_released_decoder_s(tmp_path, name):
     path = make(tmp_path, name)
     frames = assert_frames_equal(path)
     assert len(frames) == 5 and frames.std() > 10  # 5 s at 1 frame/s, and pictures, not a blank
-    assert abs(media_duration(path) - ffprobe_duration(path)) <= 0.005  # the time ranges' length
+    assert abs(media_duration(path) - released.ffprobe_duration(path)) <= 0.005  # the time ranges' length
     _, sound = load_video(path)  # the sound track in the frames' pass, and alone (as an --audio file is read)
     if FILES[name][3] is None:
         assert sound is None and load_audio(path, missing_ok=True) is None
         return
-    expected = released_samples(path)
+    expected = released.released_samples(path)
     assert len(expected) == 5 * AUDIO_RATE or name.startswith("avi")  # mp3's padding: the command keeps it too
     assert np.array_equal(sound, expected) and np.array_equal(load_audio(path), expected)
 
@@ -125,7 +57,7 @@ def test_frames_neither_kept_nor_referenced_are_not_decoded(tmp_path, name, monk
     monkeypatch.setattr(decoding, "decode_video", lambda *a, **k: passes.append(k["ranked"]) or decode(*a, **k))
     monkeypatch.setattr(decoding.FramePicker, "keeps", lambda self, f: decoded.append(f.pts) or keeps(self, f))
     assert_frames_equal(path)
-    assert passes == [True] and len(decoded) < 0.6 * len(decord.VideoReader(str(path)))
+    assert passes == [True] and len(decoded) < 0.6 * len(released.decord.VideoReader(str(path)))
 
 
 # files whose GOPs start with an IDR picture a second (phones, cameras: -g 30 at 30 fps), and one whose key frames are
@@ -163,7 +95,7 @@ def test_frames_after_a_gop_s_last_kept_frame_are_not_decoded(tmp_path, name, mo
     ours = np.stack([np.asarray(frame) for frame in load_video(path)[0]])
     assert ours.shape[0] == 5 and np.array_equal(ours, command_line_frames(path, ours.shape[1:]))
     if file.endswith(".mp4"):  # decord's own frames, decoded in order (its seeks garble an open GOP's frames)
-        reader = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=0)
+        reader = released.decord.VideoReader(str(path), ctx=released.decord.cpu(0), num_threads=0)
         assert np.array_equal(ours, reader.get_batch(list(range(len(reader)))).asnumpy()[::30])
     # one pass over each piece (a kept frame that did not come out would have made it read the file again), decoding
     # the kept frames only; with open GOPs (no IDR picture to cut at: one piece), all but the B-frames not kept
@@ -198,7 +130,7 @@ def test_a_stream_cut_into_pieces_decodes_as_one_pass(tmp_path, name, cores, mon
     assert len(pieces) == cores and [piece.start % 30 for piece in pieces] == [0] * cores
     passes, decode = [], decoding.decode_video
     monkeypatch.setattr(decoding, "decode_video", lambda *a, **k: passes.append(k.get("piece")) or decode(*a, **k))
-    expected_frames, expected_samples = released_frames(path), released_samples(path)
+    expected_frames, expected_samples = released.released_frames(path), released.released_samples(path)
     for source in (path, FileBytes(path.read_bytes(), "the request's video")):  # a file, and its bytes (serve's)
         passes.clear()
         frames, samples = load_video(source)

@@ -450,8 +450,8 @@ def test_prompts_are_tokenized_as_the_released_code_tokenizes_them(tmp_path):
     BOS, the marker (IMAGE_TOKEN_INDEX) then cut out of the text stream by the model. Written out here from that
     code; `<video>` reads the same."""
     from dattn_export.checkpoints.source import open_source
+    from dattn_export.modeling.marked_prompts import prompt_ids
     from dattn_export.processing import load_tokenizer
-    from dattn_export.prompts import prompt_ids
 
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
     tokenizer = load_tokenizer(checkpoint, open_source(checkpoint).config)

@@ -50,7 +50,7 @@ def test_genai_generates_the_reference_tokens(pipeline, tmp_path, family):
             expected = model(full, context_key_values=visual, context_mask=context_mask).logits[0, ids.shape[1] - 1 :]
             assert len(tokens) == 20 and tokens == expected.argmax(-1).tolist()
             assert np.abs(np.stack(logits) - expected.numpy()).max() <= 1e-4
-            reference = model.generate(ids, max_new_tokens=20, context_key_values=visual, context_mask=context_mask)
+            reference = model.greedy(ids, max_new_tokens=20, context_key_values=visual, context_mask=context_mask)
             assert tokens == reference[0].tolist()
 
 

@@ -128,7 +128,7 @@ def test_generate_sees_the_released_pixels(clip_model, tmp_path):
     tokenizer = load_tokenizer(checkpoint, model.config)
     ids = torch.tensor([released_question_ids(tokenizer, model.config.family.name, question)])
     with torch.no_grad():
-        expected = model.generate(
+        expected = model.greedy(
             ids, released_pixels(checkpoint, rule, path), torch.ones_like(ids), max_new_tokens=6, eos_token_id=2
         )
     assert generated == expected[0].tolist()

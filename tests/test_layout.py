@@ -95,7 +95,7 @@ def test_every_stream_has_its_part_on_every_floor():
         "validate.CONTEXT_CHECKS": (validate.CONTEXT_CHECKS, first, "name"),
         "runtime.graph.STREAM_PARTS": (graph.STREAM_PARTS, video, "name"),
         "media_options.MODEL_KINDS": (media_options.MODEL_KINDS, every, "modality"),
-        "push.USAGE_SNIPPETS": (push.USAGE_SNIPPETS, every, "modality"),
+        "push.MEDIA_PARTS": (push.MEDIA_PARTS, every, "modality"),
         "verify.PROBES": (verify.PROBES, every, "modality"),
         "demo_model.DEMO_QUESTIONS": (demo_model.DEMO_QUESTIONS, every, "modality"),
         "demo_model.TOWER_FOLDER_SUFFIX": (demo_model.TOWER_FOLDER_SUFFIX, every, "modality"),

@@ -147,7 +147,7 @@ def test_greedy_generate_matches_argmax_of_full_forward(family):
     model = build_model(family)
     ids, mask = left_padded_batch([6, 4])
     pixels = images(2)
-    generated = model.generate(ids, pixels, mask, max_new_tokens=6)
+    generated = model.greedy(ids, pixels, mask, max_new_tokens=6)
     with torch.no_grad():  # re-derive each token from a full forward over prompt + generated prefix
         for step in range(generated.shape[1]):
             seq = torch.cat([ids, generated[:, :step]], dim=1)

@@ -61,7 +61,7 @@ def test_onnx_runtime_matches_reference(tmp_path, family, mode):
     ids, mask = left_padded_batch([9])
     pixels = images(1, 1)
     visual, context_mask = runtime.encode_images(pixels.numpy())
-    expected = model.generate(ids, pixels, mask, max_new_tokens=20)
+    expected = model.greedy(ids, pixels, mask, max_new_tokens=20)
     got = runtime.generate(ids.numpy(), mask.numpy(), visual, 20, context_mask=context_mask)
     assert got.tolist() == expected.tolist()
 

@@ -74,21 +74,23 @@ FRESH_PROCESS = textwrap.dedent("""
         np.save(out, model(ids, pixels).logits.numpy())
     readme = open(folder + "/README.md").read()
     snippet = readme.split("```python")[1].split("```")[0]
-    snippet = snippet.replace('Image.open("image.png")', 'Image.open(sys.argv[3])')  # a wide RGBA picture
-    exec(snippet)  # the model card's usage snippet, as written
+    exec(snippet.replace("picture.jpg", sys.argv[3]))  # the model card's usage, as written: a wide RGBA picture
 
-    # the usage's preparation is the released one under every rule (the helper imports no dattn_export)
+    # the processor's pixels are the released ones under every rule (the helper imports no dattn_export)
     sys.path.insert(0, sys.argv[4])
     from released_images import open_picture, process_images, with_output_size
     from types import SimpleNamespace
-    released = with_output_size(processor)
+    from PIL import Image
+    image, released = Image.open(sys.argv[3]).convert("RGB"), with_output_size(processor.image_processor)
     side, points = released.output_size, [[1, 2], [2, 1], [2, 2]]
     for rule in ("resize", "pad", "crop", "anyres"):
-        model.config.mm_image_aspect_ratio, model.config.mm_image_grid_points = rule, points
+        for config in (model.config, processor.model_config):
+            config.mm_image_aspect_ratio, config.mm_image_grid_points = rule, points
         cfg = SimpleNamespace(mm_image_aspect_ratio=rule, mm_image_grid_res=[[c * side, r * side] for c, r in points])
         pixels = process_images([open_picture(sys.argv[3])], released, cfg)
         with torch.no_grad():
-            got, _ = model.model.encode_pictures([image], processor)
+            inputs = processor(text="<image>", images=image, return_tensors="pt")
+            got, _ = model.model.encode_inputs(**{k: v for k, v in inputs.items() if k.startswith(("pixel", "image"))})
             if rule == "anyres":
                 expected, _ = model.model.encode_anyres([pixels[0]], [image.size])
             else:
@@ -178,7 +180,8 @@ def test_push_then_load_with_transformers_in_a_fresh_process(converted, hub, tmp
     assert (
         "| tensors reload | ok |" in card.text
         and "trust_remote_code=True" in card.text
-        and repr("<image>\n" + DEMO_QUESTIONS["image"]) in card.text  # asked the released way, the marker first
+        and json.dumps(DEMO_QUESTIONS["image"]) in card.text  # asked through the chat template, as the released way
+        and "AutoProcessor.from_pretrained(repo, trust_remote_code=True)" in card.text
     )
 
 

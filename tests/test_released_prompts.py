@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from helpers.cli import run_cli
 
-from dattn_export.decoding.files import media_duration
 from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.modeling.families import FAMILIES
+from dattn_export.modeling.marked_prompts import prompt_ids
+from dattn_export.modeling.media_files import media_duration
 from dattn_export.processing import load_tokenizer
-from dattn_export.prompts import Prompt, prompt_ids
+from dattn_export.prompts import Prompt
 
 FIXTURES = Path(__file__).parent / "fixtures" / "released_prompts"
 IMAGE_TOKEN_INDEX = -200  # the released code's stand-in for the media in the ids; D-Attn keeps the media out of them

@@ -48,7 +48,7 @@ def test_static_decoding_gives_the_dynamic_cache_s_tokens_and_logits(name):
     model = MODELS[name]()
     context = context_of(model)
     ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
-    expected = model.generate(ids, max_new_tokens=12, **context)[0].tolist()
+    expected = model.greedy(ids, max_new_tokens=12, **context)[0].tolist()
     decoded = static_generate(model, ids, 12, keep_logits=True, **context)
     assert decoded.tokens == [expected]
     for got, want in zip(decoded.step_logits, dynamic_logits(model, ids, expected, context), strict=True):
@@ -62,7 +62,7 @@ def test_a_left_padded_batch_decodes_as_each_prompt_alone():
     context = context_of(model)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, model.config.vocab_size, (1, n), generator=g) for n in (9, 6)]
-    alone = [model.generate(p, max_new_tokens=8, **context)[0].tolist() for p in prompts]
+    alone = [model.greedy(p, max_new_tokens=8, **context)[0].tolist() for p in prompts]
     batch = torch.zeros(2, 9, dtype=torch.long)
     batch[0], batch[1, 3:] = prompts[0][0], prompts[1][0]
     padded = static_batch(model, batch, torch.tensor([[1] * 9, [0] * 3 + [1] * 6]), context)

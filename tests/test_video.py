@@ -263,7 +263,7 @@ def test_generate_reads_a_video_file(tmp_path, family):
             model.model.encode_video([pixels]), model.model.encode_audio([mels], [mel_frames])
         )
         prompt = load_tokenizer(folder, model.config)("what happens", return_tensors="pt")
-        expected = model.generate(
+        expected = model.greedy(
             prompt["input_ids"], max_new_tokens=6, context_key_values=context, context_mask=segments, eos_token_id=2
         )
     assert result.generated_ids == expected[0].tolist()

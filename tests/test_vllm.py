@@ -42,13 +42,15 @@ from helpers.vllm_requests import (
 from PIL import Image
 
 from dattn_export.checkpoints.source import folder_config, load_model
-from dattn_export.decoding.files import media_duration
 from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.media import DecodedMedia, decode_media, encode_media
 from dattn_export.media_options import Media
+from dattn_export.modeling.marked_prompts import prompt_ids
+from dattn_export.modeling.media_files import media_duration
+from dattn_export.modeling.processing_dattn import audio_features
 from dattn_export.modeling.streams import TILES
-from dattn_export.processing import audio_features, load_audio_processor, load_image_processor, load_tokenizer
-from dattn_export.prompts import Prompt, prompt_ids
+from dattn_export.processing import load_audio_processor, load_image_processor, load_tokenizer
+from dattn_export.prompts import Prompt
 from dattn_export.stages.convert import convert
 from dattn_export.vllm_plugin.video import DEFAULT_MAX_FRAMES, longest_sound_track, max_video_frames
 
@@ -690,8 +692,8 @@ def test_video_loader_keeps_the_sound_track_and_others_are_refused(tmp_path):
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
 
     import dattn_export.vllm_plugin.media  # noqa: F401  (registers the loader, as the plugin does)
-    from dattn_export.decoding.files import tower_square
-    from dattn_export.decoding.video import load_video
+    from dattn_export.modeling.media_files import tower_square
+    from dattn_export.modeling.video_decoding import load_video
     from dattn_export.vllm_plugin.processor import sound_track
 
     frames, samples = request_video(4)

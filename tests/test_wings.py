@@ -181,7 +181,7 @@ def test_incremental_decoding_equals_full_forward(family, mode):
             )
             pieces.append(step.logits)
         assert [len(layer) for layer in step.past_key_values] == [4, 2, 4]
-        tokens = model.generate(ids, pixels, mask, max_new_tokens=8)
+        tokens = model.greedy(ids, pixels, mask, max_new_tokens=8)
         # generation re-run one token at a time through the full forward: the same tokens
         running, running_mask = ids, mask
         for _ in range(8):

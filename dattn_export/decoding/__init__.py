@@ -1,2 +1,2 @@
-"""Reading media as the released code reads it, with PyAV: files (`files`), a video's frames (`video`, cutting H.264
-and HEVC streams with `nal`'s syntax), its sound track (`sound`)."""
+"""Pictures and folders of frames as the released code opens them (`files`); video and audio files are read by the
+code a Hub repo ships (`modeling/video_decoding.py`, `modeling/sound_decoding.py`)."""

@@ -432,6 +432,35 @@ class ContextCaches:
         """Every layer's visual K/V for the images, and the visual mask that goes with them."""
         return self.stream_caches(self.embed_images(pixel_values), self.image_mask(pixel_values))
 
+    def encode_inputs(
+        self,
+        pixel_values: Tensor | None = None,
+        image_sizes: Tensor | None = None,
+        pixel_values_videos: Tensor | None = None,
+        video_frames: Tensor | None = None,
+        input_features: Tensor | None = None,
+        audio_mel_frames: Tensor | None = None,
+    ) -> tuple[list[KV] | None, Tensor | None]:
+        """The processor's media (processing_dattn.py, MEDIA_INPUTS) as one context, its every-layer K/V and each
+        key's segment, (None, None) without media: computed once, it serves any question about them
+        (`generate(..., context_key_values=, context_mask=)`). Each prompt's zero padding is cut off first: an
+        anyres picture's tiles past its tiling, a video's frames past its count, sound chunks past its length."""
+        contexts = []
+        if pixel_values is not None and image_sizes is not None:
+            sizes = [tuple(size) for size in image_sizes.tolist()]
+            grid_points, tile = self.config.mm_image_grid_points, self.config.vision_config["image_size"]
+            tilings = [anyres_grid(size, grid_points, tile) for size in sizes]
+            contexts.append(self.encode_anyres([t[: 1 + c * r] for t, (c, r) in zip(pixel_values, tilings)], sizes))
+        elif pixel_values is not None:
+            contexts.append(self.encode_images(pixel_values))
+        if pixel_values_videos is not None:
+            contexts.append(self.encode_video([v[:n] for v, n in zip(pixel_values_videos, video_frames.tolist())]))
+        if input_features is not None:
+            lengths, chunk = audio_mel_frames.tolist(), input_features.shape[-1]
+            chunks = [f[: max(1, -(-n // chunk))] for f, n in zip(input_features, lengths)]
+            contexts.append(self.encode_audio(chunks, lengths))
+        return self.join_contexts(*contexts) if contexts else (None, None)
+
     def encode_context(self, context_embeds: Tensor, context_mask: Tensor | None = None) -> list[KV]:
         """Every layer's K/V of a context stream: a function of the stream alone, reusable for any prompt. With
         diagonal V2V a token's K/V depend on that token alone, so long streams (videos) run through the layers in

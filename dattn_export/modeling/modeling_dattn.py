@@ -42,6 +42,7 @@ from .attention import causal_mask, dattn_op, decomposed_attention, segment_shar
 from .configuration_dattn import CONFIG_CLASSES
 from .context import KV, ContextCaches, ContextStreams, MMRMSNorm
 from .families import FAMILIES, Family
+from .generation import DAttnGenerationMixin
 
 
 class StaticKV(tuple):
@@ -434,7 +435,11 @@ class DAttnOutput(ModelOutput):
         return self.cache
 
 
-class DAttnForCausalLM(DAttnPreTrainedModel):
+class DAttnForCausalLM(DAttnPreTrainedModel, DAttnGenerationMixin):
+    """The model; config.json's auto_map registers it for AutoModelForCausalLM and AutoModelForImageTextToText: it
+    takes the processor's output as it is (`processing_dattn.py`), `model.generate(**inputs)`, and the
+    image-text-to-text pipeline."""
+
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config):
@@ -453,13 +458,15 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
         context_key_values: list[KV] | None = None,
         context_mask: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        **media: Tensor | None,
     ) -> DAttnOutput:
-        """Logits for the text tokens. Images come as `pixel_values` (B, images, 3, H, W), or as the
-        `context_key_values` an earlier call returned; a video model's frames and audio as one context, the K/V and
-        segment ids that `model.join_contexts` makes of `model.encode_video`'s and `model.encode_audio`'s."""
-        if pixel_values is not None and context_key_values is None:
-            context_key_values, image_mask = self.model.encode_images(pixel_values)
-            context_mask = image_mask if context_mask is None else context_mask.bool() & image_mask
+        """Logits for the text tokens. The media come as the processor gives them (`pixel_values` (B, images, 3, H,
+        W), and `media`: an anyres picture's `image_sizes`, a video's `pixel_values_videos` and `video_frames`,
+        sound as `input_features` and `audio_mel_frames`), or as the `context_key_values` and `context_mask` an
+        earlier call returned (or `model.encode_inputs` made): the context's K/V are a function of the media alone."""
+        if context_key_values is None and (pixel_values is not None or any(v is not None for v in media.values())):
+            context_key_values, media_mask = self.model.encode_inputs(pixel_values, **media)
+            context_mask = media_mask if context_mask is None else media_mask * context_mask.bool()
         hidden, present = self.model(
             input_ids,
             inputs_embeds,
@@ -479,39 +486,6 @@ class DAttnForCausalLM(DAttnPreTrainedModel):
             context_key_values=context_key_values,
             context_mask=context_mask,
         )
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: Tensor,
-        pixel_values: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        max_new_tokens: int = 20,
-        context_key_values: list[KV] | None = None,
-        eos_token_id: int | None = None,
-        context_mask: Tensor | None = None,
-    ) -> Tensor:
-        """Greedy decoding with the text KV cache; the context's K/V (an image's, a video's frames and audio) are
-        computed once (or reused)."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        streams = dict(context_key_values=context_key_values, context_mask=context_mask)
-        out = self(input_ids, pixel_values, attention_mask, **streams)
-        tokens = []
-        for step in range(max_new_tokens):
-            next_token = out.logits[:, -1].argmax(-1, keepdim=True)
-            tokens.append(next_token)
-            if step == max_new_tokens - 1 or (eos_token_id is not None and (next_token == eos_token_id).all()):
-                break
-            attention_mask = torch.cat([attention_mask, torch.ones_like(next_token)], dim=1)
-            out = self(
-                next_token,
-                attention_mask=attention_mask,
-                past_key_values=out.past_key_values,
-                context_key_values=out.context_key_values,
-                context_mask=out.context_mask,
-            )
-        return torch.cat(tokens, dim=1)
 
 
 def model_class(family: Family) -> type:

@@ -185,6 +185,12 @@ AUDIO = AudioStream(
     "audio", 2, "mm_aud", "audio", "30 s log-mel chunk", 16, units_per_token="mel_frames_per_audio_token"
 )
 
+# the media inputs the processor gives (processing_dattn.py) and the model's forward and generate take: pictures (and
+# an anyres picture's size), a video's frames and their count, its sound's log-mel chunks and their length
+MEDIA_INPUTS = (
+    "pixel_values", "image_sizes", "pixel_values_videos", "video_frames", "input_features", "audio_mel_frames"
+)  # fmt: skip
+
 STREAMS = {"image": (IMAGE,), "video": (FRAMES, AUDIO)}  # by input type (mm_input_type), in the context's order
 
 

@@ -6,7 +6,7 @@ The prompt is prefilled as the reference prefills it, then copied into the buffe
 K/V at its slot (`modeling_dattn.StaticKV`), and the attention reads every slot, the attention mask marking those
 written. The op measures a sliding window from the last slot of its keys, which is not the token's in a buffer, so
 the window is folded into the mask instead (`windowed`). The same ops on the same values as the dynamic cache's
-decoding: tests/test_static_decode.py holds the tokens and every step's logits to `generate`'s."""
+decoding: tests/test_static_decode.py holds the tokens and every step's logits to `greedy`'s."""
 
 from __future__ import annotations
 
@@ -59,10 +59,10 @@ def static_generate(model, input_ids: Tensor, max_new_tokens: int, context_key_v
     """Greedy decoding of `input_ids` (B, T; `attention_mask` marks a left-padded batch's tokens) with `op` as every
     attention (the reference's math by default; the Triton kernel on a GPU), the decode steps in fixed-size buffers
     and, with `cuda_graph`, replayed from one capture. The context (`context_key_values`, `context_mask`, as
-    `generate` takes them) stays where it is: made once. `forced`: the tokens to feed (a batch of one), teacher
+    `greedy` takes them) stays where it is: made once. `forced`: the tokens to feed (a batch of one), teacher
     forcing in place of the greedy choice, to compare each step's logits with another model's on the same tokens."""
     if model.config.wings_rank:
-        raise ValueError("static decoding does not take WINGS learners (their cache grows): decode with `generate`")
+        raise ValueError("static decoding does not take WINGS learners (their cache grows): decode with `greedy`")
     batch, prompt = input_ids.shape
     length, device = prompt + max_new_tokens, input_ids.device
     context = dict(context_key_values=context_key_values, context_mask=context_mask)

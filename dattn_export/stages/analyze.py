@@ -27,10 +27,11 @@ from ..folders import check_output
 from ..media import decode_media, encode_media
 from ..media_options import Media
 from ..modeling.attention import dattn_op, segment_shares
+from ..modeling.marked_prompts import media_marker, prompt_ids
 from ..modeling.streams import AUDIO
 from ..plugins.contract import using_op
 from ..processing import load_tokenizer
-from ..prompts import PROMPT_KINDS, Prompt, as_prompt, media_marker, prompt_ids
+from ..prompts import PROMPT_KINDS, Prompt, as_prompt
 
 PLOT_SIZE = {"visual_mass.png": (1200, 600), "laws.png": (900, 500)}  # pixels, at 100 dpi
 

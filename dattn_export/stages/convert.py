@@ -42,6 +42,7 @@ from ..checkpoints.safetensors_writer import (
 from ..checkpoints.source import Source, open_source, tied_names
 from ..errors import InputError
 from ..modeling.modeling_dattn import MODEL_CLASSES
+from ..processing import PROCESSOR_CLASS, save_processor_files
 from ..ui import quiet
 
 SIZE_UNITS = {
@@ -93,6 +94,8 @@ def output_config(source: Source, dtype: torch.dtype) -> dict:
         auto_map={
             "AutoConfig": f"configuration_dattn.{config.__class__.__name__}",
             "AutoModelForCausalLM": f"modeling_dattn.{model_class.__name__}",
+            "AutoModelForImageTextToText": f"modeling_dattn.{model_class.__name__}",
+            "AutoProcessor": PROCESSOR_CLASS,
         },
         dtype=dtype_name(dtype),
         torch_dtype=dtype_name(dtype),  # the key transformers 4.x reads
@@ -146,6 +149,7 @@ def convert(
             writing = time.perf_counter() - writing
         (tmp / "config.json").write_text(json.dumps(output_config(source, target), indent=2, sort_keys=True) + "\n")
         source.carry_files(tmp)
+        save_processor_files(tmp, source.reader.config_dir, source.config)
         copy_remote_code(tmp)
         for path in sorted(tmp.iterdir()):
             if path.name not in files:

@@ -16,9 +16,10 @@ from ..checkpoints.source import build_model, folder_config, open_source, parame
 from ..errors import InputError
 from ..media import context_tokens, decode_media, encode_media, graph_context
 from ..media_options import Media
+from ..modeling.marked_prompts import prompt_ids
 from ..plugins.torch_op import model_op
 from ..processing import load_tokenizer
-from ..prompts import Prompt, as_prompt, prompt_ids, prompt_texts
+from ..prompts import Prompt, as_prompt, prompt_texts
 from ..runtime.static_decode import static_generate
 from ..sidefiles import read_json
 from ..ui import stage
@@ -174,7 +175,7 @@ def run_prompts(
                                               cuda_graph=True, **streams)  # fmt: skip
                 generated = decoded_ids.tokens[0]
             else:
-                generated = model.generate(
+                generated = model.greedy(
                     ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, eos_token_id=eos, **streams
                 )[0].tolist()
         results.append(

@@ -42,84 +42,39 @@ class UploadFile:
     rewritten: bool = False  # the folder's file, published without this machine's paths
 
 
+MEDIA_PARTS = {  # a message's medium, by the model's modality: the path the usage snippet reads
+    "image": '{"type": "image", "path": "picture.jpg"},',
+    "video": '{"type": "video", "path": "video.mp4"},  # 1 frame a second and its sound, as the released code reads it',
+}
+
+
 def usage_snippet(repo_id: str, question: str, modality: str = "image") -> str:
-    """How the model card shows the model used on what it takes (`modality`: image | video), asked `question` as the
-    released scripts ask."""
-    return USAGE_SNIPPETS[modality](repo_id, question)
-
-
-def prompt_lines(question: str) -> str:
-    """A snippet's lines that make the prompt's ids as `prompts.py` makes them: the released scripts' way."""
-    content = "<image>\n" + question
-    return f"""    # asked as the released scripts ask: the media's marker first, the chat template, its BOS removed;
-    # then the marker cut out and the text on its sides tokenized apart
-    messages = [{{"role": "user", "content": {content!r}}}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    before, after = text.replace(tokenizer.bos_token, "").split("<image>")
-    ids = tokenizer(before)["input_ids"] + tokenizer(after, add_special_tokens=False)["input_ids"]"""
-
-
-def video_usage_snippet(repo_id: str, question: str) -> str:
-    """A video model: frames (one a second), prepared as the released code prepares them (the model's
-    `encode_frames`), and 16 kHz audio in Whisper's 30 s chunks; only torch, transformers and PIL."""
+    """How the model card shows the model used: as any vision-language model on the Hub (AutoProcessor, a chat
+    message with the picture's or video's path, generate, decode), asked `question`."""
     return f'''```python
-import numpy as np
-import torch
-from PIL import Image
-from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoTokenizer, WhisperFeatureExtractor
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 repo = "{repo_id}"
-model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True, dtype=torch.float32)
-tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
-processor = AutoImageProcessor.from_pretrained(repo)
-whisper = model.config.audio_config  # a chunk is as many mel frames as the encoder takes: 3000 for Whisper
-mel = WhisperFeatureExtractor(
-    feature_size=whisper["num_mel_bins"], hop_length=480000 // (2 * whisper["max_source_positions"])
+processor = AutoProcessor.from_pretrained(repo, trust_remote_code=True)
+model = AutoModelForImageTextToText.from_pretrained(repo, trust_remote_code=True, dtype="auto")
+
+messages = [{{"role": "user", "content": [
+    {MEDIA_PARTS[modality]}
+    {{"type": "text", "text": {json.dumps(question)}}},
+]}}]
+inputs = processor.apply_chat_template(
+    messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
 )
-
-frames = [Image.new("RGB", (640, 360), (30 * i, 90, 160)) for i in range(4)]  # your video, one frame a second
-samples = np.zeros(16000 * 4, np.float32)  # its audio: 16 kHz mono floats
-chunks = [samples[i : i + mel.n_samples] for i in range(0, len(samples), mel.n_samples)]
-mels = mel(chunks, sampling_rate=16000, return_tensors="pt")["input_features"]
-with torch.no_grad():
-    visual = model.model.encode_frames(frames, processor)  # prepared as the released code does
-    audio = model.model.encode_audio([mels], [sum(len(c) // mel.hop_length for c in chunks)])
-    context, segments = model.model.join_contexts(visual, audio)  # one context: each key's stream in `segments`
-{prompt_lines(question)}
-    tokens = model.generate(
-        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=32,
-        context_key_values=context, context_mask=segments,
-    )
-print(tokenizer.decode(tokens[0], skip_special_tokens=True))
+tokens = model.generate(**inputs, max_new_tokens=64)
+print(processor.decode(tokens[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 ```'''
 
 
-def image_usage_snippet(repo_id: str, question: str) -> str:
-    """An image model: the picture prepared as the released code prepares it (the model's `encode_pictures`, by
-    config.json's mm_image_aspect_ratio), its K/V computed once and reusable for any prompt."""
-    return f'''```python
-import torch
-from PIL import Image
-from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoTokenizer
-
-repo = "{repo_id}"
-model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True, dtype=torch.float32)
-tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
-processor = AutoImageProcessor.from_pretrained(repo)
-
-image = Image.open("image.png").convert("RGB")
-with torch.no_grad():
-    visual, context_mask = model.model.encode_pictures([image], processor)  # prepared as the released code does
-{prompt_lines(question)}
-    tokens = model.generate(
-        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=32,
-        context_key_values=visual, context_mask=context_mask,
-    )
-print(tokenizer.decode(tokens[0], skip_special_tokens=True))
-```'''
-
-
-USAGE_SNIPPETS = {"image": image_usage_snippet, "video": video_usage_snippet}
+REUSE_NOTE = (
+    "Many questions about one {medium}: `context, segments = model.model.encode_inputs(**media)` (the inputs "
+    "above but `input_ids` and `attention_mask`) computes its context once; `model.generate(input_ids=..., "
+    "attention_mask=..., context_key_values=context, context_mask=segments)` asks each question with it."
+)
 
 
 def model_card(
@@ -219,9 +174,13 @@ def model_card(
     lines += [
         "## Usage",
         "",
-        "The model code ships in this repository (`modeling_dattn.py`); nothing else is downloaded.",
+        "The model and its processor ship in this repository (`modeling_dattn.py`, `processing_dattn.py`); "
+        "nothing else is downloaded. `pipeline(\"image-text-to-text\", model=repo, trust_remote_code=True)` "
+        "answers the same messages.",
         "",
         usage_snippet(repo_id, DEMO_QUESTIONS[config.modality], config.modality),
+        "",
+        REUSE_NOTE.format(medium="video" if config.modality == "video" else "picture"),
         "",
     ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))

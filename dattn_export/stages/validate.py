@@ -27,8 +27,9 @@ from ..graphs import layer_caches
 from ..media import DecodedMedia, context_tokens, decode_media, encode_media, graph_context
 from ..media_options import Media
 from ..modeling.images import anyres_tiles, prepare_pictures
+from ..modeling.marked_prompts import prompt_ids
 from ..processing import load_image_processor, load_tokenizer
-from ..prompts import Prompt, as_prompt, prompt_ids
+from ..prompts import Prompt, as_prompt
 from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
 from ..sidefiles import read_json, reading
@@ -217,7 +218,7 @@ def accuracy_gate(runtime, reference, tokenizer, scheme: str, prompt: str, steps
     expected, got = [], []
     for text in [prompt, *GATE_PROMPTS]:
         ids = torch.tensor([prompt_ids(tokenizer, text)])
-        continuation = reference.generate(ids, max_new_tokens=steps, **visual)
+        continuation = reference.greedy(ids, max_new_tokens=steps, **visual)
         full = torch.cat([ids, continuation], dim=1)[:, :-1]
         start = ids.shape[1] - 1
         expected.append(reference(full, **visual).logits[0, start:].numpy())
@@ -236,7 +237,7 @@ def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, r
 
     with torch.no_grad():
         expected = reference(ids, attention_mask=mask, **visual)
-        expected_tokens = reference.generate(ids, attention_mask=mask, max_new_tokens=steps, **visual)[0]
+        expected_tokens = reference.greedy(ids, attention_mask=mask, max_new_tokens=steps, **visual)[0]
     logits, past = runtime.decode(ids.numpy(), mask.numpy(), runtime.empty_kv(1), got_kv, got_mask)
     report.comparisons.append(Comparison.of("decoder", "logits (prefill)", logits, expected.logits, report.bounds))
 

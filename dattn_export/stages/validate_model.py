@@ -19,9 +19,10 @@ from ..checkpoints.source import build_model, open_source
 from ..demo_model import demo_prompt
 from ..media import context_tokens, decode_media, encode_media
 from ..media_options import Media
+from ..modeling.marked_prompts import prompt_ids
 from ..plugins.torch_op import model_op
 from ..processing import load_tokenizer
-from ..prompts import Prompt, as_prompt, prompt_ids
+from ..prompts import Prompt, as_prompt
 from ..runtime.static_decode import static_generate
 from .generate import gpu_dtype
 from .validate import Comparison, ValidationReport, default_media
@@ -47,7 +48,7 @@ def validate_model(folder: Path, device: str = "cpu", steps: int = 20, prompt: s
     reference = build_model(source, torch.float32, device=device)
     ids = torch.tensor([prompt_ids(tokenizer, text)], device=device)
     streams = encode_media(reference, folder, decoded, {})
-    expected_tokens = reference.generate(ids, max_new_tokens=steps, **streams)[0].tolist()
+    expected_tokens = reference.greedy(ids, max_new_tokens=steps, **streams)[0].tolist()
     expected = [reference(ids, **streams).logits[:, -1].float()]
     expected += step_logits(reference, ids, expected_tokens, streams)
     del reference

@@ -119,8 +119,9 @@ def check_chat_template(out: Path, source=None) -> Check:
     """The folder asks as its source was trained to be asked: its chat template renders a question about a picture
     (the media's marker in its turn), and is its source's where the source has a tokenizer."""
     from ..checkpoints.source import folder_config
+    from ..modeling.marked_prompts import MEDIA_MARKERS
     from ..processing import TOKENIZER_FILES, load_tokenizer
-    from ..prompts import MEDIA_MARKERS, chat_text
+    from ..prompts import chat_text
 
     name = "chat template"
     if not any((out / file).is_file() for file in TOKENIZER_FILES):  # training output that carried none

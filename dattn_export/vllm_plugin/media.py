@@ -23,9 +23,8 @@ from vllm.exceptions import VLLMError, VLLMUnprocessableEntityError
 from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector, MediaWithBytes
 from vllm.multimodal.video import VIDEO_LOADER_REGISTRY, VideoLoader
 
-from ..decoding.files import FileBytes
-from ..decoding.video import VIDEO_FPS, load_video
-from ..errors import InputError
+from ..modeling.media_files import FileBytes, MediaError
+from ..modeling.video_decoding import VIDEO_FPS, load_video
 from . import MEDIA_CONNECTOR, VIDEO_BACKEND
 from .context_cache import ByteBoundCache, media_digest
 
@@ -122,7 +121,7 @@ class DAttnVideoLoader(VideoLoader):
             try:
                 limit = None if max_frames is None else max_frames + 1
                 pictures, audio = load_video(FileBytes(data, "the request's video"), limit=limit, square=frame_size)
-            except InputError as e:
+            except MediaError as e:
                 raise ValueError(f"the request's video {e.problem}") from None
             decoded = np.stack([np.asarray(picture) for picture in pictures]), audio
             for array in decoded:  # shared by every request on this file from now on

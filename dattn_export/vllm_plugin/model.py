@@ -41,9 +41,9 @@ from vllm.model_executor.models.whisper import WhisperEncoder, WhisperForConditi
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from ..modeling.context import ContextStreams
+from ..modeling.marked_prompts import MEDIA_MARKERS
 from ..modeling.streams import AUDIO
 from ..processing import load_image_processor, normalize_pixels
-from ..prompts import MEDIA_MARKERS
 from . import unsupported
 from .context_cache import ContextBatch, ContextCache, context_cache_bytes, digest_keys
 from .inputs import PictureInputs, VideoInputs

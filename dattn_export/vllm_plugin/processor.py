@@ -24,9 +24,10 @@ from vllm.multimodal.processing import (
     PromptReplacement,
 )
 
+from ..modeling.marked_prompts import media_marker, prompt_ids
+from ..modeling.processing_dattn import audio_features
 from ..modeling.streams import AUDIO
-from ..processing import audio_features, load_audio_processor, load_image_processor, picture_bytes, tiles_bytes
-from ..prompts import media_marker, prompt_ids
+from ..processing import load_audio_processor, load_image_processor, picture_bytes, tiles_bytes
 from . import VIDEO_BACKEND
 from .context_cache import ByteBoundCache, context_cache_bytes, media_digest, named_digest
 from .inputs import VIDEO_FIELDS, picture_parts, video_field_parts

@@ -3,9 +3,9 @@ before vLLM starts); apart from `__init__`, which vLLM imports in every process 
 
 from __future__ import annotations
 
-from ..decoding.sound import AUDIO_RATE
-from ..decoding.video import VIDEO_FPS
+from ..modeling.sound_decoding import AUDIO_RATE
 from ..modeling.streams import STREAMS
+from ..modeling.video_decoding import VIDEO_FPS
 
 # frames a served video may have unless --limit-mm-per-prompt's num_frames says otherwise: two hours at 1 frame/s.
 # The released code sets no limit; a server needs one, because it sizes its token budget and its profiling run for

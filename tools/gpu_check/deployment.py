@@ -214,9 +214,9 @@ def hour_rows(sizes: Deployment, device: str) -> list[dict]:
     from dattn_export.checkpoints.source import build_model, open_source
     from dattn_export.media import context_tokens, decode_media, encode_media
     from dattn_export.media_options import Media
+    from dattn_export.modeling.marked_prompts import prompt_ids
     from dattn_export.plugins.torch_op import model_op
     from dattn_export.processing import load_tokenizer
-    from dattn_export.prompts import prompt_ids
     from dattn_export.runtime.static_decode import static_generate
     from dattn_export.stages.generate import gpu_dtype
 

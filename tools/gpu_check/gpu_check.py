@@ -307,11 +307,11 @@ def model_rows(sizes: Sizes, device: str) -> list[dict]:
         pixels = torch.randn(1, 1, 3, size, size, generator=g).to(device)
         with torch.no_grad():
             expected = model(ids, pixels).logits.float()
-            expected_tokens = model.generate(ids, pixels, max_new_tokens=sizes.new_tokens)[0].tolist()
+            expected_tokens = model.greedy(ids, pixels, max_new_tokens=sizes.new_tokens)[0].tolist()
             model = model.to(torch.bfloat16)
             with using_op(model, model_op):
                 got = model(ids, pixels.bfloat16()).logits.float()
-                tokens = model.generate(ids, pixels.bfloat16(), max_new_tokens=sizes.new_tokens)[0].tolist()
+                tokens = model.greedy(ids, pixels.bfloat16(), max_new_tokens=sizes.new_tokens)[0].tolist()
         scale = expected.abs().max().item()
         error = (got - expected).abs().max().item()
         agree = next((i for i, (a, b) in enumerate(zip(tokens, expected_tokens)) if a != b), len(tokens))

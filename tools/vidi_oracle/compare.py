@@ -144,7 +144,7 @@ for name, (ids, pixels, expected) in oracle["cases"].items():
         line += f"   ORT {float(np.abs(logits - expected.numpy()).max()):.2e}"
     print(line)
 ids, pixels, _ = oracle["cases"]["image"]
-ours = model.generate(ids, pixels[:, None], torch.ones_like(ids), max_new_tokens=8)[0].tolist()
+ours = model.greedy(ids, pixels[:, None], torch.ones_like(ids), max_new_tokens=8)[0].tolist()
 print(
     "greedy tokens equal:",
     sum(a == b for a, b in zip(ours, oracle["greedy"])),

@@ -13,14 +13,12 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import av
 import numpy as np
 from PIL import Image
 
-from ..errors import InputError
-from .files import FileBytes, open_media, tower_square
-from .nal import SKIPPABLE_CODECS, IdrFinder
-from .sound import SoundTrack
+from .media_files import FileBytes, MediaError, av, import_av, open_media, tower_square
+from .nal_units import SKIPPABLE_CODECS, IdrFinder
+from .sound_decoding import SoundTrack
 
 VIDEO_FPS = 1.0  # frames kept per second of video (load_video's default)
 
@@ -47,6 +45,7 @@ def load_video(
     Where a file's index lists every frame, the stream is cut at IDR pictures into a piece a core, each decoded on a
     thread of its own (`video_pieces`; the first piece's pass reads on to the end for the sound track). Decoding
     stops at `limit` frames (the caller then refuses the video; the sound track ends there)."""
+    import_av()
     prepare = upright if square is None else lambda frame: tower_square(upright(frame), square)
     # kept frames are converted and resized on a thread of their own while decoding goes on (both release the GIL),
     # at most PREPARING_AHEAD of them waiting a piece, so that a video whose every frame is kept holds few at full size
@@ -65,7 +64,7 @@ def load_video(
             decoded = passes[-1]()
         frames = [frame.result() for pending, _ in decoded for frame in pending]
     if not frames:
-        raise InputError(path, "holds no video frames")
+        raise MediaError(path, "holds no video frames")
     return frames, decoded[0][1]
 
 
@@ -181,10 +180,10 @@ def decode_video(
     codec allows (FramePicker); `threads`: the decoder's (0: FFmpeg's choice)."""
     with open_media(path) as container:
         if not container.streams.video:
-            raise InputError(path, "has no video stream")
+            raise MediaError(path, "has no video stream")
         video = container.streams.video[0]
         if not video.average_rate:
-            raise InputError(path, "has no frame rate: cannot sample frames per second")
+            raise MediaError(path, "has no frame rate: cannot sample frames per second")
         video.thread_type = "AUTO"  # frame and slice threads, as the ffmpeg command line decodes
         video.codec_context.thread_count = threads
         track = SoundTrack(container.streams.audio[0]) if sound and container.streams.audio else None
@@ -200,7 +199,7 @@ def decode_video(
             try:
                 decoded = packet.decode()  # a last, empty packet per stream flushes its decoder
             except av.FFmpegError as e:
-                raise InputError(path, f"cannot be decoded as {kind} ({str(e).strip()})") from None
+                raise MediaError(path, f"cannot be decoded as {kind} ({str(e).strip()})") from None
             for frame in decoded:
                 if kind == "audio":
                     track.push(frame)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import av
 import numpy as np
 
-from ..errors import InputError
-from .files import FileBytes, open_media
+from .media_files import FileBytes, MediaError, av, import_av, open_media
 
 AUDIO_RATE = 16000  # Hz, one channel (load_audio, as Whisper)
 
@@ -17,17 +15,18 @@ AUDIO_RATE = 16000  # Hz, one channel (load_audio, as Whisper)
 def load_audio(path: Path | FileBytes, missing_ok: bool = False) -> np.ndarray | None:
     """A media file's sound track (its first audio stream): `SoundTrack`'s samples. None for a file without one
     when `missing_ok`."""
+    import_av()
     with open_media(path) as container:
         if not container.streams.audio:
             if missing_ok:
                 return None
-            raise InputError(path, "has no audio stream")
+            raise MediaError(path, "has no audio stream")
         track = SoundTrack(container.streams.audio[0])
         try:
             for frame in container.decode(track.stream):
                 track.push(frame)
         except av.FFmpegError as e:
-            raise InputError(path, f"cannot be decoded as audio ({str(e).strip()})") from None
+            raise MediaError(path, f"cannot be decoded as audio ({str(e).strip()})") from None
     return track.samples(path)
 
 
@@ -73,7 +72,7 @@ class SoundTrack:
     def samples(self, path: Path | FileBytes) -> np.ndarray:
         self.push(None)
         if not sum(piece.size for piece in self.pieces):
-            raise InputError(path, "holds no audio samples")
+            raise MediaError(path, "holds no audio samples")
         # one array made, scaled in place: fresh memory is slow to touch on some machines
         samples = np.concatenate(self.pieces, dtype=np.float32)
         samples *= 1 / 32768  # a power of two: exact, as the division

@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import av
+from .media_files import av
 
 SKIPPABLE_CODECS = {"h264", "hevc"}  # their non-reference frames are marked, and skipped by skip_frame=NONREF
 
