@@ -175,7 +175,7 @@ def model_card(
         "## Usage",
         "",
         "The model and its processor ship in this repository (`modeling_dattn.py`, `processing_dattn.py`); "
-        "nothing else is downloaded. `pipeline(\"image-text-to-text\", model=repo, trust_remote_code=True)` "
+        'nothing else is downloaded. `pipeline("image-text-to-text", model=repo, trust_remote_code=True)` '
         "answers the same messages.",
         "",
         usage_snippet(repo_id, DEMO_QUESTIONS[config.modality], config.modality),
