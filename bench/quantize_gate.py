@@ -1,6 +1,6 @@
 """The accuracy gate's figures: healthy and broken quantized exports of tiny models trained on two corpora, two seeds
 each, every metric the gate judges (and the plain agreement and top-5 overlap it does not), against its thresholds.
-These measurements chose the thresholds in `dattn_export/stages/quantize.py`.
+These measurements chose the thresholds in `dattn_export/stages/onnx_quantize.py`.
 
 Healthy: int8 and int4 exports as `dattn-export onnx --quantize` writes them. Broken (int4): one matrix's scales
 shifted a row (`shift-one`), every matrix's (`shift`), the first two layers' weights exchanged (`swap`). Each export
@@ -25,7 +25,7 @@ from helpers.quantized import CORPORA, broken_export, train  # noqa: E402
 
 from dattn_export.artifacts import Scheme  # noqa: E402
 from dattn_export.demo_model import write_demo_checkpoint  # noqa: E402
-from dattn_export.stages import quantize  # noqa: E402
+from dattn_export.stages import onnx_quantize as quantize  # noqa: E402
 from dattn_export.stages.onnx_export import export_onnx  # noqa: E402
 from dattn_export.stages.validate import validate  # noqa: E402
 

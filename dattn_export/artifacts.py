@@ -173,6 +173,18 @@ class ConvertModel:
 
 
 @dataclass
+class QuantizationRecord:
+    """How `quantize` made a folder: the scheme (stages/quantize.SCHEMES), compressed-tensors' format, the group size
+    (None: a scale per channel), the 16-bit folder quantized and the matrices quantized (their weights' names)."""
+
+    scheme: str
+    format: str
+    group_size: int | None
+    source: str
+    matrices: list[str]
+
+
+@dataclass
 class ConvertManifest(Manifest):
     """dattn_manifest.json: where a converted folder came from, and every file's and tensor's facts."""
 
@@ -185,6 +197,7 @@ class ConvertManifest(Manifest):
     dtype: str
     files: dict[str, FileEntry]
     tensors: dict[str, TensorEntry]
+    quantization: QuantizationRecord | None = None  # a folder `quantize` wrote
 
 
 @dataclass
@@ -256,7 +269,7 @@ SCHEMES = {"int4": 4, "int8": 8}  # weight-only quantization: its bits per weigh
 
 @dataclass(frozen=True)
 class Scheme:
-    """What --quantize asked for (stages/quantize.py does it)."""
+    """What --quantize asked for (stages/onnx_quantize.py does it)."""
 
     scheme: str  # int4 | int8
     block_size: int = 32

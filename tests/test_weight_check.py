@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 from dattn_export.artifacts import Scheme
 from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.stages.onnx_export import export_onnx
-from dattn_export.stages.quantize import weight_quantizer
+from dattn_export.stages.onnx_quantize import weight_quantizer
 from dattn_export.stages.weight_check import (
     Initializers,
     check_weights,

@@ -2,7 +2,7 @@
 package's modules (`stages/`). Heavy imports (torch, transformers) happen inside the commands so `--help` stays fast.
 """
 
-from . import analyze, convert, demo, generate, info, onnx, push, serve, trt, validate, verify
+from . import analyze, convert, demo, generate, info, onnx, push, quantize, serve, trt, validate, verify
 from .common import FAMILIES, main
 
 # in the pipeline's order (`dattn-export --help` lists them by name)
@@ -12,6 +12,7 @@ for command in (
     info.info,
     convert.convert,
     verify.verify,
+    quantize.quantize,
     onnx.onnx_command,
     validate.validate,
     push.push,

@@ -76,7 +76,7 @@ from ..runtime.genai import GENAI_CONFIG, write_genai_config
 from ..runtime.ort import external_tensors
 from ..sidefiles import read_json
 from ..ui import quiet
-from .quantize import KEPT, QUANTIZED_GRAPHS, quantize_graph, quantized_bytes
+from .onnx_quantize import KEPT, QUANTIZED_GRAPHS, quantize_graph, quantized_bytes
 
 DEFAULT_OPSET = 18  # accepted by TensorRT 10/11's ONNX parsers and ONNX Runtime
 SUPPORTED_OPSETS = range(18, 24)

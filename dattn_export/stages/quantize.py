@@ -1,277 +1,251 @@
-"""`onnx --quantize int4|int8`: weight-only quantization by ONNX Runtime's own block quantizer (MatMulNBits: block-wise
-integer weights with a scale per block) of the LLM's MatMuls in context_kv.onnx and decoder.onnx, and with
---quantize-embedding of the embedding table's Gather (GatherBlockQuantized, 4 bits whatever the scheme: blocks along
-the hidden axis, so a looked-up row is dequantized alone). The fused attention nodes and their function are kept as
-they are, and so is the vision tower (see KEPT). A decode step reads every weight once, so on a CPU its time
-follows the weights' bytes.
+"""`quantize`: a converted folder's decoder layers quantized in compressed-tensors' format, the one vLLM serves (its
+compressed_tensors schemes: CUTLASS and Marlin kernels on GPUs; int8 W8A8 and 4-bit W4A16 on CPUs) and transformers
+loads (its CompressedTensorsHfQuantizer), with config.json's `quantization_config` saying how.
 
-The graphs are rewritten as ONNX Runtime's MatMulNBitsQuantizer rewrites them (the same nodes, names and
-attributes; each weight quantized by its own `qbits_block_quant` / `quantize_ndarray`), but on the export's
-in-memory graph before it is written, with every quantized tensor lazy: each weight is read from the checkpoint,
-quantized and written one at a time, and the embedding table a chunk of rows at a time. ORT's quantizer loads the
-whole fp32 graph (36 GB at 9 B parameters).
+  w8a8   int8 weights, a scale per output channel; activations quantized per token as they come (dynamic)
+  w4a16  4-bit weights in groups along the input (128, or --group-size), a scale per group; 16-bit activations
+  fp8    float8 (e4m3) weights, a scale per output channel; activations per token, dynamic: GPUs with FP8 only
 
-The quantized decoder is not held to the fp32 tolerance: `validate` applies the accuracy gate below instead."""
+Each matrix is quantized by compressed-tensors itself (its preset scheme, `calculate_qparams` on the matrix's own
+range per channel or group, its compressor's rounding and packing): round to nearest, as llm-compressor's
+`QuantizationModifier` does without calibration data (none of these schemes needs any; GPTQ or AutoRound, which do,
+are left to those tools). What is quantized, per family alike (`IGNORE`, written in the config): the decoder layers'
+attention and MLP projections, over 95% of the weights and all of a decode step's reads. What stays in 16 bits: the
+towers and adapters (run once per picture or part of a video), the embeddings and the head (their rows are read one
+at a time, or decide every token), and the WINGS learners.
+
+Streamed as `convert` writes: one matrix in memory at a time, read from where it lies and quantized as it is written;
+the manifest records the scheme and each quantized matrix's source tensor, and `verify` holds every one to it within
+the scheme's rounding (`weight_check.py`'s table of bounds)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import re
+import threading
+import time
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
-import numpy as np
-import onnx_ir as ir
+import torch
 
-from ..artifacts import Scheme, WeightSource
-from ..patches import kept_root_logger
-
-QUANTIZED_GRAPHS = ("context_kv", "decoder")  # the LLM's layers: 8 B of a 9 B model's parameters
-KEPT = (
-    "the vision and audio towers keep the export's dtype: they run once per picture or part of a video, not once "
-    "per generated token, and are under a tenth of the weights"
+from .. import __version__
+from ..artifacts import (
+    ConvertManifest,
+    FileEntry,
+    QuantizationRecord,
+    TensorEntry,
+    Tool,
+    atomic_dir,
+    carried_files,
+    copy_remote_code,
+    dtype_name,
+    sha256_file,
 )
-MS_DOMAIN = "com.microsoft"
-EMBEDDING_ROWS_BYTES = 64 << 20  # the embedding table is quantized this many bytes of rows at a time
+from ..checkpoints.plan import checked_cast, plan_tensors
+from ..checkpoints.safetensors_writer import (
+    PlannedTensor,
+    RangeCopier,
+    WrittenFile,
+    plan_shards,
+    shard_names,
+    write_shards,
+)
+from ..checkpoints.source import open_source
+from ..errors import InputError
+from ..ui import quiet
 
-
-def weight_quantizer(scheme: Scheme, bits: int | None = None):
-    """ONNX Runtime's weight-only quantizer for the scheme (`bits`: another width than the scheme's)."""
-    with kept_root_logger():  # its import calls logging.basicConfig(level=INFO): patches.py
-        from onnxruntime.quantization.matmul_nbits_quantizer import (
-            DefaultWeightOnlyQuantConfig,
-            DefaultWeightOnlyQuantizer,
-        )
-
-    config = DefaultWeightOnlyQuantConfig(
-        block_size=scheme.block_size, is_symmetric=scheme.symmetric, bits=bits or scheme.bits
-    )
-    return DefaultWeightOnlyQuantizer(config)
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """What a quantized decoder must keep, over the gate's prompts, teacher-forced on the reference's greedy
-    continuation, each judged by the reference's own probabilities so that near-ties (flat positions) count for
-    little and decisive positions for much:
-      greedy_mass  the mean of p_ref(the quantized model's greedy token) / p_ref(the reference's greedy token);
-      top5_mass    the mean of p_ref(the quantized top 5) / p_ref(the reference's top 5);
-      mean_kl      the mean KL(reference || quantized) of the next-token distributions (nats).
-    Measured (`bench/quantize_gate.py`, tiny models trained on two corpora, two seeds each; 80 positions each):
-    healthy int4 exports 0.918-0.988 / 0.9825-0.9937 / 0.034-0.092, healthy int8 >= 0.999 / >= 0.9999 / <= 0.0008;
-    broken int4 exports (one matrix's scales shifted a row, every matrix's, two layers swapped) <= 0.722 / <= 0.808
-    / >= 0.96. The plain agreement and top-5 overlap judged noise: healthy int4 exports gave 0.81 and 0.85."""
-
-    greedy_mass: float
-    top5_mass: float
-    mean_kl: float
-
-
-GATES = {
-    "int8": Thresholds(greedy_mass=0.98, top5_mass=0.99, mean_kl=0.01),
-    "int4": Thresholds(greedy_mass=0.85, top5_mass=0.95, mean_kl=0.25),
+# scheme: (compressed-tensors' preset, its storage format)
+SCHEMES = {
+    "w8a8": ("W8A8", "int-quantized"),
+    "w4a16": ("W4A16", "pack-quantized"),
+    "fp8": ("FP8_DYNAMIC", "float-quantized"),
 }
+QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+# the modules that stay in 16 bits, as both engines read config.json's `ignore` (a name, or `re:` a pattern)
+IGNORE = ["lm_head", "re:.*mm_vis.*", "re:.*mm_aud.*", "re:.*mm_rand.*", "re:.*wings.*"]
+SHARD_BYTES = 5 * 10**9  # as `convert` shards by default
+MEMO = 4  # quantized matrices kept for their other tensors (a matrix's are written one after another)
 
 
-def quantized_bytes(model, scheme: Scheme) -> int:
-    """About the bytes of the quantized model's weights: each decoder layer's matrix in `scheme.bits` per weight
-    plus a 4-byte scale (and a zero point) per block; everything else as it is."""
-    per_weight = scheme.bits / 8 + (4 + (not scheme.symmetric)) / scheme.block_size
-    return int(
-        sum(
-            p.numel() * per_weight if p.dim() == 2 and ".layers." in name and "mm_" not in name else p.nbytes
-            for name, p in model.named_parameters()
+def scheme_of(name: str, group_size: int | None = None):
+    """compressed-tensors' scheme for `name` (SCHEMES), for every Linear module the config does not ignore."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme(SCHEMES[name][0], ["Linear"])
+    if group_size is not None:
+        if scheme.weights.group_size is None:
+            raise InputError("--group-size", f"{name} has a scale per channel, not per group")
+        scheme.weights.group_size = group_size
+    return scheme
+
+
+def quantization_config(name: str, group_size: int | None = None) -> dict:
+    """config.json's quantization_config (compressed-tensors' own serialization)."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    return QuantizationConfig(
+        config_groups={"group_0": scheme_of(name, group_size)},
+        format=SCHEMES[name][1],
+        ignore=IGNORE,
+        quantization_status=QuantizationStatus.COMPRESSED,
+    ).to_dict()
+
+
+class MatrixQuantizer:
+    """One scheme's quantization of a matrix into its stored tensors (`weight`, `weight_scale`; 4-bit:
+    `weight_packed`, `weight_scale`, `weight_shape`), in the folder's dtype for the scales. The last few results are
+    kept: a matrix's tensors are written one after another."""
+
+    def __init__(self, scheme, compression_format: str):
+        from compressed_tensors.compressors import BaseCompressor
+
+        self.scheme, self.compressor = scheme, BaseCompressor.load_from_registry(compression_format)
+        self.names = self.compressor.compression_param_names(scheme)
+        self.done: dict[str, dict[str, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale and zero point of each output channel or group, from its own range."""
+        from compressed_tensors.quantization.utils import calculate_qparams
+
+        group = self.scheme.weights.group_size
+        grouped = weight if group is None else weight.unflatten(1, (-1, group))
+        low, high = grouped.amin(-1), grouped.amax(-1)
+        if group is None:
+            low, high = low[:, None], high[:, None]
+        return calculate_qparams(low, high, self.scheme.weights)
+
+    def quantize(self, name: str, weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        with self.lock:
+            if name in self.done:
+                return self.done[name]
+        scale, zero_point = self.scales(weight.float())
+        # stored in the folder's dtype (as llm-compressor stores it), rounded up so that no element lands past the
+        # grid's end, and quantized with as stored
+        scale = (scale * (1 + torch.finfo(dtype).eps)).to(dtype)
+        state = {"weight": weight.float(), "weight_scale": scale.float(), "weight_zero_point": zero_point}
+        stored = self.compressor.compress(state, self.scheme)
+        stored["weight_scale"] = scale
+        stored = {part: tensor.contiguous() for part, tensor in stored.items() if part in self.names}
+        with self.lock:
+            self.done[name] = stored
+            while len(self.done) > MEMO:
+                self.done.pop(next(iter(self.done)))
+        return stored
+
+    def shapes(self, shape: tuple[int, int], dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Each stored tensor's dtype and shape for a (rows, columns) matrix: the writer plans them ahead."""
+        probe = self.compressor.compress(
+            {"weight": torch.zeros(shape), "weight_scale": torch.ones(self.scales(torch.zeros(shape))[0].shape)},
+            self.scheme,
         )
-    )
+        return {part: (dtype if part == "weight_scale" else t.dtype, tuple(t.shape)) for part, t in probe.items()
+                if part in self.names}  # fmt: skip
 
 
-class QuantizedMatrix:
-    """One MatMul weight's blocks, scales (and zero points): ORT's `qbits_block_quant` of the weight, computed when
-    the first of them is written and dropped once each has been."""
-
-    def __init__(self, weight: ir.TensorProtocol, scheme: Scheme):
-        self.weight, self.scheme, self.held, self.taken = weight, scheme, None, set()
-
-    def part(self, index: int, count: int) -> np.ndarray:
-        if self.held is None:
-            # C order: the quantizer's kernel reads the buffer as it lies, and a folded Transpose is a strided view
-            matrix = np.ascontiguousarray(self.weight.numpy(), dtype=np.float32)
-            self.held = weight_quantizer(self.scheme).qbits_block_quant(matrix)
-        part = self.held[index]
-        self.taken.add(index)
-        if len(self.taken) == count:
-            self.held, self.taken = None, set()
-        return part
-
-
-class QuantizedTable:
-    """The embedding table's 4-bit blocks along the hidden axis: ORT's `quantize_ndarray`, a chunk of rows at a time
-    (rows are quantized independently, so the chunks' packed bytes and scales are the whole table's, in order)."""
-
-    def __init__(self, table: ir.TensorProtocol, scheme: Scheme):
-        self.table, self.scheme = table, scheme
-        self.rows, self.width = table.shape[0], table.shape[1]
-
-    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
-        rows = max(1, int(EMBEDDING_ROWS_BYTES // (self.width * self.table.dtype.itemsize)))
-        quantize = weight_quantizer(self.scheme, bits=4).quantize_ndarray
-        # bound to its checkpoint tensor (onnx_weights.StreamedWeight): chunk by chunk
-        if hasattr(self.table, "weight"):
-            pieces = (c.numpy() for c in self.table.weight.chunks(rows * self.width))
-        else:
-            whole = self.table.numpy().reshape(-1)
-            pieces = (whole[i : i + rows * self.width] for i in range(0, len(whole), rows * self.width))
-        for piece in pieces:
-            yield quantize(piece.reshape(-1, self.width), 1, self.scheme.block_size, self.scheme.symmetric)
-
-    def part(self, index: int) -> np.ndarray:
-        return np.concatenate([chunk[index] for chunk in self.chunks()])
-
-
-class PackedTableTensor(ir.LazyTensor):
-    """The table's packed 4-bit values, written a chunk of rows at a time."""
-
-    def __init__(self, table: QuantizedTable, dtype: ir.DataType, name: str):
-        shape = ir.Shape([table.rows, table.width])
-        super().__init__(lambda: ir.PackedTensor(table.part(0), dtype, shape=shape), dtype, shape, name=name)
-        self.quantized = table
-
-    def tofile(self, file) -> None:
-        for packed, _, _ in self.quantized.chunks():
-            file.write(packed)
-
-
-def initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:
-    value = ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
-    graph.register_initializer(value)
-    return value
-
-
-def lazy_array(compute, dtype: ir.DataType, shape: list[int], name: str) -> ir.LazyTensor:
-    return ir.LazyTensor(lambda: ir.Tensor(compute()), dtype, ir.Shape(shape), name=name)
-
-
-def constant_matrix(value: ir.Value | None) -> ir.TensorProtocol | None:
-    """A 2-D floating-point initializer (what ORT's quantizer takes: a constant weight)."""
-    if value is None or not value.is_initializer() or value.const_value is None or len(value.shape) != 2:
-        return None
-    return value.const_value if value.dtype.is_floating_point() else None
-
-
-def quantize_matmul(graph: ir.Graph, node: ir.Node, weight: ir.TensorProtocol, scheme: Scheme) -> str:
-    """MatMul(A, W) -> MatMulNBits(A, W_Q{bits}, W_scales[, W_zero_points]), as ORT's quantizer writes it."""
-    rows, cols = weight.shape
-    blocks = -(-rows // scheme.block_size)
-    per_byte = 8 // scheme.bits
-    quantized, name, count = QuantizedMatrix(weight, scheme), node.inputs[1].name, 2 if scheme.symmetric else 3
-    blob = -(-scheme.block_size // per_byte)
-    parts = [
-        lazy_array(lambda: quantized.part(0, count), ir.DataType.UINT8, [cols, blocks, blob], f"{name}_Q{scheme.bits}"),
-        lazy_array(lambda: quantized.part(1, count), weight.dtype, [cols, blocks], f"{name}_scales"),
-        lazy_array(lambda: quantized.part(2, count), ir.DataType.UINT8, [cols, -(-blocks // per_byte)],
-                   f"{name}_zero_points"),
-    ][:count]  # fmt: skip
-    attributes = dict(K=rows, N=cols, bits=scheme.bits, block_size=scheme.block_size)
-    if scheme.accuracy_level:
-        attributes["accuracy_level"] = scheme.accuracy_level
-    inputs = [node.inputs[0], *(initializer(graph, t.name, t) for t in parts)]
-    return replace(graph, node, "MatMulNBits", inputs, attributes, f"{node.name}_Q{scheme.bits}")
-
-
-def quantize_gather(graph: ir.Graph, node: ir.Node, table: ir.TensorProtocol, scheme: Scheme) -> str:
-    """Gather(E, ids) -> GatherBlockQuantized(E_Q4, ids, E_scales[, E_zero_points]), 4 bits, as ORT writes it."""
-    quantized, name = QuantizedTable(table, scheme), node.inputs[0].name
-    dtype = ir.DataType.INT4 if scheme.symmetric else ir.DataType.UINT4
-    blocks = [quantized.rows, -(-quantized.width // scheme.block_size)]
-    parts = [
-        PackedTableTensor(quantized, dtype, f"{name}_Q4"),
-        lazy_array(lambda: quantized.part(1), table.dtype, blocks, f"{name}_scales"),
-    ]
-    if not scheme.symmetric:
-        parts.append(
-            ir.LazyTensor(
-                lambda: ir.PackedTensor(quantized.part(2), dtype, shape=blocks),
-                dtype,
-                ir.Shape(blocks),
-                name=f"{name}_zero_points",
+def check_quantizable(source, scheme) -> None:
+    """The folder can be quantized so: a converted one (its manifest), not quantized already, its matrices a whole
+    number of groups."""
+    if getattr(source.config, "quantization_config", None):
+        raise InputError(source.reader.path, "is quantized already: quantize its 16-bit folder")
+    group = scheme.weights.group_size
+    for name, lazy in source.tensors.items():
+        if QUANTIZED.fullmatch(name) and group and lazy.shape[1] % group:
+            raise InputError(
+                source.reader.path,
+                f"{name} has {lazy.shape[1]} input features, not a whole number of groups of {group}: pass "
+                "--group-size (a divisor of every layer's input features)",
             )
-        )
-    values = [initializer(graph, t.name, t) for t in parts]
-    attributes = dict(gather_axis=node.attributes.get_int("axis", 0), quantize_axis=1, block_size=scheme.block_size)
-    graph.opset_imports[""] = max(graph.opset_imports[""], 21)  # the 4-bit types
-    return replace(
-        graph, node, "GatherBlockQuantized", [values[0], node.inputs[1], *values[1:]], attributes, f"{node.name}_Q4"
-    )
-
-
-def replace(graph: ir.Graph, node: ir.Node, op_type: str, inputs: list, attributes: dict, name: str) -> str:
-    """`node` replaced by one com.microsoft node computing its output (keeping its name); weights it alone used go.
-    Returns the new node's name."""
-    new = ir.node(op_type, inputs, attributes, domain=MS_DOMAIN, name=name)
-    new.outputs[0].name, old = None, node.outputs[0]
-    ir.convenience.replace_nodes_and_values(graph, node, [node], [new], [old], [new.outputs[0]])
-    for value in node.inputs:
-        if value is not None and value.is_initializer() and not value.uses():
-            graph.initializers.pop(value.name)
-    graph.opset_imports[MS_DOMAIN] = 1
-    return name
-
-
-def quantize_graph(model: ir.Model, scheme: Scheme, hidden: int, vocab: int) -> dict[str, WeightSource | None]:
-    """Rewrite the graph's constant-weight MatMuls (the lm_head, shape (hidden, vocab), only with `scheme.lm_head`)
-    and with `scheme.embedding` its table Gathers. Returns each new node's weight as computed from the checkpoint
-    (None: unknown), by node name."""
-    graph, sources = model.graph, {}
-    for node in list(graph):
-        if node.domain != "":
-            continue
-        if node.op_type == "MatMul" and (weight := constant_matrix(node.inputs[1])) is not None:
-            if tuple(weight.shape) == (hidden, vocab) and not scheme.lm_head:
-                continue
-            sources[quantize_matmul(graph, node, weight, scheme)] = getattr(weight, "source", None)
-        elif node.op_type == "Gather" and scheme.embedding and (table := constant_matrix(node.inputs[0])) is not None:
-            sources[quantize_gather(graph, node, table, scheme)] = getattr(table, "source", None)
-    for name, value in list(graph.initializers.items()):  # as ORT's clean_initializers: else written, never read
-        if not value.uses() and not value.is_graph_output():
-            graph.initializers.pop(name)
-    return sources
 
 
 @dataclass
-class GateResult:
+class QuantizeResult:
+    out: Path
     scheme: str
-    prompts: int
-    positions: int
-    greedy_mass: float
-    top5_mass: float
-    mean_kl: float
-    max_kl: float
-    agreement: float  # the plain share of positions whose greedy token agrees (shown, not judged: see Thresholds)
-    thresholds: Thresholds
-
-    @property
-    def passed(self) -> bool:
-        t = self.thresholds
-        return self.greedy_mass >= t.greedy_mass and self.top5_mass >= t.top5_mass and self.mean_kl <= t.mean_kl
+    format: str  # compressed-tensors'
+    group_size: int | None
+    matrices: int  # quantized
+    kept: int  # tensors kept as they are
+    source_bytes: int
+    written_bytes: int
+    seconds: float
 
 
-def gate(scheme: str, reference_logits: list[np.ndarray], quantized_logits: list[np.ndarray]) -> GateResult:
-    """The accuracy gate over every prompt's positions: logits (positions, vocab) of the reference and the
-    quantized decoder on the same tokens."""
-    ref, got = np.concatenate(reference_logits).astype(np.float64), np.concatenate(quantized_logits).astype(np.float64)
-    log_p = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
-    log_q = got - np.logaddexp.reduce(got, axis=-1, keepdims=True)
-    p, rows = np.exp(log_p), np.arange(len(ref))[:, None]
-    kl = (p * (log_p - log_q)).sum(-1)
-    top_ref, top_got = np.argsort(-ref, axis=-1)[:, :5], np.argsort(-got, axis=-1)[:, :5]
-    greedy_mass = p[rows[:, 0], top_got[:, 0]] / p[rows[:, 0], top_ref[:, 0]]
-    top5_mass = p[rows, top_got].sum(-1) / p[rows, top_ref].sum(-1)
-    return GateResult(
-        scheme,
-        len(reference_logits),
-        len(ref),
-        float(greedy_mass.mean()),
-        float(top5_mass.mean()),
-        float(kl.mean()),
-        float(kl.max()),
-        float((top_ref[:, 0] == top_got[:, 0]).mean()),
-        GATES[scheme],
+def quantize(
+    folder: Path, out: Path, scheme: str, group_size: int | None = None, force: bool = False, progress=quiet
+) -> QuantizeResult:
+    """`progress`: `ui.progress` to show the bytes written (the CLI's), or `ui.quiet`."""
+    start = time.perf_counter()
+    folder, out = Path(folder), Path(out)
+    manifest = ConvertManifest.read(folder)
+    source = open_source(folder)
+    compression = scheme_of(scheme, group_size)
+    check_quantizable(source, compression)
+    quantizer = MatrixQuantizer(compression, SCHEMES[scheme][1])
+    planned, matrices, kept = [], [], {}
+    for name, lazy in source.tensors.items():
+        if not QUANTIZED.fullmatch(name):
+            kept[name] = lazy
+            continue
+        matrices.append(name)
+        module, load = name.removesuffix("weight"), partial(checked_cast, name, lazy, lazy.dtype)
+        for part, (dtype, shape) in quantizer.shapes(tuple(lazy.shape), lazy.dtype).items():
+            produce = lambda _, n=name, ld=load, p=part, d=lazy.dtype: quantizer.quantize(n, ld(), d)[p]
+            planned.append(PlannedTensor(module + part, dtype, shape, produce))
+    planned += plan_tensors(kept, {name: name for name in kept}, torch.float32)  # as they are: no cast
+    shards = plan_shards(planned, SHARD_BYTES)
+    shard_of = {t.name: file for file, tensors in zip(shard_names(len(shards)), shards) for t in tensors}
+    written_bytes = sum(t.nbytes for t in planned)
+    with atomic_dir(out, overwrite=force, reading=[folder], needed=written_bytes) as tmp:
+        with progress(f"quantizing {len(matrices)} matrices ({scheme})", written_bytes) as advance:
+            files = write_shards(shards, tmp, lambda t: advance(t.nbytes, t.name), RangeCopier())
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"] = quantization_config(scheme, group_size)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for path in carried_files(folder):
+            (tmp / path.name).write_bytes(path.read_bytes())
+        copy_remote_code(tmp)
+        for path in sorted(tmp.iterdir()):
+            if path.name not in files:
+                files[path.name] = WrittenFile(path.stat().st_size, sha256_file(path))
+        ConvertManifest(
+            format=manifest.format,
+            tool=Tool("dattn-export", __version__),
+            created=manifest.created,
+            source=manifest.source,
+            model=manifest.model,
+            dtype=manifest.dtype,
+            files={name: FileEntry(f.size, f.sha256) for name, f in sorted(files.items())},
+            tensors={
+                name: TensorEntry(
+                    dtype_name(t.dtype),
+                    list(t.shape),
+                    shard_of[name],
+                    manifest.tensors[source_name(name, matrices)].source_name,
+                    manifest.tensors[source_name(name, matrices)].source_dtype,
+                )
+                for name, t in ((t.name, t) for t in planned)
+            },  # fmt: skip
+            quantization=QuantizationRecord(
+                scheme, SCHEMES[scheme][1], compression.weights.group_size, str(folder.absolute()), matrices
+            ),  # fmt: skip
+        ).write(tmp)
+    return QuantizeResult(
+        out=out,
+        scheme=scheme,
+        format=SCHEMES[scheme][1],
+        group_size=compression.weights.group_size,
+        matrices=len(matrices),
+        kept=len(kept),
+        source_bytes=sum(lazy.nbytes for lazy in source.tensors.values()),
+        written_bytes=written_bytes,
+        seconds=time.perf_counter() - start,
     )
+
+
+def source_name(stored: str, matrices: list[str]) -> str:
+    """The 16-bit tensor a stored tensor comes from: its matrix's weight, or itself."""
+    module = stored.rsplit(".", 1)[0] + ".weight"
+    return module if module in matrices else stored

@@ -34,7 +34,7 @@ from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
 from ..sidefiles import read_json, reading
 from ..ui import quiet
-from . import polygraphy_data, quantize
+from . import onnx_quantize, polygraphy_data
 from .polygraphy_data import recording
 from .weight_check import WeightCheck, check_weights
 
@@ -83,7 +83,7 @@ class ValidationReport:
     backend_tokens: list[int] = field(default_factory=list)
     audio_tokens: int | None = None  # None: an image model
     polygraphy_commands: list[str] = field(default_factory=list)  # with --save-polygraphy: what checks its data
-    gate: quantize.GateResult | None = None  # a quantized decoder: the accuracy gate
+    gate: onnx_quantize.GateResult | None = None  # a quantized decoder: the accuracy gate
     weights: WeightCheck | None = None  # a quantized export: its weights against the checkpoint's, run first
     rtol: float = 0.0  # on the logits, relative to the reference's magnitude
     device: str = "cpu"  # where ONNX Runtime ran the graphs or the model (TensorRT: always the GPU)
@@ -225,7 +225,7 @@ def accuracy_gate(runtime, reference, tokenizer, scheme: str, prompt: str, steps
         ones = np.ones(full.shape, np.int64)
         logits, _ = runtime.decode(full.numpy(), ones, runtime.empty_kv(1), got_kv, got_mask)
         got.append(logits[0, start:])
-    return quantize.gate(scheme, expected, got)
+    return onnx_quantize.gate(scheme, expected, got)
 
 
 def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport, inputs, steps):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,9 @@ from safetensors import SafetensorError, safe_open
 
 from ..artifacts import ConvertManifest, dtype_name, sha256_file
 from ..checkpoints.plan import checked_cast
-from ..checkpoints.source import build_model, open_source
+from ..checkpoints.source import build_model, folder_config, open_source
+from ..errors import InputError
+from ..modeling.modeling_dattn import MODEL_CLASSES
 from ..ui import quiet
 
 
@@ -38,9 +41,10 @@ def check_files(out: Path, manifest: ConvertManifest, progress=quiet) -> Check:
     return Check("files: size and sha256", not bad, "; ".join(bad) or f"{len(manifest.files)} files match")
 
 
-def check_tensors(out: Path, manifest: ConvertManifest, against, progress=quiet) -> Check:
+def check_tensors(out: Path, manifest: ConvertManifest, against, progress=quiet, skip=frozenset()) -> Check:
     """Every tensor reloads (safetensors' own reader) with the manifest's dtype and shape; with a source,
-    it equals the source tensor after the requested cast, bit for bit."""
+    it equals the source tensor after the requested cast, bit for bit. `skip`: matrices checked otherwise (their
+    quantized tensors)."""
     bad, seen = [], set()
     shards = sorted({t.file for t in manifest.tensors.values()})
     what = "comparing tensors with the source" if against is not None else "reloading tensors"
@@ -53,6 +57,8 @@ def check_tensors(out: Path, manifest: ConvertManifest, against, progress=quiet)
                 return Check("tensors reload", False, f"{shard}: {e}")
             read = 0
             for name in handle.keys():
+                if name.rsplit(".", 1)[0] + ".weight" in skip:
+                    continue
                 seen.add(name)
                 tensor, expected = handle.get_tensor(name), manifest.tensors.get(name)
                 advance(tensor.nbytes, name)
@@ -106,9 +112,13 @@ PROBES = {"image": image_probe, "video": video_probe}  # by what the model takes
 def check_model(out: Path, progress=quiet) -> Check:
     """The folder loads as the reference model and gives finite logits. (Against a source, the tensors' check has
     already found every tensor bit-exact after the cast: the source's model computes the same numbers, so it is
-    not run again.)"""
+    not run again.) A quantized folder loads as transformers loads it (compressed-tensors' decompression)."""
     with torch.no_grad(), progress("loading the model and running a prompt", 1, "model") as advance:
-        logits = probe_logits(build_model(open_source(out)))
+        if getattr(folder_config(out), "quantization_config", None):
+            model = MODEL_CLASSES[folder_config(out).model_type].from_pretrained(out, dtype=torch.float32)
+        else:
+            model = build_model(open_source(out))
+        logits = probe_logits(model)
         advance(1)
     if not torch.isfinite(logits).all():
         return Check("model loads and runs", False, "non-finite logits")
@@ -118,7 +128,6 @@ def check_model(out: Path, progress=quiet) -> Check:
 def check_chat_template(out: Path, source=None) -> Check:
     """The folder asks as its source was trained to be asked: its chat template renders a question about a picture
     (the media's marker in its turn), and is its source's where the source has a tokenizer."""
-    from ..checkpoints.source import folder_config
     from ..modeling.marked_prompts import MEDIA_MARKERS
     from ..processing import TOKENIZER_FILES, load_tokenizer
     from ..prompts import chat_text
@@ -144,19 +153,46 @@ def check_chat_template(out: Path, source=None) -> Check:
     return Check(name, True, "chat template asks with the media first")
 
 
+def check_quantized(out: Path, manifest: ConvertManifest, source, progress=quiet) -> Check:
+    """A folder `quantize` wrote: its kept tensors bit-exact against the 16-bit folder, every quantized matrix
+    within its scheme's rounding of its source (`weight_check.check_compressed`), naming the first that is not."""
+    from .weight_check import check_compressed
+
+    quantized = set(manifest.quantization.matrices)
+    kept = {name: entry for name, entry in manifest.tensors.items() if entry.source_name not in quantized}
+    exact = check_tensors(out, dataclasses.replace(manifest, tensors=kept), source, progress, skip=quantized)
+    report = check_compressed(out, manifest, source, progress)
+    worst = report.worst
+    if not exact.ok or not report.passed:
+        return Check("tensors reload", False, "; ".join(filter(None, [None if exact.ok else exact.detail,
+                                                                     report.first_failure()])))  # fmt: skip
+    return Check(
+        "tensors reload",
+        True,
+        f"{len(kept)} tensors bit-exact against {manifest.quantization.source}; {len(report.matrices)} "
+        f"{manifest.quantization.scheme} matrices within their rounding of it (worst {worst.worst_ratio:.2f}x "
+        f"the bound, {worst.node})",
+    )
+
+
 def verify(
     out: Path, against: Path | None = None, base: Path | None = None, vision_heads: int | None = None, progress=quiet
 ) -> list[Check]:
-    """`progress`: `ui.progress` to show each check's progress (the CLI's), or `ui.quiet`."""
+    """`progress`: `ui.progress` to show each check's progress (the CLI's), or `ui.quiet`. A quantized folder is
+    checked against its 16-bit folder (`against`, else the one its manifest names)."""
     out = Path(out)
     manifest = ConvertManifest.read(out, "a folder written by dattn-export convert")
+    if manifest.quantization is not None and against is None:
+        against = Path(manifest.quantization.source)
+        if not (against / "config.json").is_file():
+            raise InputError(out, f"was quantized from {against}, which is gone: pass the 16-bit folder as --against")
     source = None
     if against is not None:
         source = open_source(against, base, vision_heads)
         source.raise_first_problem()
-    return [
-        check_files(out, manifest, progress),
-        check_tensors(out, manifest, source, progress),
-        check_model(out, progress),
-        check_chat_template(out, source),
-    ]
+    tensors = (
+        check_tensors(out, manifest, source, progress)
+        if manifest.quantization is None
+        else check_quantized(out, manifest, source, progress)
+    )
+    return [check_files(out, manifest, progress), tensors, check_model(out, progress), check_chat_template(out, source)]

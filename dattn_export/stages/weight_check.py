@@ -38,7 +38,7 @@ from ..artifacts import OnnxManifest, WeightSource
 from ..checkpoints.source import open_source
 from ..errors import InputError
 from ..ui import quiet
-from .quantize import QUANTIZED_GRAPHS
+from .onnx_quantize import QUANTIZED_GRAPHS
 
 CHUNK_BYTES = 64 << 20  # source rows (float32) read at a time
 SLICE_BYTES = 1 << 20  # and compared on a core at a time: what stays in its cache
@@ -209,6 +209,15 @@ class QuantizedNode:
     def symmetric(self) -> bool:
         return np.isscalar(self.zero_points)
 
+    @property
+    def short_side(self) -> bool:
+        """Its grid runs one step further on one side than the other (symmetric: -2^(bits-1) to 2^(bits-1) - 1)."""
+        return self.symmetric
+
+    def bound(self, expected: np.ndarray) -> np.ndarray:
+        """(rows, blocks, 1): each block's half step (`half_steps`); `worst_element` widens it past the short side."""
+        return half_steps(expected, self.bits, self.symmetric)[..., None]
+
     def dequantize(self, first: int, last: int) -> np.ndarray:
         """(q - zero point) * scale of rows [first, last): (rows, blocks, block) float32."""
         blocks = self.scales.shape[1]
@@ -218,6 +227,37 @@ class QuantizedNode:
         values -= zero_points
         values *= np.asarray(self.scales[first:last])[..., None]
         return values
+
+
+FLOAT8_MAX, FLOAT8_MANTISSA, FLOAT8_SMALLEST = 448.0, 3, 2.0**-9  # e4m3: its largest, mantissa bits, least step
+
+
+class CompressedMatrix:
+    """One matrix of a folder `quantize` wrote (compressed-tensors' stored tensors), dequantized by compressed-tensors
+    itself, with the interface of `QuantizedNode`. Its grids, per channel (the block: a whole row) or group:
+      int    step = max |w| / ((2^bits - 1) / 2), values -2^(bits-1) .. 2^(bits-1) - 1: every element within half a
+             step (the largest |w| sits at 2^(bits-1) - 1/2 steps, rounded onto the grid's end)
+      float  (fp8 e4m3) scale = max |w| / 448: within half of the format's spacing at the element, 2^-4 of it, and
+             half its least step (2^-9 x scale) near zero."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int | None, bits: int, float_type: bool, slack: float):
+        self.weight = weight.float().numpy()  # dequantized, (rows, columns)
+        self.rows, self.columns = self.weight.shape
+        self.block, self.bits, self.float_type = group_size or self.columns, bits, float_type
+        self.slack = slack  # of the scales' own rounding into their dtype (up: a step at most this much wider)
+        self.symmetric, self.short_side = True, False
+
+    def dequantize(self, first: int, last: int) -> np.ndarray:
+        return in_blocks(self.weight[first:last], self.block)
+
+    def bound(self, expected: np.ndarray) -> np.ndarray:
+        largest = np.abs(expected).max(-1, keepdims=True)
+        ulps = ARITHMETIC_ULPS * largest
+        if not self.float_type:
+            return self.slack * largest / ((1 << self.bits) - 1) + ulps  # half of largest / ((2^bits - 1) / 2)
+        scale = self.slack * largest / FLOAT8_MAX
+        relative = np.abs(expected) * 2.0 ** -(FLOAT8_MANTISSA + 1)
+        return np.maximum(relative, scale * FLOAT8_SMALLEST / 2) + ulps
 
 
 def attributes_of(node: onnx.NodeProto) -> dict:
@@ -321,10 +361,10 @@ def worst_element(quantized: QuantizedNode, rows: np.ndarray, first: int) -> tup
     error = quantized.dequantize(first, first + len(rows))
     error -= expected
     np.abs(error, out=error)
-    bound = np.broadcast_to(half_steps(expected, quantized.bits, quantized.symmetric)[..., None], error.shape)
+    bound = np.broadcast_to(quantized.bound(expected), error.shape)
     ratio = error / np.maximum(bound, TINY)
     past = ratio.max(-1) > 1
-    if quantized.symmetric and past.any():
+    if quantized.short_side and past.any():
         bound = bound.copy()
         bound[past] = rounding_bound(expected[past], quantized.bits, symmetric=True)
         ratio[past] = error[past] / np.maximum(bound[past], TINY)
@@ -405,6 +445,52 @@ def check_weights(folder: Path, checkpoint: Path, progress=quiet) -> WeightCheck
         found = {n.name for g, n in nodes if g == graph}
         missing = sorted(set(quantization.sources.get(graph, {})) - found)
         report.problems += [f"{graph}.onnx: has no node {name}, which the manifest records" for name in missing]
+    return report
+
+
+def check_compressed(folder: Path, manifest, source, progress=quiet) -> WeightCheck:
+    """Every matrix of a folder `quantize` wrote (manifest.quantization) against its 16-bit source (`source`: its
+    folder opened), dequantized by compressed-tensors as vLLM and transformers read it."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+
+    from ..checkpoints.source import folder_config
+
+    record = manifest.quantization
+    config = QuantizationConfig.model_validate(folder_config(folder).quantization_config)
+    (scheme,) = config.config_groups.values()
+    compressor = BaseCompressor.load_from_registry(config.format)
+    report = WeightCheck(record.scheme, scheme.weights.num_bits)
+    stored: dict[str, dict[str, str]] = {}  # matrix -> its stored tensors' names -> their shard
+    for name, entry in manifest.tensors.items():
+        if entry.source_name in record.matrices:
+            stored.setdefault(entry.source_name, {})[name] = entry.file
+    total = sum(4 * math.prod(source.tensors[m].shape) for m in record.matrices if m in source.tensors)
+    float_type = scheme.weights.type == "float"
+    with progress("checking quantized matrices against the 16-bit folder", total) as advance:
+        for matrix in record.matrices:
+            parts, module = stored.get(matrix, {}), matrix.removesuffix("weight")
+            if matrix not in source.tensors or not parts:
+                report.problems.append(f"{matrix}: not in {'the source' if parts else 'the folder'}")
+                continue
+            state = {}
+            for name, shard in parts.items():
+                with safe_open(folder / shard, framework="pt") as handle:
+                    state[name.removeprefix(module)] = handle.get_tensor(name)
+            scale_dtype = state["weight_scale"].dtype
+            dense = compressor.decompress(state, scheme)["weight"]
+            slack = 1 + 2 * torch.finfo(scale_dtype).eps  # the scales rounded up into their dtype
+            quantized = CompressedMatrix(dense, scheme.weights.group_size, scheme.weights.num_bits, float_type, slack)
+            check = MatrixCheck("model.safetensors", matrix, record.format, matrix, quantized.rows,
+                                quantized.columns, 0.0, 0, 0, 0.0, 0.0)  # fmt: skip
+            rows = source.tensors[matrix].load().float().numpy()
+            if rows.shape != (quantized.rows, quantized.columns):
+                check.worst_ratio = check.error = float("inf")
+            else:
+                check.worst_ratio, check.row, check.block, check.error, check.bound = worst_element(quantized, rows, 0)
+            report.matrices.append(check)
+            advance(rows.nbytes, matrix)
     return report
 
 

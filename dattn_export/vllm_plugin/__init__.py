@@ -28,8 +28,9 @@ def unsupported(config) -> str | None:
         return "only D-Attn with debiased T2V and diagonal V2V is served (the visual stream as an encoder)"
     if config.wings_rank:
         return "WINGS learners are not served"
-    if getattr(config, "quantization_config", None):
-        return "quantized checkpoints are not served (the context stream's o_proj is summed per KV head on loading)"
+    quantization = getattr(config, "quantization_config", None)
+    if quantization and quantization.get("quant_method") != "compressed-tensors":
+        return "of quantized checkpoints, compressed-tensors' are served (dattn-export quantize writes them)"
     return None
 
 

@@ -235,6 +235,7 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         params, towers = dict(self.named_parameters()), {VISION_TOWER: self.model.mm_vis.vision_model}
         if AUDIO in self.config.streams:
             towers[AUDIO_TOWER] = self.model.mm_aud
+        quantized = QuantizedOProj.of(self.config)
         loaded = set()
         for name, tensor in weights:
             unused = AUDIO_TOWER not in towers and name.startswith(IMAGE_MODEL_UNUSED)
@@ -244,17 +245,52 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
             if tower:  # vLLM's encoders stack their q/k/v, and skip the layers they do not build
                 loaded |= {tower + n for n in towers[tower].load_weights([(name.removeprefix(tower), tensor)])}
                 continue
-            targets = [(name, None)]
+            targets = [(name, None, tensor)]
             for piece, stacked in STACKED.items():
                 if name.startswith("model.layers.") and piece in name:
-                    targets = [(name.replace(piece, target), shard) for target, shard in stacked]
+                    targets = [(name.replace(piece, target), shard, tensor) for target, shard in stacked]
                     break
-            for target, shard in targets:
+            if quantized and ".self_attn.o_proj." in name:  # the context stream's o_proj once its parts are in
+                targets = targets[:1] + quantized.add(name, tensor)
+            for target, shard, value in targets:
                 param = params[target]
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+                loader(param, value) if shard is None else loader(param, value, shard)
                 loaded.add(target)
         return loaded
+
+
+class QuantizedOProj:
+    """A compressed-tensors checkpoint's o_proj parts (its quantized weight, scales, shape), per layer, until the
+    layer's are all in: then its weight dequantized by compressed-tensors (the values the quantized o_proj computes
+    with) for the context stream's `value_o_proj`, which sums its columns per KV head and stays unquantized."""
+
+    def __init__(self, scheme, compressor):
+        self.scheme, self.compressor = scheme, compressor
+        self.names = compressor.compression_param_names(scheme)
+        self.parts: dict[str, dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, config) -> QuantizedOProj | None:
+        fields = getattr(config, "quantization_config", None)
+        if not fields:
+            return None
+        from compressed_tensors.compressors import BaseCompressor
+        from compressed_tensors.quantization import QuantizationConfig
+
+        quantization = QuantizationConfig.model_validate(fields)
+        (scheme,) = quantization.config_groups.values()
+        return cls(scheme, BaseCompressor.load_from_registry(quantization.format))
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, None, torch.Tensor]]:
+        """[] until the layer's o_proj is complete, then [(its value_o_proj's weight, None, the dense weight)]."""
+        module, part = name.rsplit(".", 1)
+        parts = self.parts.setdefault(module, {})
+        parts[part] = tensor
+        if set(self.names) - set(parts):
+            return []
+        dense = self.compressor.decompress(self.parts.pop(module), self.scheme)["weight"]
+        return [(module.replace(".o_proj", ".value_o_proj") + ".weight", None, dense)]
 
 
 def with_segment(stream: torch.Tensor, segment: torch.Tensor | int) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""`quantize`: compressed-tensors folders (int8 W8A8, 4-bit W4A16, FP8) written from a converted folder, checked by
+`verify` matrix by matrix against their source within the scheme's rounding, and refused in one line where they
+cannot be made. The corruptions (a real tool cannot write them) are made on the files: each fails naming the
+matrix."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from safetensors.torch import load_file, save_file
+
+from dattn_export.demo_model import write_demo_checkpoint
+from dattn_export.stages.convert import convert
+from dattn_export.stages.quantize import IGNORE, QUANTIZED, quantize
+from dattn_export.stages.verify import verify
+
+SCHEMES = {"w8a8": None, "w4a16": 32, "fp8": None}  # the tiny models' layers take 64 or 128 features: groups of 32
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    made, root = {}, tmp_path_factory.mktemp("quantized")
+
+    def folder(family: str):
+        if family not in made:
+            made[family] = convert(write_demo_checkpoint(root / family / "ckpt", family), root / family / "conv").out
+        return made[family]
+
+    return folder
+
+
+def checks_of(folder) -> dict[str, tuple[bool, str]]:
+    return {check.name: (check.ok, check.detail) for check in verify(folder)}
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_a_quantized_folder_verifies_and_says_how_it_was_made(converted, tmp_path, family, scheme):
+    source = converted(family)
+    result = quantize(source, tmp_path / scheme, scheme, SCHEMES[scheme])
+    checks = checks_of(result.out)
+    assert all(ok for ok, _ in checks.values()), checks
+    assert f"{result.matrices} {scheme} matrices within their rounding" in checks["tensors reload"][1]
+
+    config = json.loads((result.out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["ignore"] == IGNORE
+    stored = load_file(result.out / "model.safetensors")
+    sixteen = load_file(source / "model.safetensors")
+    matrices = [name for name in sixteen if QUANTIZED.fullmatch(name)]
+    assert result.matrices == len(matrices) == 7 * 3  # q, k, v, o, gate, up, down in each of the 3 layers
+    expected = {"w8a8": torch.int8, "w4a16": torch.int32, "fp8": torch.float8_e4m3fn}[scheme]
+    weight = "weight_packed" if scheme == "w4a16" else "weight"
+    assert all(stored[name.removesuffix("weight") + weight].dtype == expected for name in matrices)
+    kept = [name for name in sixteen if name not in matrices]  # the towers, adapters, embeddings, norms: as they were
+    assert all(torch.equal(stored[name], sixteen[name]) for name in kept)
+    assert result.written_bytes < result.source_bytes
+
+
+def corrupt(folder, damage: str, scheme: str) -> str:
+    """One damage written into the folder's weights; returns the matrix it damages."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    first, second = "model.layers.0.self_attn.q_proj.", "model.layers.1.self_attn.q_proj."
+    if damage == "scales a row off":
+        tensors[first + "weight_scale"] = tensors[first + "weight_scale"].roll(1, 0)
+    elif damage == "swapped layers":
+        for part in [name.removeprefix(first) for name in tensors if name.startswith(first)]:
+            tensors[first + part], tensors[second + part] = tensors[second + part], tensors[first + part]
+    elif damage == "a transposed block":
+        if scheme == "w4a16":
+            shape = tuple(tensors[first + "weight_shape"].tolist())
+            values = unpack_from_int32(tensors[first + "weight_packed"], 4, torch.Size(shape))
+            values[:32, :32] = values[:32, :32].T.clone()
+            tensors[first + "weight_packed"] = pack_to_int32(values, 4)
+        else:
+            weight = tensors[first + "weight"]
+            weight[:32, :32] = weight[:32, :32].T.clone()
+    elif damage == "a matrix from another layer":
+        for part in [name.removeprefix(first) for name in tensors if name.startswith(first)]:
+            tensors[first + part] = tensors[second + part].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    return first + "weight"
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
+@pytest.mark.parametrize("damage", ["scales a row off", "swapped layers", "a transposed block",
+                                    "a matrix from another layer"])  # fmt: skip
+def test_damaged_quantized_weights_fail_verify_naming_the_matrix(converted, tmp_path, scheme, damage):
+    folder = quantize(converted("gemma2"), tmp_path / scheme, scheme, SCHEMES[scheme]).out
+    matrix = corrupt(folder, damage, scheme)
+    ok, detail = checks_of(folder)["tensors reload"]
+    assert not ok and matrix in detail and "its rounding bound" in detail, detail
+
+
+def test_what_cannot_be_quantized_is_refused_in_one_line(converted, tmp_path):
+    from helpers.cli import run_cli
+
+    source = converted("mistral")
+    refused = run_cli("quantize", source, "-o", tmp_path / "w4", "--scheme", "w4a16")  # 64 features: no group of 128
+    assert refused.returncode == 2 and "not a whole number of groups of 128: pass --group-size" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "w4").exists()
+    made = run_cli("quantize", source, "-o", tmp_path / "w8", "--scheme", "w8a8")
+    assert made.returncode == 0, made.stderr
+    again = run_cli("quantize", tmp_path / "w8", "-o", tmp_path / "w8-again", "--scheme", "w8a8")
+    assert again.returncode == 2 and "is quantized already" in again.stderr
+    channel = run_cli("quantize", source, "-o", tmp_path / "x", "--scheme", "w8a8", "--group-size", "32")
+    assert channel.returncode == 2 and "a scale per channel, not per group" in channel.stderr
+
+
+def test_a_quantized_folder_whose_source_is_gone_asks_for_it(converted, tmp_path):
+    source = tmp_path / "sixteen"
+    shutil.copytree(converted("gemma2"), source)
+    folder = quantize(source, tmp_path / "w8a8", "w8a8").out
+    shutil.rmtree(source)
+    with pytest.raises(Exception, match="which is gone: pass the 16-bit folder as --against"):
+        verify(folder)
+    assert all(check.ok for check in verify(folder, against=converted("gemma2")))
