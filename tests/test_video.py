@@ -406,9 +406,11 @@ with torch.no_grad():
 @pytest.mark.slow
 def test_shipped_code_runs_video_and_audio_with_transformers_alone(tmp_path, family):
     """A converted video folder loads through transformers' remote code (the files push uploads) in a fresh
-    process; the model card's video usage runs as written; its logits equal the reference's."""
+    process; the model card's video usage runs as written, on a video file with its sound; its logits equal the
+    reference's."""
     folder = write_demo_checkpoint(tmp_path / "video", family, video=True)
     assert run_cli("convert", folder, "-o", tmp_path / "converted").returncode == 0
+    write_test_video(tmp_path / "video.mp4")  # the file the usage names
     snippet = usage_snippet(str(tmp_path / "converted"), "what happens", "video")
     (tmp_path / "snippet.py").write_text(snippet.removeprefix("```python\n").removesuffix("```"))
     (tmp_path / "remote.py").write_text(REMOTE_CODE)

@@ -98,7 +98,8 @@ def model_card(
         library_name="transformers",
         pipeline_tag=f"{config.modality}-text-to-text",
         base_model=base_model,
-        tags=["dattn", "custom_code", "vision-language", config.model_type, family],
+        tags=["dattn", "custom_code", "vision-language", config.model_type, family]
+        + (["compressed-tensors", manifest.quantization.scheme] if manifest.quantization else []),
     )
     params = manifest.model.parameters
     tower = without_local_paths({"mm_vision_tower": config.mm_vision_tower}, local_paths(folder))["mm_vision_tower"]
@@ -139,6 +140,14 @@ def model_card(
             f"{manifest.dtype}, {sum(1 for f in manifest.files if f.endswith('.safetensors'))} safetensors shard(s)",
         ),
     ]
+    if q := manifest.quantization:
+        groups = f"groups of {q.group_size}" if q.group_size else "a scale per channel"
+        facts.append((
+            "quantization",
+            f"{q.scheme} (compressed-tensors `{q.format}`, {groups}): the decoder layers' attention and MLP "
+            f"projections; the towers, adapters, embeddings and head in {manifest.dtype}. vLLM serves it, "
+            "transformers loads it; every quantized matrix verified within its rounding of the 16-bit weights",
+        ))  # fmt: skip
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",

@@ -144,7 +144,15 @@ def vllm_serve_command(
     if torch.cuda.is_available():
         return command + list(extra), env
     check_cpu_attention(folder, config)
+    if four_bit(config) and option_value(extra, "--dtype") is None:  # vLLM's CPU 4-bit kernel: 16-bit activations
+        command += ["--dtype", "bfloat16"]
     return command + list(extra), env | cpu_environment(tensor_parallel_size)
+
+
+def four_bit(config) -> bool:
+    """A folder `quantize` wrote with 4-bit weights (compressed-tensors' config)."""
+    groups = (getattr(config, "quantization_config", None) or {}).get("config_groups", {})
+    return any((group.get("weights") or {}).get("num_bits") == 4 for group in groups.values())
 
 
 def check_cpu_attention(folder: Path, config) -> None:

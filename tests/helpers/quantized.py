@@ -25,17 +25,31 @@ CORPORA = {
 }
 
 
-def train(folder: Path, corpus: list[str], steps: int = 150, seed: int = 0):
-    """The model of the checkpoint at `folder` trained on `corpus` (the image as context); returns it."""
+def train(folder: Path, corpus: list[str], steps: int = 150, seed: int = 0, video: Path | None = None):
+    """The model of the checkpoint at `folder` trained on `corpus` (the image as context; a video model: the frames
+    and sound of `video`, as the processor prepares them); returns it."""
     torch.manual_seed(seed)
     model = load_model(folder).train()
     tokenizer = load_tokenizer(folder, model.config)
-    pixels = load_images([folder / "demo.png"], model.config, load_image_processor(folder, model.config))
     batch = tokenizer(corpus, return_tensors="pt", padding=True)
     ids, mask = batch["input_ids"], batch["attention_mask"]
+    if video is None:
+        pixels = load_images([folder / "demo.png"], model.config, load_image_processor(folder, model.config))
+        media = {"pixel_values": pixels.expand(len(ids), -1, -1, -1, -1)}
+    else:
+        from dattn_export.modeling.processing_dattn import DAttnProcessor
+
+        processor = DAttnProcessor.from_pretrained(folder, trust_remote_code=True)
+        given = processor(text="<image>", videos=str(video), return_tensors="pt")
+        one = {key: value for key, value in given.items() if key not in ("input_ids", "attention_mask")}
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
-        logits = model(ids, pixels.expand(len(ids), -1, -1, -1, -1), mask).logits[:, :-1]
+        if video is not None:  # the video's context once a step, for every line of the corpus
+            context, segments = model.model.encode_inputs(**one)
+            expand = lambda t: t.expand(len(ids), *t.shape[1:])  # noqa: E731
+            context = [tuple(expand(t) for t in layer) for layer in context]
+            media = {"context_key_values": context, "context_mask": expand(segments)}
+        logits = model(ids, attention_mask=mask, **media).logits[:, :-1]
         labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         optimizer.zero_grad()

@@ -1,0 +1,145 @@
+"""Quantized folders (`quantize`: compressed-tensors w8a8 and w4a16) served by vLLM's CPU kernels (int8 W8A8:
+CPUInt8ScaledMMLinearKernel; 4-bit: CPUWNA16LinearKernel) and loaded by transformers (CompressedTensorsHfQuantizer),
+held to the 16-bit folder served alike: on tiny models trained first (`helpers/quantized.py`), whose answers are
+confident as a trained model's are, so that a gate on them means something. Both families, a picture (an image
+model) and a video with its sound (a video model).
+
+The gate (`SERVING_GATE`): every greedy token the 16-bit model's, and each token's log-probability within 0.1 of
+its. Measured here: the log-probabilities within 0.0009-0.025 (w8a8) and 0.006-0.035 (w4a16) of the 16-bit model's,
+whose own are -0.005 to -0.18; every token the same."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers.builders import checkpoint_of
+from helpers.quantized import CORPORA, train
+from PIL import Image
+from test_vllm import answer_ids, serving, video_part, vllm_missing
+
+from dattn_export.demo_model import write_demo_checkpoint, write_video
+from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
+from dattn_export.modeling.processing_dattn import DAttnProcessor
+from dattn_export.stages.convert import convert
+from dattn_export.stages.quantize import quantize
+
+HELPERS = Path(__file__).parent / "helpers"
+SERVING_GATE = 0.1  # the largest |log-probability - the 16-bit model's| of a greedy token
+SCHEMES = {"w8a8": None, "w4a16": 32}  # the tiny models' layers take 64 or 128 features: groups of 32
+STEPS = 10
+
+
+def questions(corpus: str) -> list[str]:
+    """The corpus' questions, as its answers were trained after them (the marker where the media sit, cut out of
+    the ids: the ids the model was trained on)."""
+    return ["<image>" + line.split("ASSISTANT:")[0] + "ASSISTANT:" for line in CORPORA[corpus] if "ASSISTANT:" in line]
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> Path:
+    """3 s of video at 4 frames a second (one frame a second kept) with its sound track."""
+    path = tmp_path_factory.mktemp("clip") / "clip.mov"
+    frames = [np.random.default_rng(i).integers(0, 256, (48, 64, 3), np.uint8) for i in range(12)]
+    write_video(path, frames, 4, (np.sin(np.arange(16000 * 3) / 7.0) * 8000).astype(np.int16))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, clip):
+    """(family, kind) -> the trained model's 16-bit converted folder and its quantized ones."""
+    made = {}
+
+    def folders(family: str, kind: str) -> dict[str, Path]:
+        if (family, kind) not in made:
+            root = tmp_path_factory.mktemp(f"{family}-{kind}")
+            checkpoint = write_demo_checkpoint(root / "base", family, video=kind == "video")
+            if kind == "image":  # trained on the demo's picture, asked about it
+                model = train(checkpoint, CORPORA["demo"])
+            else:  # trained on the clip's frames and sound, as the processor prepares them (from a converted folder)
+                model = train(convert(checkpoint, root / "base-conv").out, CORPORA["colours"], video=clip)
+            sixteen = convert(checkpoint_of(model, root / "trained"), root / "16-bit").out
+            shutil.copy(checkpoint / "demo.png", root / "demo.png")
+            made[family, kind] = {"16-bit": sixteen} | {
+                scheme: quantize(sixteen, root / scheme, scheme, group).out for scheme, group in SCHEMES.items()
+            }
+        return made[family, kind]
+
+    return folders
+
+
+def requests_for(kind: str, folder: Path, clip: Path) -> list[dict]:
+    medium = {"image": str(folder.parent / "demo.png")} if kind == "image" else {"video": str(clip)}
+    return [{"prompt": text, "steps": STEPS} | medium for text in questions("demo" if kind == "image" else "colours")]
+
+
+def served(folders: list[Path], requests: list[dict], tmp_path: Path) -> dict[str, list[dict]]:
+    """Each folder's answers through `vllm.LLM` (helpers/vllm_quantized.py, a process of its own)."""
+    (tmp_path / "requests.json").write_text(json.dumps(requests))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    command = [sys.executable, HELPERS / "vllm_quantized.py", tmp_path / "requests.json", tmp_path / "out.json"]
+    run = subprocess.run([*command, *folders], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+@torch.no_grad()
+def transformers_tokens(folder: Path, request: dict) -> list[int]:
+    """Greedy tokens of the folder loaded by transformers (compressed-tensors' decompression) and asked through the
+    repo's processor."""
+    model = MODEL_CLASSES[json.loads((folder / "config.json").read_text())["model_type"]].from_pretrained(folder)
+    processor = DAttnProcessor.from_pretrained(folder, trust_remote_code=True)
+    media = {"images": Image.open(request["image"])} if "image" in request else {"videos": request["video"]}
+    inputs = processor(text=request["prompt"], return_tensors="pt", **media)
+    return model.generate(**inputs, max_new_tokens=STEPS)[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.slow
+@vllm_missing
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_quantized_folders_are_served_within_the_gate_and_load_in_transformers(trained, clip, tmp_path, family, kind):
+    folders = trained(family, kind)
+    requests = requests_for(kind, folders["16-bit"], clip)
+    answers = served(list(folders.values()), requests, tmp_path)
+    sixteen = answers[str(folders["16-bit"])]
+    assert all(max(answer["logprobs"]) > -0.5 for answer in sixteen)  # the trained model answers with confidence
+    for scheme in SCHEMES:
+        got = answers[str(folders[scheme])]
+        assert [a["tokens"] for a in got] == [a["tokens"] for a in sixteen], scheme
+        drift = max(abs(a - b) for x, y in zip(got, sixteen) for a, b in zip(x["logprobs"], y["logprobs"]))
+        assert drift <= SERVING_GATE, (scheme, drift)
+        print(f"{family} {kind} {scheme}: greedy tokens all the 16-bit model's; log-probabilities within {drift:.4f}")
+        assert transformers_tokens(folders[scheme], requests[0]) == got[0]["tokens"], scheme
+
+
+@pytest.mark.slow
+@vllm_missing
+@pytest.mark.parametrize(("family", "kind", "scheme"), [("gemma2", "image", "w8a8"), ("mistral", "video", "w4a16")])
+def test_serve_answers_from_a_quantized_folder(trained, clip, tmp_path, family, kind, scheme):
+    """`serve` on a quantized folder (the quantization read from its config; bfloat16: vLLM's CPU 4-bit kernel takes
+    16-bit activations): a chat request with the picture or the video file is asked with the processor's ids and
+    answered as transformers answers the processor's inputs on the same folder."""
+    folder = trained(family, kind)[scheme]
+    text = questions("demo" if kind == "image" else "colours")[0].removeprefix("<image>")
+    path = folder.parent / "demo.png" if kind == "image" else clip
+    if kind == "image":
+        medium, part = {"type": "image_url", "image_url": {"url": path.resolve().as_uri()}}, {"type": "image"}
+    else:
+        medium, part = video_part(path.resolve().as_uri()), {"type": "video"}
+    processor = DAttnProcessor.from_pretrained(folder, trust_remote_code=True)
+    messages = [{"role": "user", "content": [part | {"path": str(path)}, {"type": "text", "text": text}]}]
+    inputs = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    model = MODEL_CLASSES[json.loads((folder / "config.json").read_text())["model_type"]].from_pretrained(folder)
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=8)[0, inputs["input_ids"].shape[1] :].tolist()
+    local = ("--allowed-local-media-path", str(path.parent), "--dtype", "bfloat16")
+    with serving(folder, tmp_path / "serve.log", *local) as chat:
+        assert answer_ids(chat(text, medium)) == expected and chat.prompt_ids == inputs["input_ids"][0].tolist()
