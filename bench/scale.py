@@ -21,7 +21,9 @@ about 50 GB at most for Vidi1.5-9B):
              --rounds times (3), the medians reported
   info, verify, onnx --dtype fp16, onnx --quantize int4, validate --weights-only (the int4 export's weights against
   the converted folder), validate (the int4 export against the converted folder),
-  generate (an image, or a video with its sound for the video model), analyze, push --dry-run
+  generate (an image, or a video with its sound for the video model), analyze, push --dry-run, quantize w8a8 and
+  w4a16 (compressed-tensors folders for vLLM and transformers), verify of each (every quantized matrix
+  against the converted folder)
 Each command runs in its own process; its peak anonymous memory (RssAnon of it and its children) is sampled every
 20 ms (not the kernel's peak RSS: a child forked from this process starts with this process's, and the mapped
 checkpoint's pages count in it). Prints one table per model and writes scale-MODELS.json beside this file.
@@ -279,7 +281,8 @@ def cli(*args) -> list:
 
 COMMANDS = [
     "convert", "info", "verify", "onnx fp16", "validate fp16", "onnx int4", "weight check int4", "validate int4",
-    "generate", "analyze", "push --dry-run",
+    "generate", "analyze", "push --dry-run", "quantize w8a8", "verify w8a8", "quantize w4a16",
+    "verify w4a16",
 ]  # fmt: skip
 
 
@@ -326,6 +329,21 @@ def run_model(name: str, work: Path, commands: list[str], rounds: int) -> list[d
     analysis = ("analyze", converted, "--raw-prompt", f"<image> {PROMPT}", "-o", root / "analysis", "--force")
     run("analyze", *analysis, *media_args)
     run("push --dry-run", "push", converted, "--repo-id", "me/scale-test", "--dry-run")
+    for scheme in ("w8a8", "w4a16"):  # compressed-tensors folders for vLLM and transformers (one on the disk at a time)
+        quantized = root / f"converted-{scheme}"
+        run(
+            f"quantize {scheme}",
+            "quantize",
+            converted,
+            "-o",
+            quantized,
+            "--scheme",
+            scheme,
+            "--force",
+            output=quantized,
+        )
+        run(f"verify {scheme}", "verify", quantized)
+        shutil.rmtree(quantized, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
     return rows
 

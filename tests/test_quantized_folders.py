@@ -31,6 +31,18 @@ def converted(tmp_path_factory):
     return folder
 
 
+def test_a_bfloat16_folder_keeps_its_dtype_and_verifies(converted, tmp_path):
+    """The released models are bfloat16: what is kept stays so, the scales are stored so (as llm-compressor stores
+    them), and the check dequantizes in float32, as the kernels scale."""
+    sixteen = convert(converted("gemma2").parent / "ckpt", tmp_path / "bf16", dtype="bf16").out
+    for scheme, group in SCHEMES.items():
+        folder = quantize(sixteen, tmp_path / scheme, scheme, group).out
+        stored = load_file(folder / "model.safetensors")
+        assert stored["model.norm.weight"].dtype == stored["model.layers.0.mlp.down_proj.weight_scale"].dtype
+        assert stored["model.norm.weight"].dtype == torch.bfloat16
+        assert all(check.ok for check in verify(folder)), scheme
+
+
 def checks_of(folder) -> dict[str, tuple[bool, str]]:
     return {check.name: (check.ok, check.detail) for check in verify(folder)}
 

@@ -194,7 +194,7 @@ def quantize(
         for part, (dtype, shape) in quantizer.shapes(tuple(lazy.shape), lazy.dtype).items():
             produce = lambda _, n=name, ld=load, p=part, d=lazy.dtype: quantizer.quantize(n, ld(), d)[p]
             planned.append(PlannedTensor(module + part, dtype, shape, produce))
-    planned += plan_tensors(kept, {name: name for name in kept}, torch.float32)  # as they are: no cast
+    planned += plan_tensors(kept, {name: name for name in kept}, getattr(torch, manifest.dtype))  # as they are
     shards = plan_shards(planned, SHARD_BYTES)
     shard_of = {t.name: file for file, tensors in zip(shard_names(len(shards)), shards) for t in tensors}
     written_bytes = sum(t.nbytes for t in planned)

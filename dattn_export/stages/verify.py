@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .. import memory
 from ..artifacts import ConvertManifest, dtype_name, sha256_file
 from ..checkpoints.plan import checked_cast
 from ..checkpoints.source import build_model, folder_config, open_source
@@ -113,9 +114,17 @@ def check_model(out: Path, progress=quiet) -> Check:
     """The folder loads as the reference model and gives finite logits. (Against a source, the tensors' check has
     already found every tensor bit-exact after the cast: the source's model computes the same numbers, so it is
     not run again.) A quantized folder loads as transformers loads it (compressed-tensors' decompression)."""
+    manifest = ConvertManifest.read(out)
+    if manifest.quantization is not None:  # transformers decompresses every matrix into the folder's dtype
+        needed = sum(manifest.model.parameters.values()) * DTYPES_BY_NAME[manifest.dtype].itemsize
+        if not memory.fits(needed + needed // 2):
+            return Check("model loads and runs", True, f"not run here: transformers decompresses it to about "
+                         f"{memory.gib(needed)} of {manifest.dtype} weights, and {memory.gib(memory.available())} "
+                         "is available (the tensors' check holds every matrix)")  # fmt: skip
     with torch.no_grad(), progress("loading the model and running a prompt", 1, "model") as advance:
-        if getattr(folder_config(out), "quantization_config", None):
-            model = MODEL_CLASSES[folder_config(out).model_type].from_pretrained(out, dtype=torch.float32)
+        if manifest.quantization is not None:
+            dtype = DTYPES_BY_NAME[manifest.dtype]
+            model = MODEL_CLASSES[folder_config(out).model_type].from_pretrained(out, dtype=dtype)
         else:
             model = build_model(open_source(out))
         logits = probe_logits(model)
@@ -123,6 +132,10 @@ def check_model(out: Path, progress=quiet) -> Check:
     if not torch.isfinite(logits).all():
         return Check("model loads and runs", False, "non-finite logits")
     return Check("model loads and runs", True, f"logits {list(logits.shape)} finite")
+
+
+FLOAT_NAMES = ("float32", "bfloat16", "float16")
+DTYPES_BY_NAME = {name: getattr(torch, name) for name in FLOAT_NAMES}
 
 
 def check_chat_template(out: Path, source=None) -> Check:

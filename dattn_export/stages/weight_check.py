@@ -69,8 +69,11 @@ class MatrixCheck:
         return self.worst_ratio <= 1.0
 
     def failure(self) -> str:
+        where = f"{self.graph}: matrix {self.node}" if self.graph.endswith(".safetensors") else (
+            f"{self.graph}.onnx node {self.node} ({self.source})"
+        )  # fmt: skip
         return (
-            f"{self.graph}.onnx node {self.node} ({self.source}): row {self.row}, block {self.block} is "
+            f"{where}: row {self.row}, block {self.block} is "
             f"{self.worst_ratio:.3g}x its rounding bound (error {self.error:.3g}, bound {self.bound:.3g})"
         )
 
@@ -479,10 +482,11 @@ def check_compressed(folder: Path, manifest, source, progress=quiet) -> WeightCh
                 with safe_open(folder / shard, framework="pt") as handle:
                     state[name.removeprefix(module)] = handle.get_tensor(name)
             scale_dtype = state["weight_scale"].dtype
+            state["weight_scale"] = state["weight_scale"].float()  # as the kernels scale: in float32, not rounded
             dense = compressor.decompress(state, scheme)["weight"]
             slack = 1 + 2 * torch.finfo(scale_dtype).eps  # the scales rounded up into their dtype
             quantized = CompressedMatrix(dense, scheme.weights.group_size, scheme.weights.num_bits, float_type, slack)
-            check = MatrixCheck("model.safetensors", matrix, record.format, matrix, quantized.rows,
+            check = MatrixCheck(parts[module + "weight_scale"], matrix, record.format, matrix, quantized.rows,
                                 quantized.columns, 0.0, 0, 0, 0.0, 0.0)  # fmt: skip
             rows = source.tensors[matrix].load().float().numpy()
             if rows.shape != (quantized.rows, quantized.columns):
