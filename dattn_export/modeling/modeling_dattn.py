@@ -90,9 +90,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-# --- the multimodal front -------------------------------------------------------------------------
-
-
 # --- the decoder ---------------------------------------------------------------------------------
 
 

@@ -44,7 +44,6 @@ CHUNK_BYTES = 64 << 20  # source rows (float32) read at a time
 SLICE_BYTES = 1 << 20  # and compared on a core at a time: what stays in its cache
 TINY = np.finfo(np.float32).tiny
 ARITHMETIC_ULPS = 4 * float(np.finfo(np.float32).eps)  # of a block's largest |w|: dequantization's own rounding
-QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")
 
 
 @dataclass
@@ -415,7 +414,7 @@ def check_weights(folder: Path, checkpoint: Path, progress=quiet) -> WeightCheck
     source.raise_first_problem()
     weights = checkpoint_weights(source, torch.float32)
     graphs = {name: Initializers(folder / manifest.graphs[name].file) for name in QUANTIZED_GRAPHS}
-    nodes = [(name, n) for name, g in graphs.items() for n in g.graph.node if n.op_type in QUANTIZED_OPS]
+    nodes = [(name, n) for name, g in graphs.items() for n in g.graph.node if n.op_type in READERS]
     total = sum(4 * attributes_of(n).get("N", 0) * attributes_of(n).get("K", 0) for _, n in nodes)
     total += sum(4 * math.prod(graphs[g].tensors[n.input[0]].dims) for g, n in nodes if n.op_type != "MatMulNBits")
     with (
