@@ -71,6 +71,11 @@ DTYPES = {
 }  # under dtypes.TORCH_NAMES' short names (tests/test_cli.py checks that both name the same types)
 
 
+def named_dtype(name: str) -> torch.dtype:
+    """The torch dtype a manifest or config records by `dtype_name` (float32, bfloat16, float16)."""
+    return next(d.torch for d in DTYPES.values() if d.name == name)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -20,6 +20,7 @@ the scheme's rounding (`weight_check.py`'s table of bounds)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -41,6 +42,7 @@ from ..artifacts import (
     carried_files,
     copy_remote_code,
     dtype_name,
+    named_dtype,
     sha256_file,
 )
 from ..checkpoints.plan import checked_cast, plan_tensors
@@ -135,6 +137,7 @@ class MatrixQuantizer:
                 self.done.pop(next(iter(self.done)))
         return stored
 
+    @functools.cache  # noqa: B019 (one quantizer a run; the layers' matrices share a few shapes)
     def shapes(self, shape: tuple[int, int], dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Each stored tensor's dtype and shape for a (rows, columns) matrix: the writer plans them ahead."""
         probe = self.compressor.compress(
@@ -194,7 +197,7 @@ def quantize(
         for part, (dtype, shape) in quantizer.shapes(tuple(lazy.shape), lazy.dtype).items():
             produce = lambda _, n=name, ld=load, p=part, d=lazy.dtype: quantizer.quantize(n, ld(), d)[p]
             planned.append(PlannedTensor(module + part, dtype, shape, produce))
-    planned += plan_tensors(kept, {name: name for name in kept}, getattr(torch, manifest.dtype))  # as they are
+    planned += plan_tensors(kept, {name: name for name in kept}, named_dtype(manifest.dtype))  # as they are
     shards = plan_shards(planned, SHARD_BYTES)
     shard_of = {t.name: file for file, tensors in zip(shard_names(len(shards)), shards) for t in tensors}
     written_bytes = sum(t.nbytes for t in planned)

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .. import memory
-from ..artifacts import ConvertManifest, dtype_name, sha256_file
+from ..artifacts import ConvertManifest, dtype_name, named_dtype, sha256_file
 from ..checkpoints.plan import checked_cast
 from ..checkpoints.source import build_model, folder_config, open_source
 from ..errors import InputError
@@ -110,21 +110,20 @@ def video_probe(model, ids: torch.Tensor, generator: torch.Generator) -> torch.T
 PROBES = {"image": image_probe, "video": video_probe}  # by what the model takes
 
 
-def check_model(out: Path, progress=quiet) -> Check:
+def check_model(out: Path, manifest: ConvertManifest, progress=quiet) -> Check:
     """The folder loads as the reference model and gives finite logits. (Against a source, the tensors' check has
     already found every tensor bit-exact after the cast: the source's model computes the same numbers, so it is
     not run again.) A quantized folder loads as transformers loads it (compressed-tensors' decompression)."""
-    manifest = ConvertManifest.read(out)
     if manifest.quantization is not None:  # transformers decompresses every matrix into the folder's dtype
-        needed = sum(manifest.model.parameters.values()) * DTYPES_BY_NAME[manifest.dtype].itemsize
+        needed = sum(manifest.model.parameters.values()) * named_dtype(manifest.dtype).itemsize
         if not memory.fits(needed + needed // 2):
             return Check("model loads and runs", True, f"not run here: transformers decompresses it to about "
                          f"{memory.gib(needed)} of {manifest.dtype} weights, and {memory.gib(memory.available())} "
                          "is available (the tensors' check holds every matrix)")  # fmt: skip
     with torch.no_grad(), progress("loading the model and running a prompt", 1, "model") as advance:
         if manifest.quantization is not None:
-            dtype = DTYPES_BY_NAME[manifest.dtype]
-            model = MODEL_CLASSES[folder_config(out).model_type].from_pretrained(out, dtype=dtype)
+            model_class = MODEL_CLASSES[folder_config(out).model_type]
+            model = model_class.from_pretrained(out, dtype=named_dtype(manifest.dtype))
         else:
             model = build_model(open_source(out))
         logits = probe_logits(model)
@@ -132,10 +131,6 @@ def check_model(out: Path, progress=quiet) -> Check:
     if not torch.isfinite(logits).all():
         return Check("model loads and runs", False, "non-finite logits")
     return Check("model loads and runs", True, f"logits {list(logits.shape)} finite")
-
-
-FLOAT_NAMES = ("float32", "bfloat16", "float16")
-DTYPES_BY_NAME = {name: getattr(torch, name) for name in FLOAT_NAMES}
 
 
 def check_chat_template(out: Path, source=None) -> Check:
@@ -208,4 +203,9 @@ def verify(
         if manifest.quantization is None
         else check_quantized(out, manifest, source, progress)
     )
-    return [check_files(out, manifest, progress), tensors, check_model(out, progress), check_chat_template(out, source)]
+    return [
+        check_files(out, manifest, progress),
+        tensors,
+        check_model(out, manifest, progress),
+        check_chat_template(out, source),
+    ]
