@@ -16,7 +16,9 @@ from click.core import UNSET
 
 from dattn_export.cli import main
 
-ORDER = ("demo", "info", "convert", "verify", "quantize", "push", "onnx", "validate", "generate", "analyze", "trt", "serve")
+ORDER = (
+    "demo", "info", "convert", "verify", "quantize", "push", "onnx", "validate", "generate", "analyze", "trt", "serve",
+)  # fmt: skip
 HEADER = """# CLI reference
 
 Every command, argument and option, written from the commands themselves by `tools/cli_reference.py` (the tests
