@@ -1,5 +1,12 @@
+import atexit
 import os
+import shutil
+import tempfile
 
+# transformers copies the remote code of every folder it loads with trust_remote_code into its modules cache,
+# under the folder's name (converted, w8a8): one of this process's own, not the home folder's, so that another
+# clone's tests on the same machine never write the same files. Read when transformers is imported: set first.
+os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="dattn-test-hf-modules-")
 # Triton kernels run on CPU tensors through its interpreter where there is no GPU. Triton reads this once,
 # at its first use, so it is set before anything imports it.
 if not os.path.exists("/dev/nvidiactl"):
@@ -8,6 +15,8 @@ if not os.path.exists("/dev/nvidiactl"):
 import pytest
 import torch
 from hypothesis import settings
+
+atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 
 torch.set_num_threads(2)
 
