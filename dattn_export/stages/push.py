@@ -101,8 +101,8 @@ def model_card(
         tags=["dattn", "custom_code", "vision-language", config.model_type, family]
         + (["compressed-tensors", manifest.quantization.scheme] if manifest.quantization else []),
     )
-    params = manifest.model.parameters
-    tower = without_local_paths({"mm_vision_tower": config.mm_vision_tower}, local_paths(folder))["mm_vision_tower"]
+    params, local = manifest.model.parameters, local_paths(folder)
+    tower = without_local_paths({"mm_vision_tower": config.mm_vision_tower}, local)["mm_vision_tower"]
     facts = [
         ("architecture", f"{family} decoder with D-Attn (decomposed attention), `dattn_mode={config.dattn_mode}`"),
         (
@@ -165,7 +165,9 @@ def model_card(
             "",
             "| check | result | detail |",
             "| --- | --- | --- |",
-            *(f"| {c.name} | {'ok' if c.ok else 'FAILED'} | {c.detail} |" for c in checks),
+            *(
+                f"| {c.name} | {'ok' if c.ok else 'FAILED'} | {without_local_paths(c.detail, local)} |" for c in checks
+            ),  # a check may name the folder it compared with
             "",
         ]
     if validation is not None:
@@ -204,11 +206,14 @@ class LocalPaths:
 
 
 def local_paths(folder: Path) -> LocalPaths:
-    """The checkpoint the folder came from (published as its folder's name), the folder itself, and the tower folders
-    (published as their Hub ids where one is known, else as their folders' names)."""
+    """The checkpoint the folder came from (published as its folder's name), the folder itself (and a quantized
+    folder's 16-bit folder), and the tower folders (published as their Hub ids where one is known, else as their
+    folders' names)."""
     manifest, config = ConvertManifest.read(folder), folder_config(folder)
     source = Path(manifest.source.path)
     paths = {str(source): source.name, str(folder.absolute()): folder.name, str(folder.resolve()): folder.name}
+    if manifest.quantization is not None:  # the 16-bit folder it was quantized from
+        paths[manifest.quantization.source] = Path(manifest.quantization.source).name
     towers = {}
     for name in (config.mm_vision_tower, config.mm_audio_tower):
         tower = tower_folder(name, source) or tower_folder(name, folder)

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -58,11 +59,17 @@ from ..checkpoints.source import open_source
 from ..errors import InputError
 from ..ui import quiet
 
-# scheme: (compressed-tensors' preset, its storage format)
+
+class Scheme(NamedTuple):
+    preset: str  # compressed-tensors' preset
+    format: str  # its storage format
+    gate: str  # the accuracy gate's row it is held to when served (onnx_quantize.GATES, measured there)
+
+
 SCHEMES = {
-    "w8a8": ("W8A8", "int-quantized"),
-    "w4a16": ("W4A16", "pack-quantized"),
-    "fp8": ("FP8_DYNAMIC", "float-quantized"),
+    "w8a8": Scheme("W8A8", "int-quantized", "int8"),
+    "w4a16": Scheme("W4A16", "pack-quantized", "w4a16"),
+    "fp8": Scheme("FP8_DYNAMIC", "float-quantized", "int8"),
 }
 QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 # the modules that stay in 16 bits, as both engines read config.json's `ignore` (a name, or `re:` a pattern)
@@ -75,7 +82,7 @@ def scheme_of(name: str, group_size: int | None = None):
     """compressed-tensors' scheme for `name` (SCHEMES), for every Linear module the config does not ignore."""
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    scheme = preset_name_to_scheme(SCHEMES[name][0], ["Linear"])
+    scheme = preset_name_to_scheme(SCHEMES[name].preset, ["Linear"])
     if group_size is not None:
         if scheme.weights.group_size is None:
             raise InputError("--group-size", f"{name} has a scale per channel, not per group")
@@ -89,7 +96,7 @@ def quantization_config(name: str, group_size: int | None = None) -> dict:
 
     return QuantizationConfig(
         config_groups={"group_0": scheme_of(name, group_size)},
-        format=SCHEMES[name][1],
+        format=SCHEMES[name].format,
         ignore=IGNORE,
         quantization_status=QuantizationStatus.COMPRESSED,
     ).to_dict()
@@ -186,7 +193,7 @@ def quantize(
     source = open_source(folder)
     compression = scheme_of(scheme, group_size)
     check_quantizable(source, compression)
-    quantizer = MatrixQuantizer(compression, SCHEMES[scheme][1])
+    quantizer = MatrixQuantizer(compression, SCHEMES[scheme].format)
     planned, matrices, kept = [], [], {}
     for name, lazy in source.tensors.items():
         if not QUANTIZED.fullmatch(name):
@@ -232,17 +239,17 @@ def quantize(
                 for name, t in ((t.name, t) for t in planned)
             },  # fmt: skip
             quantization=QuantizationRecord(
-                scheme, SCHEMES[scheme][1], compression.weights.group_size, str(folder.absolute()), matrices
+                scheme, SCHEMES[scheme].format, compression.weights.group_size, str(folder.absolute()), matrices
             ),  # fmt: skip
         ).write(tmp)
     return QuantizeResult(
         out=out,
         scheme=scheme,
-        format=SCHEMES[scheme][1],
+        format=SCHEMES[scheme].format,
         group_size=compression.weights.group_size,
         matrices=len(matrices),
         kept=len(kept),
-        source_bytes=sum(lazy.nbytes for lazy in source.tensors.values()),
+        source_bytes=source.nbytes,
         written_bytes=written_bytes,
         seconds=time.perf_counter() - start,
     )

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..artifacts import VALIDATION_REPORT, OnnxManifest, TrtManifest, from_json
+from ..artifacts import VALIDATION_REPORT, OnnxManifest, TrtManifest, atomic_write, from_json
 from ..checkpoints.source import load_model
 from ..decoding.files import open_image
 from ..demo_model import DEMO_VIDEO_FPS, demo_audio, demo_frames, demo_image, demo_prompt
@@ -123,6 +123,11 @@ class ValidationReport:
             fields["weights"]["passed"] = self.weights.passed
         return {**fields, "agreement": self.agreement, "passed": self.passed}
 
+    def write(self, folder: Path) -> ValidationReport:
+        """validation_report.json in `folder` (the validated artifact's), written whole or not at all."""
+        atomic_write(folder / VALIDATION_REPORT, json.dumps(self.to_json(), indent=2) + "\n")
+        return self
+
     @classmethod
     def read(cls, path: Path) -> ValidationReport:
         """A validation_report.json that `validate` wrote."""
@@ -166,8 +171,7 @@ def validate(
     if weights is not None:
         if weights_only or not weights.passed:
             report = ValidationReport(str(folder), str(against), backend, manifest.dtype, 0.0, 0, 0, weights=weights)
-            (folder / VALIDATION_REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-            return report
+            return report.write(folder)
     runtime = open_graphs(folder, backend, threads, device)
     reference = load_model(against)
     config = reference.config
@@ -198,8 +202,7 @@ def validate(
     report.backend_tokens = runtime.generate(ids.numpy(), mask.numpy(), got_kv, steps, context_mask=got_mask)[
         0
     ].tolist()
-    (folder / VALIDATION_REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    return report
+    return report.write(folder)
 
 
 GATE_PROMPTS = [

@@ -183,6 +183,17 @@ def check_quantized(out: Path, manifest: ConvertManifest, source, progress=quiet
     )
 
 
+def quantized_from(out: Path, manifest: ConvertManifest, against: Path | None) -> Path | None:
+    """What a folder is checked against: `against` if given, else a quantized folder's 16-bit folder (the one its
+    manifest names, which must still be there), else nothing."""
+    if manifest.quantization is None or against is not None:
+        return against
+    sixteen = Path(manifest.quantization.source)
+    if not (sixteen / "config.json").is_file():
+        raise InputError(out, f"was quantized from {sixteen}, which is gone: pass the 16-bit folder as --against")
+    return sixteen
+
+
 def verify(
     out: Path, against: Path | None = None, base: Path | None = None, vision_heads: int | None = None, progress=quiet
 ) -> list[Check]:
@@ -190,10 +201,7 @@ def verify(
     checked against its 16-bit folder (`against`, else the one its manifest names)."""
     out = Path(out)
     manifest = ConvertManifest.read(out, "a folder written by dattn-export convert")
-    if manifest.quantization is not None and against is None:
-        against = Path(manifest.quantization.source)
-        if not (against / "config.json").is_file():
-            raise InputError(out, f"was quantized from {against}, which is gone: pass the 16-bit folder as --against")
+    against = quantized_from(out, manifest, against)
     source = None
     if against is not None:
         source = open_source(against, base, vision_heads)

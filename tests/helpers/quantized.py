@@ -151,3 +151,51 @@ def take_matrix(model: onnx.ModelProto, into: onnx.NodeProto, source: onnx.NodeP
     """`into`'s packed weights, scales (and zero points) replaced by `source`'s: a matrix from another layer."""
     for a, b in zip(into.input[1:], source.input[1:]):
         set_initializer(model, a, initializer(model, b))
+
+
+FIRST, SECOND = "model.layers.0.self_attn.q_proj.", "model.layers.1.self_attn.q_proj."
+
+
+def corrupt(folder: Path, damage: str, scheme: str) -> str:
+    """One damage written into a folder `quantize` wrote (a real tool cannot write these); returns the matrix it
+    damages: `scales a row off`, `a transposed block`, `a matrix from another layer` (the first layer's q
+    projection's), `swapped layers` (the first two layers' q projections exchanged), `every matrix's scales a row
+    off`, `every matrix swapped` (the first two layers' projections all exchanged)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+
+    def parts(prefix: str) -> list[str]:
+        return [name.removeprefix(prefix) for name in tensors if name.startswith(prefix)]
+
+    def exchange(first: str, second: str) -> None:
+        for part in parts(first):
+            tensors[first + part], tensors[second + part] = tensors[second + part], tensors[first + part]
+
+    if damage == "scales a row off":
+        tensors[FIRST + "weight_scale"] = tensors[FIRST + "weight_scale"].roll(1, 0)
+    elif damage == "every matrix's scales a row off":
+        for name in [name for name in tensors if name.startswith("model.layers.") and name.endswith("weight_scale")]:
+            tensors[name] = tensors[name].roll(1, 0)
+    elif damage == "swapped layers":
+        exchange(FIRST, SECOND)
+    elif damage == "every matrix swapped":
+        for name in [name.removesuffix("weight_scale") for name in tensors if name.startswith("model.layers.0.")]:
+            if name.endswith("proj."):
+                exchange(name, name.replace("layers.0.", "layers.1."))
+    elif damage == "a transposed block":
+        if scheme == "w4a16":
+            shape = tuple(tensors[FIRST + "weight_shape"].tolist())
+            values = unpack_from_int32(tensors[FIRST + "weight_packed"], 4, torch.Size(shape))
+            values[:32, :32] = values[:32, :32].T.clone()
+            tensors[FIRST + "weight_packed"] = pack_to_int32(values, 4)
+        else:
+            weight = tensors[FIRST + "weight"]
+            weight[:32, :32] = weight[:32, :32].T.clone()
+    elif damage == "a matrix from another layer":
+        for part in parts(FIRST):
+            tensors[FIRST + part] = tensors[SECOND + part].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    return FIRST + "weight"
