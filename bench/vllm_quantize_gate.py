@@ -9,7 +9,7 @@ layers' projections exchanged (`every matrix swapped`); and the first layer's q 
 (`scales a row off`), reported but not judged: it barely moves the answers, and the weight check fails it. Each
 folder is asked the gate's four prompts about the demo's picture, 20 tokens each (80 positions).
 
-    python bench/vllm_quantize_gate.py [--work DIR]        # about 10 minutes on 2 cores
+    python bench/vllm_quantize_gate.py [--work DIR]        # about 4 minutes on 2 cores
 """
 
 from __future__ import annotations
