@@ -629,7 +629,7 @@ def test_serve_budgets_the_longest_video(served):
 
     folder = served["gemma2-video"]
     model = load_model(folder)
-    assert max_video_frames(model.config, None) == DEFAULT_MAX_FRAMES == 7200
+    assert max_video_frames(None) == DEFAULT_MAX_FRAMES == 7200
     frames, size = 3760, model.config.vision_config["image_size"]
     video, _ = model.model.embed_video([torch.rand(frames, 3, size, size)])
     assert video.shape[1] == frames * 25 and model.config.tokens_per_frame == 16  # resized: 5 x 5 tokens, not 4 x 4

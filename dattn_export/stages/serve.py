@@ -129,7 +129,7 @@ def vllm_serve_command(
             raise InputError("--hf-overrides", 'given with --context-cache-gib: put "context_cache_gib" in it instead')
         command += ["--hf-overrides", json.dumps({"context_cache_gib": context_cache_gib})]
     if config.modality == "video":
-        frames = max_video_frames(config, requested_frames(extra))
+        frames = max_video_frames(requested_frames(extra))
         if option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads them
             cache_gib = DEFAULT_CONTEXT_CACHE_GIB if context_cache_gib is None else context_cache_gib
             loader = {"video_backend": VIDEO_BACKEND, "cache_gib": cache_gib}  # decoded videos kept, by file content

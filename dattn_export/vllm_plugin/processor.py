@@ -81,7 +81,7 @@ class DAttnProcessingInfo(BaseProcessingInfo):
 
     def max_frames(self) -> int:
         options = self.ctx.get_mm_config().limit_per_prompt.get("video")
-        return max_video_frames(self.get_hf_config(), None if options is None else options.num_frames)
+        return max_video_frames(None if options is None else options.num_frames)
 
 
 class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):

@@ -13,7 +13,7 @@ from ..modeling.video_decoding import VIDEO_FPS
 DEFAULT_MAX_FRAMES = 7200
 
 
-def max_video_frames(config, limit: int | None) -> int:
+def max_video_frames(limit: int | None) -> int:
     """The most frames a request's video may have: `limit` (`--limit-mm-per-prompt '{"video": {"count": 1,
     "num_frames": N}}'`), else DEFAULT_MAX_FRAMES, whatever the pool (past space-to-depth's resize budget, the
     frames' grids are resized as the released pool resizes them)."""
