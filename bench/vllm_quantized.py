@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -34,7 +35,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from onnx_scaling import best_of  # noqa: E402
 from scale import MODELS, cli, folder_bytes, measure, write_checkpoint  # noqa: E402
+
+from dattn_export.checkpoints.lazy import read_safetensors  # noqa: E402
 
 SCHEMES = ("w8a8", "w4a16", "fp8")
 
@@ -72,7 +76,7 @@ def read_bandwidth() -> float:
     import torch
 
     data = torch.ones(1 << 29, dtype=torch.float32)
-    return max(data.nbytes / timed(data.sum) for _ in range(5))
+    return data.nbytes / best_of(5, data.sum)
 
 
 def matmul_flops() -> float:
@@ -81,13 +85,7 @@ def matmul_flops() -> float:
     import torch
 
     a, b = torch.randn(1024, 4096, dtype=torch.bfloat16), torch.randn(4096, 14336, dtype=torch.bfloat16)
-    return max(2 * a.shape[0] * a.shape[1] * b.shape[1] / timed(lambda: a @ b) for _ in range(5))
-
-
-def timed(work) -> float:
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] / best_of(5, lambda: a @ b)
 
 
 def decode_reads(folder: Path) -> tuple[int, int]:
@@ -96,13 +94,10 @@ def decode_reads(folder: Path) -> tuple[int, int]:
     what prefill multiplies, the head's on the last token only."""
     weights = stored = 0
     for shard in folder.glob("*.safetensors"):
-        with open(shard, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, entry in header.items():
+        for name, tensor in read_safetensors(shard).items():
             if name.startswith(("model.layers.", "lm_head.")):
-                first, last = entry["data_offsets"]
-                stored += last - first
-                weights += int(np.prod(entry["shape"])) if name.startswith("model.layers.") else 0
+                stored += tensor.nbytes
+                weights += math.prod(tensor.shape) if name.startswith("model.layers.") else 0
     return weights, stored
 
 
