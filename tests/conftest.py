@@ -42,9 +42,61 @@ LONGEST_FIRST = (
 )  # fmt: skip
 
 
-def pytest_collection_modifyitems(items):
+def random_order_seed(config) -> str | None:
+    """The seed of the run's random order (pytest-random-order: --random-order, or a seed or bucket given), None
+    when the run keeps LONGEST_FIRST's order."""
+    try:
+        from random_order.config import Config
+    except ImportError:
+        return None
+    order = Config(config)
+    return order.seed if order.is_enabled else None
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """A random order's seed, printed even with -q: `--random-order-seed=N` runs the same order again."""
+    if (seed := random_order_seed(config)) is not None:
+        terminalreporter.write_line(f"random order: rerun it with --random-order-seed={seed}")
+
+
+def pytest_collection_modifyitems(config, items):
+    if random_order_seed(config) is not None:  # pytest-random-order's order, not LONGEST_FIRST's
+        return
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest in their order
+
+
+# what a test process holds that its later tests and the commands they start would inherit: the environment (every
+# subprocess copies it), the working folder, and huggingface_hub's constants (read from the environment at import)
+def process_state() -> dict:
+    import huggingface_hub.constants as hub
+
+    return {
+        "environment": dict(os.environ),
+        "working folder": os.getcwd(),
+        "huggingface_hub": {name: value for name, value in vars(hub).items() if name.isupper()},
+    }
+
+
+INITIAL_STATE = process_state()  # this process's, as the test run set it up (above)
+
+
+@pytest.fixture(autouse=True)
+def restored_process_state():
+    """Each test ends with its process as the run set it up, whatever the test or its module's fixtures changed.
+    Importing vLLM, for one, sets a dozen variables in the environment (LD_LIBRARY_PATH, PATH, TORCHINDUCTOR_*,
+    ORT_LIB_PATH, ...) and flips huggingface_hub's HF_XET_HIGH_PERFORMANCE: left there, every command a later test
+    starts in the same worker would run under them, and which tests those are depends on how xdist hands out the
+    modules."""
+    yield
+    import huggingface_hub.constants as hub
+
+    running = {name: os.environ[name] for name in ("PYTEST_CURRENT_TEST",) if name in os.environ}  # pytest's own
+    os.environ.clear()
+    os.environ.update(INITIAL_STATE["environment"] | running)
+    os.chdir(INITIAL_STATE["working folder"])
+    for name, value in INITIAL_STATE["huggingface_hub"].items():
+        setattr(hub, name, value)
 
 
 @pytest.fixture(params=["mistral", "gemma2"])
