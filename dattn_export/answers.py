@@ -29,18 +29,26 @@ def answer_text(tokenizer, ids: list[int]) -> str:
     return b"".join(token_bytes(t) for t in tokens if t is not None).decode("utf-8", errors="backslashreplace")
 
 
-def time_ranges(text: str, duration: float, family) -> list[str]:
-    """An answer's "0.12-0.15" ranges (fractions of the video) as hh:mm:ss-hh:mm:ss, as the family's released
-    inference script writes them for a video of `duration` seconds; a match that is no number (its pattern allows
-    "1.2.3") is skipped, where the script would stop."""
+def seconds_ranges(text: str, duration: float, family) -> list[list[float]]:
+    """An answer's "0.12-0.15" ranges (fractions of the video, read with the family's released pattern) in seconds
+    of a video of `duration`; a match that is no number (the pattern allows "1.2.3") is skipped, where the released
+    script would stop."""
     ranges = []
     for match in re.findall(family.released_range_pattern, text):
         try:
-            start, end = (float(fraction) * duration for fraction in match)
+            ranges.append([float(fraction) * duration for fraction in match])
         except ValueError:
             continue
-        ranges.append("-".join(clock(t, family.released_seconds_format) for t in (start, end)))
     return ranges
+
+
+def time_ranges(text: str, duration: float, family) -> list[str]:
+    """An answer's ranges as hh:mm:ss-hh:mm:ss, as the family's released inference script writes them for a video of
+    `duration` seconds."""
+    return [
+        "-".join(clock(t, family.released_seconds_format) for t in pair)
+        for pair in seconds_ranges(text, duration, family)
+    ]
 
 
 def clock(t: float, seconds_format: str) -> str:

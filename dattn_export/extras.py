@@ -32,9 +32,10 @@ EXTRAS = {
             "the DecomposedAttention kernel (the TensorRT plugin, the CUDA op)",
             "pip install triton (the [gpu] extra)",
         ),
-        Extra("matplotlib", "analyze's plots", "pip install matplotlib (the [analyze] extra)"),
+        Extra("matplotlib", "analyze's and score's plots", "pip install matplotlib (the [analyze] extra)"),
         Extra("onnxruntime_genai", "--backend genai", "pip install onnxruntime-genai (the [genai] extra)"),
         Extra("polygraphy", "--save-polygraphy", "pip install polygraphy (the [polygraphy] extra)"),
+        Extra("ray", "retrieve --ray (engines on a Ray cluster)", "pip install 'ray>=2.50' (the [ray] extra)"),
         Extra(
             "vllm",
             "serve and --backend vllm",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 from rich.console import Console, ConsoleDimensions
 from rich.progress import (
@@ -54,16 +55,34 @@ out = LogConsole(highlight=False)
 err = LogConsole(stderr=True, highlight=False)
 
 
+# whether `stage` shows its stages: off inside `stages_unseen` (a job that shows its own progress over many)
+SHOW_STAGES: ContextVar[bool] = ContextVar("dattn_show_stages", default=True)
+
+
 @contextmanager
 def stage(description: str, timings: dict[str, float] | None = None) -> Iterator[None]:
     """Show a spinner while a stage runs (in a log, its line when it is done) and record its wall time under
     `description` in `timings`."""
     timings = {} if timings is None else timings
     start = time.perf_counter()
+    if not SHOW_STAGES.get():
+        yield
+        timings[description] = time.perf_counter() - start
+        return
     with err.status(description):
         yield
     timings[description] = time.perf_counter() - start
     err.print(f"[green]done[/] {description} ({timings[description]:.2f} s)")
+
+
+@contextmanager
+def stages_unseen() -> Iterator[None]:
+    """`stage` records its times but shows nothing inside: for work repeated under a progress bar of its own."""
+    token = SHOW_STAGES.set(False)
+    try:
+        yield
+    finally:
+        SHOW_STAGES.reset(token)
 
 
 def counted(count: int, noun: str) -> str:

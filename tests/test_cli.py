@@ -227,7 +227,10 @@ def test_every_option_has_help_and_every_command_two_examples_that_parse(tmp_pat
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "onnx").mkdir()
-    for existing in ("cat.png", "clip.mp4", "questions.jsonl", "onnx/validation_report.json"):  # options naming a file
+    (tmp_path / "videos").mkdir()  # retrieve's --videos
+    named_files = ("cat.png", "clip.mp4", "questions.jsonl", "onnx/validation_report.json", "predictions.jsonl",
+                   "VUE-TR_ground_truth.json", "int4.jsonl", "reference.jsonl", "bench.json")  # fmt: skip
+    for existing in named_files:  # options naming a file
         (tmp_path / existing).touch()
     for name, command in cli.main.commands.items():
         options = [param for param in command.params if isinstance(param, click.Option)]

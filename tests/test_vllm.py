@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.cli import run_cli
-from helpers.ray_cpu_shim import RESOURCE as RAY_RANK_RESOURCE
+from helpers.ray_cluster import ray_nodes
 from helpers.real_checkpoints import free_port
 from helpers.released_images import process_images, with_output_size
 from helpers.vllm_requests import (
@@ -222,44 +221,6 @@ def test_repeated_media_equal_reference_and_reuse_their_context(served, tmp_path
             assert cache["contexts"] == 2 and cache["misses"] <= 3 and cache["evictions"] == 0, cache
         else:
             assert cache["contexts"] == 1 and cache["evictions"] >= 1, cache
-
-
-@contextmanager
-def ray_nodes(count: int, logs: Path):
-    """A Ray cluster of `count` nodes on this machine, started as the several-machines recipe starts one node per
-    machine (`ray start --head`, then `ray start --address=HEAD` on each other), each node offering one core and one
-    tensor-parallel rank (on CPU the shim's resource; GPU workers take a GPU); its address, until the block ends."""
-    ray, port, nodes = Path(sys.executable).with_name("ray"), free_port(), []
-    try:
-        for core in range(count):
-            where = (
-                ["--head", f"--port={port}", "--include-dashboard=false"]
-                if core == 0
-                else [f"--address=127.0.0.1:{port}"]
-            )
-            resources = [
-                "--num-cpus=1",
-                f"--resources={json.dumps({RAY_RANK_RESOURCE: 1})}",
-                "--object-store-memory=100000000",
-            ]
-            log = logs / f"ray-node-{core}.log"
-            node = subprocess.Popen(
-                [ray, "start", "--block", *where, *resources],
-                stdout=log.open("w"),
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "VLLM_CPU_OMP_THREADS_BIND": str(core)},
-                start_new_session=True,  # the node's processes in a group of their own, killed together
-            )
-            nodes.append(node)
-            deadline = time.monotonic() + 120
-            while "Ray runtime started" not in log.read_text():
-                assert node.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
-        yield f"127.0.0.1:{port}"
-    finally:
-        for node in reversed(nodes):  # a SIGTERM'd node waits 30 s to drain; these hold nothing worth draining
-            os.killpg(node.pid, signal.SIGKILL)
-            node.wait()
 
 
 @pytest.mark.slow

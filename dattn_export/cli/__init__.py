@@ -2,7 +2,22 @@
 package's modules (`stages/`). Heavy imports (torch, transformers) happen inside the commands so `--help` stays fast.
 """
 
-from . import analyze, convert, demo, generate, info, onnx, push, quantize, serve, trt, validate, verify
+from . import (
+    analyze,
+    convert,
+    demo,
+    generate,
+    info,
+    onnx,
+    push,
+    quantize,
+    retrieve,
+    score,
+    serve,
+    trt,
+    validate,
+    verify,
+)
 from .common import FAMILIES, main
 
 # in the pipeline's order (`dattn-export --help` lists them by name)
@@ -18,6 +33,8 @@ for command in (
     push.push,
     trt.trt,
     analyze.analyze,
+    retrieve.retrieve,
+    score.score,
     serve.serve,
 ):
     main.add_command(command)

@@ -1,9 +1,12 @@
-"""Run a prompt (and images, or a video model's frames and audio) through a checkpoint with the reference model:
-greedy decoding."""
+"""Prompts about media (images, or a video model's frames and audio) answered by a folder's model, loaded once: the
+PyTorch reference on a checkpoint or converted folder, or the exported graphs on their runtime; greedy decoding, the
+media's context encoded once for every prompt."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +17,7 @@ from ..artifacts import dtype_name
 from ..checkpoints.names import parameter_counts
 from ..checkpoints.source import build_model, folder_config, open_source, parameter_shapes
 from ..errors import InputError
-from ..media import context_tokens, decode_media, encode_media, graph_context
+from ..media import DecodedMedia, context_tokens, decode_media, encode_media, graph_context
 from ..media_options import Media
 from ..modeling.marked_prompts import prompt_ids
 from ..plugins.torch_op import model_op
@@ -82,115 +85,136 @@ def answer_label(number: int, prompts: int, what: str) -> str:
     return f"answer {number}/{prompts}: {what}" if prompts > 1 else what
 
 
-def run_prompts_graphs(
-    folder: Path, prompts: list[str | Prompt], media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
-) -> Answers:
-    """Prompts through exported graphs: the context by our graphs (once, for every prompt), each prompt's greedy
-    decoding by our decoder graph on ONNX Runtime (ort, on `device`) or TensorRT (trt), or by onnxruntime-genai."""
-    seconds: dict[str, float] = {}
-    folder = Path(folder)
-    config = folder_config(folder)
-    prompts = [as_prompt(prompt) for prompt in prompts]
-    for prompt in prompts:
-        media.check(config, prompt)
-    decoded = decode_media(media, folder, config, prompts)
-    tokenizer, eos = load_tokenizer(folder, config), eos_token_id(folder, config)
-    texts = prompt_texts(prompts, tokenizer, config.family, media.given, decoded.duration)
-    name = GRAPH_RUNTIMES[backend]
-    with stage(f"load the graphs ({name})", seconds):
-        runtime, graphs = open_runtime(folder, backend, device)
-    with stage("encode the context: K/V for every layer (our graphs)", seconds):
-        context = graph_context(graphs, folder, config, decoded)
-    caches, mask = context
-    visual_tokens, audio_tokens = context_tokens(config, mask)
-    results = []
-    for number, text in enumerate(texts, 1):
-        answer: dict[str, float] = {}
-        ids = np.array([prompt_ids(tokenizer, text)])
-        with stage(answer_label(number, len(prompts), f"generate up to {max_new_tokens} tokens with {name}"), answer):
-            if backend == "genai":
-                generated, _ = runtime.generate(ids, context, max_new_tokens)
-            else:
-                attention = np.ones_like(ids)
-                generated = runtime.generate(ids, attention, caches, max_new_tokens, eos, mask)[0].tolist()
-        generated = generated[: generated.index(eos) + 1] if eos in generated else generated
-        results.append(
-            PromptResult(
-                prompt_ids=ids[0].tolist(),
-                generated_ids=generated,
-                text=(text := answer_text(tokenizer, generated)),
-                visual_tokens=visual_tokens,
-                parameters=parameter_counts(parameter_shapes(config)),
-                seconds=answer,
-                audio_tokens=audio_tokens,
-                time_ranges=decoded.time_ranges(text, config),
-            )
-        )
-    return Answers(results, seconds)
-
-
-def run_prompt_graphs(
-    folder: Path, prompt: str | Prompt, media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
-) -> PromptResult:
-    return run_prompts_graphs(folder, [prompt], media, max_new_tokens, backend, device).one()
-
-
 def gpu_dtype(source) -> torch.dtype:
     """The model's dtype on a GPU: the checkpoint's where it is 16-bit, else bf16 (what the released models are)."""
     stored = source.output_dtype("auto")
     return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-@torch.no_grad()
+class Asker:
+    """A folder's model, loaded once, asking prompts about media: the PyTorch reference (`backend` "torch", on the
+    CPU in fp32 or on a GPU in 16 bits) or our graphs on a runtime (ort, trt, genai). Media are decoded before the
+    model is loaded (a bad file is the first and only message), and encoded once for every prompt asked about them."""
+
+    def __init__(self, folder: Path, backend: str = "torch", device: str = "cpu"):
+        self.folder, self.backend, self.device = Path(folder), backend, device
+        self.source = open_source(folder) if backend == "torch" else None
+        self.config = self.source.config if self.source else folder_config(self.folder)
+        self.model = self.runtime = self.graphs = None
+        self.parameters: dict[str, int] = {}
+
+    @cached_property
+    def tokenizer(self):
+        return load_tokenizer(self.folder, self.config)
+
+    @cached_property
+    def eos(self) -> int | None:
+        return eos_token_id(self.folder, self.config)
+
+    def decode(self, media: Media, prompts: list[Prompt]) -> DecodedMedia:
+        """The media checked against the model for each prompt, then read and decoded."""
+        for prompt in prompts:
+            media.check(self.config, prompt)
+        return decode_media(media, self.folder, self.config, prompts)
+
+    def texts(self, prompts: list[Prompt], given: bool, decoded: DecodedMedia) -> list[str]:
+        return prompt_texts(prompts, self.tokenizer, self.config.family, given, decoded.duration)
+
+    def load(self, seconds: dict[str, float]) -> None:
+        """The model or the graphs, once."""
+        if self.model is not None or self.runtime is not None:
+            return
+        if self.backend != "torch":
+            with stage(f"load the graphs ({GRAPH_RUNTIMES[self.backend]})", seconds):
+                self.runtime, self.graphs = open_runtime(self.folder, self.backend, self.device)
+            self.parameters = parameter_counts(parameter_shapes(self.config))
+            return
+        dtype = gpu_dtype(self.source) if self.device == "cuda" else torch.float32
+        loading = "load checkpoint" if self.device == "cpu" else f"load checkpoint onto the GPU ({dtype_name(dtype)})"
+        with stage(loading, seconds):
+            self.model = build_model(self.source, dtype, device=self.device)
+        self.parameters = parameter_counts({n: tuple(p.shape) for n, p in self.model.named_parameters()})
+
+    def encode(self, decoded: DecodedMedia, seconds: dict[str, float]):
+        """The context of `decoded` (every layer's K/V; none without media) and its keys' segment ids."""
+        if self.backend == "torch":
+            streams = encode_media(self.model, self.folder, decoded, seconds)
+            return streams, streams.get("context_mask", torch.zeros(1, 0, dtype=torch.long))
+        with stage("encode the context: K/V for every layer (our graphs)", seconds):
+            context = graph_context(self.graphs, self.folder, self.config, decoded)
+        return context, context[1]
+
+    @torch.no_grad()
+    def generate(self, ids: list[int], context, max_new_tokens: int) -> list[int]:
+        """Greedy tokens for one prompt's ids over an encoded context, up to and with the end token."""
+        if self.backend == "torch":
+            ids = torch.tensor([ids], device=self.device)
+            if self.device == "cuda":
+                return static_generate(self.model, ids, max_new_tokens, eos_token_id=self.eos, op=model_op,
+                                       cuda_graph=True, **context).tokens[0]  # fmt: skip
+            return self.model.greedy(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                     eos_token_id=self.eos, **context)[0].tolist()  # fmt: skip
+        ids = np.array([ids])
+        if self.backend == "genai":
+            generated, _ = self.runtime.generate(ids, context, max_new_tokens)
+        else:
+            caches, mask = context
+            generated = self.runtime.generate(ids, np.ones_like(ids), caches, max_new_tokens, self.eos, mask)
+            generated = generated[0].tolist()
+        return generated[: generated.index(self.eos) + 1] if self.eos in generated else generated
+
+    def ask(self, texts: list[str], decoded: DecodedMedia, max_new_tokens: int,
+            seconds: dict[str, float]) -> Iterator[PromptResult]:  # fmt: skip
+        """Each prompt's answer in turn, from the decoded media's context, encoded once (the model loaded first, after
+        what a bad file would refuse: the generation config's end token)."""
+        self.eos  # the generation config read before the model loads: a cut one is the only message
+        self.load(seconds)
+        context, segments = self.encode(decoded, seconds)
+        visual_tokens, audio_tokens = context_tokens(self.config, segments)
+        how = "(greedy)" if self.backend == "torch" else f"with {GRAPH_RUNTIMES[self.backend]}"
+        for number, text in enumerate(texts, 1):
+            answer: dict[str, float] = {}
+            ids = prompt_ids(self.tokenizer, text)
+            with stage(answer_label(number, len(texts), f"generate up to {max_new_tokens} tokens {how}"), answer):
+                generated = self.generate(ids, context, max_new_tokens)
+            text = answer_text(self.tokenizer, generated)
+            yield PromptResult(ids, generated, text, visual_tokens, self.parameters, answer, audio_tokens,
+                               decoded.time_ranges(text, self.config))  # fmt: skip
+
+
+def ask_about(folder: Path, backend: str, prompts: list[str | Prompt], media: Media, max_new_tokens: int,
+              device: str = "cpu") -> Answers:  # fmt: skip
+    """Prompts about one set of media, answered by `backend` on `folder`: the media decoded first, then the model
+    loaded, the context encoded once and each prompt answered from it."""
+    seconds: dict[str, float] = {}
+    asker = Asker(folder, backend, device)
+    prompts = [as_prompt(prompt) for prompt in prompts]
+    decoded = asker.decode(media, prompts)
+    texts = asker.texts(prompts, media.given, decoded)
+    return Answers(list(asker.ask(texts, decoded, max_new_tokens, seconds)), seconds)
+
+
 def run_prompts(
     folder: Path, prompts: list[str | Prompt], media: Media, max_new_tokens: int, device: str = "cpu"
 ) -> Answers:
     """Prompts through the reference model: the media encoded once (the context's K/V for every layer), each prompt
     answered from it by greedy decoding. On a GPU (`device` "cuda"): the model in 16 bits with the Triton kernel as
     its attention, decoding from a static cache replayed from a CUDA graph (runtime/static_decode.py)."""
-    seconds: dict[str, float] = {}
-    source = open_source(folder)
-    prompts = [as_prompt(prompt) for prompt in prompts]
-    for prompt in prompts:
-        media.check(source.config, prompt)
-    decoded = decode_media(media, folder, source.config, prompts)
-    tokenizer, eos = load_tokenizer(folder, source.config), eos_token_id(folder, source.config)
-    texts = prompt_texts(prompts, tokenizer, source.config.family, media.given, decoded.duration)
-    dtype = gpu_dtype(source) if device == "cuda" else torch.float32
-    with stage(
-        "load checkpoint" if device == "cpu" else f"load checkpoint onto the GPU ({dtype_name(dtype)})", seconds
-    ):
-        model = build_model(source, dtype, device=device)
-    streams = encode_media(model, folder, decoded, seconds)
-    parameters = parameter_counts({n: tuple(p.shape) for n, p in model.named_parameters()})
-    segments = streams.get("context_mask", torch.zeros(1, 0, dtype=torch.long))
-    visual_tokens, audio_tokens = context_tokens(model.config, segments)
-    results = []
-    for number, text in enumerate(texts, 1):
-        answer: dict[str, float] = {}
-        ids = torch.tensor([prompt_ids(tokenizer, text)], device=device)
-        with stage(answer_label(number, len(prompts), f"generate up to {max_new_tokens} tokens (greedy)"), answer):
-            if device == "cuda":
-                decoded_ids = static_generate(model, ids, max_new_tokens, eos_token_id=eos, op=model_op,
-                                              cuda_graph=True, **streams)  # fmt: skip
-                generated = decoded_ids.tokens[0]
-            else:
-                generated = model.greedy(
-                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, eos_token_id=eos, **streams
-                )[0].tolist()
-        results.append(
-            PromptResult(
-                prompt_ids=ids[0].tolist(),
-                generated_ids=generated,
-                text=(text := answer_text(tokenizer, generated)),
-                visual_tokens=visual_tokens,
-                parameters=parameters,
-                seconds=answer,
-                audio_tokens=audio_tokens,
-                time_ranges=decoded.time_ranges(text, model.config),
-            )
-        )
-    return Answers(results, seconds)
+    return ask_about(folder, "torch", prompts, media, max_new_tokens, device)
+
+
+def run_prompts_graphs(
+    folder: Path, prompts: list[str | Prompt], media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
+) -> Answers:
+    """Prompts through exported graphs: the context by our graphs (once, for every prompt), each prompt's greedy
+    decoding by our decoder graph on ONNX Runtime (ort, on `device`) or TensorRT (trt), or by onnxruntime-genai."""
+    return ask_about(folder, backend, prompts, media, max_new_tokens, device)
+
+
+def run_prompt_graphs(
+    folder: Path, prompt: str | Prompt, media: Media, max_new_tokens: int, backend: str, device: str = "cpu"
+) -> PromptResult:
+    return run_prompts_graphs(folder, [prompt], media, max_new_tokens, backend, device).one()
 
 
 def run_prompt(

@@ -65,6 +65,9 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from . import media  # noqa: F401  (registers the `dattn` video loader and media connector)
+    from .logs import show_repeated_once
+
+    show_repeated_once()
 
     for config_class in SERVING_CONFIGS:
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
