@@ -17,7 +17,8 @@ from click.core import UNSET
 from dattn_export.cli import main
 
 ORDER = (
-    "demo", "info", "convert", "verify", "quantize", "push", "onnx", "validate", "generate", "analyze", "trt", "serve",
+    "demo", "info", "convert", "verify", "quantize", "push", "onnx", "validate", "generate", "retrieve", "score",
+    "analyze", "trt", "serve",
 )  # fmt: skip
 HEADER = """# CLI reference
 
