@@ -109,8 +109,10 @@ def test_what_cannot_be_quantized_is_refused_in_one_line(converted, tmp_path):
 
     source = converted("mistral")
     refused = run_cli("quantize", source, "-o", tmp_path / "w4", "--scheme", "w4a16")  # 64 features: no group of 128
-    assert refused.returncode == 2 and "not a whole number of groups of 128: pass --group-size" in refused.stderr
+    assert refused.returncode == 2 and "not a whole number of groups of 128: pass --group-size 64" in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "w4").exists()
+    grouped = run_cli("quantize", source, "-o", tmp_path / "w4", "--scheme", "w4a16", "--group-size", "64")
+    assert grouped.returncode == 0, grouped.stderr  # the size the refusal names serves
     made = run_cli("quantize", source, "-o", tmp_path / "w8", "--scheme", "w8a8")
     assert made.returncode == 0, made.stderr
     again = run_cli("quantize", tmp_path / "w8", "-o", tmp_path / "w8-again", "--scheme", "w8a8")
@@ -124,7 +126,7 @@ def test_a_quantized_folder_whose_source_is_gone_asks_for_it(converted, tmp_path
     shutil.copytree(converted("gemma2"), source)
     folder = quantize(source, tmp_path / "w8a8", "w8a8").out
     shutil.rmtree(source)
-    with pytest.raises(Exception, match="which is gone: pass the 16-bit folder as --against"):
+    with pytest.raises(Exception, match="which is gone: pass the unquantized folder as --against"):
         verify(folder)
     assert all(check.ok for check in verify(folder, against=converted("gemma2")))
 

@@ -229,3 +229,10 @@ def source_options(command):
         type=click.Path(exists=True, path_type=Path),
         help="Base model folder for an adapter-only save (mm_projector.bin).",
     )(command)
+
+
+def verbose_option(command):
+    """--verbose: vLLM's info lines too (an engine this package starts logs its warnings and errors alone)."""
+    return click.option(
+        "--verbose", is_flag=True, help="vLLM: show its info lines too, not only its warnings and errors."
+    )(command)

@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..folders import CONVERTED, resolve
-from .common import examples
+from .common import examples, verbose_option
 
 
 @click.command(
@@ -37,6 +37,7 @@ from .common import examples
     help="Memory per rank for the contexts (K/V of every layer) of images and videos seen before, so that a "
     "later question on one skips its towers and context stream [plugin default: 4; 0: off].",
 )
+@verbose_option
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(
     converted: str,
@@ -44,6 +45,7 @@ def serve(
     host: str,
     port: int,
     context_cache_gib: float | None,
+    verbose: bool,
     vllm_args: tuple[str, ...],
 ):
     """Serve a converted folder with vLLM (an OpenAI-compatible server): `vllm serve CONVERTED` with our plugin, a chat
@@ -54,7 +56,8 @@ def serve(
     converted = resolve(converted, "serve", CONVERTED)
     from ..stages.serve import vllm_serve_command
 
-    command, env = vllm_serve_command(converted, tensor_parallel_size, host, port, vllm_args, context_cache_gib)
+    command, env = vllm_serve_command(converted, tensor_parallel_size, host, port, vllm_args, context_cache_gib,
+                                      verbose)  # fmt: skip
     shown = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
     click.echo(f"running: {' '.join([*shown, shlex.join(command)])}", err=True)  # exactly what runs
     sys.stdout.flush()

@@ -9,7 +9,16 @@ import click
 from ..extras import require, require_backend
 from ..folders import BACKENDS, CONVERTED, TRAINING_OUTPUT, resolve
 from ..media_options import Media, check_early
-from .common import MEDIA_PATH, check_device, device_option, examples, one_prompt, prompt_option, video_options
+from .common import (
+    MEDIA_PATH,
+    check_device,
+    device_option,
+    examples,
+    one_prompt,
+    prompt_option,
+    verbose_option,
+    video_options,
+)
 
 SERVED = {"vllm": (CONVERTED,)}  # the engines that serve a converted folder, which FOLDER and --against are
 
@@ -31,7 +40,7 @@ SERVED = {"vllm": (CONVERTED,)}  # the engines that serve a converted folder, wh
     help="ort: an `onnx` folder on ONNX Runtime CPU; trt: a `trt` engines folder on a GPU; torch: a checkpoint or "
     "converted folder, the PyTorch model as it runs deployed (16 bits, static-cache decoding; on --device cuda the "
     "Triton kernel and CUDA graphs) against its fp32 reference on the same device; vllm: a folder `quantize` wrote, "
-    "served by vLLM offline (on the GPU where there is one) and held to its 16-bit folder served alike by the "
+    "served by vLLM offline (on the GPU where there is one) and held to its unquantized folder served alike by the "
     "accuracy gate.",
 )
 @click.option(
@@ -78,6 +87,7 @@ SERVED = {"vllm": (CONVERTED,)}  # the engines that serve a converted folder, wh
     "another tool quantized other than to the nearest point of each block's grid, as GPTQ does).",
 )
 @device_option
+@verbose_option
 def validate(
     folder: str,
     against: str | None,
@@ -95,10 +105,11 @@ def validate(
     weights_only: bool,
     no_weight_check: bool,
     device: str,
+    verbose: bool,
 ):
     """Run the graphs in FOLDER (an `onnx` export, or with --backend trt a `trt` engines folder) and compare them
     with the PyTorch reference; exit 1 beyond tolerance. With --backend vllm, FOLDER is one `quantize` wrote, served
-    by vLLM and held to its 16-bit folder served alike. A video model takes --video, --frames or --audio (default:
+    by vLLM and held to its unquantized folder served alike. A video model takes --video, --frames or --audio (default:
     the demo video's frames and sound)."""
     check_device(backend, device)
     prompt = one_prompt(prompt, raw_prompt, required=False)
@@ -124,7 +135,8 @@ def validate(
     if backend == "vllm":
         from ..stages.validate_vllm import validate_vllm
 
-        report = validate_vllm(folder, against, steps, prompt, media, not no_weight_check, weights_only, progress)
+        report = validate_vllm(folder, against, steps, prompt, media, not no_weight_check, weights_only, progress,
+                               verbose)  # fmt: skip
     elif backend == "torch":
         from ..stages.validate_model import validate_model
 
@@ -212,19 +224,19 @@ def print_weights(check, checkpoint: str) -> None:
 
     from ..ui import out
 
+    units = " or ".join(dict.fromkeys(f"{m.scale_unit}'s" if m.scale_unit != "channel" else "row's"
+                                      for m in check.matrices)) or "block's"  # fmt: skip
     table = Table(
-        title=f"quantized weights ({check.scheme}) against {checkpoint}: each element within its block's rounding "
+        title=f"quantized weights ({check.scheme}) against {checkpoint}: each element within its {units} rounding "
         "bound (ratio <= 1)",
         title_justify="left",
     )
-    for column in ("graph", "matrices", "worst ratio", "at"):
+    for column in ("file", "matrices", "worst ratio", "at"):
         table.add_column(column)
-    for graph in dict.fromkeys(m.graph for m in check.matrices):
-        matrices = [m for m in check.matrices if m.graph == graph]
+    for location in dict.fromkeys(m.location for m in check.matrices):
+        matrices = [m for m in check.matrices if m.location == location]
         worst = max(matrices, key=lambda m: m.worst_ratio)
         style = "" if worst.passed else "[red]"
-        where = f"{worst.node} ({worst.source}), row {worst.row}, block {worst.block}"
         ratio = f"{worst.worst_ratio:.5f}" if worst.passed else f"{worst.worst_ratio:.3g}"
-        name = graph if graph.endswith(".safetensors") else f"{graph}.onnx"
-        table.add_row(name, str(len(matrices)), f"{style}{ratio}", where)
+        table.add_row(location, str(len(matrices)), f"{style}{ratio}", f"{worst.matrix()}, {worst.position()}")
     out.print(table)

@@ -146,7 +146,7 @@ def model_card(
             "quantization",
             f"{q.scheme} (compressed-tensors `{q.format}`, {groups}): the decoder layers' attention and MLP "
             f"projections; the towers, adapters, embeddings and head in {manifest.dtype}. vLLM serves it, "
-            "transformers loads it; every quantized matrix verified within its rounding of the 16-bit weights",
+            "transformers loads it; every quantized matrix verified within its rounding of the unquantized weights",
         ))  # fmt: skip
     lines = [
         f"# {repo_id.split('/')[-1]}",

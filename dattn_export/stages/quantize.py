@@ -155,19 +155,26 @@ class MatrixQuantizer:
                 if part in self.names}  # fmt: skip
 
 
+GROUP_SIZES = (128, 64, 32, 16)  # what --group-size offers where the default does not divide a layer: vLLM's kernels'
+
+
 def check_quantizable(source, scheme) -> None:
     """The folder can be quantized so: a converted one (its manifest), not quantized already, its matrices a whole
     number of groups."""
     if getattr(source.config, "quantization_config", None):
-        raise InputError(source.reader.path, "is quantized already: quantize its 16-bit folder")
+        raise InputError(source.reader.path, "is quantized already: quantize its unquantized folder")
     group = scheme.weights.group_size
-    for name, lazy in source.tensors.items():
-        if QUANTIZED.fullmatch(name) and group and lazy.shape[1] % group:
-            raise InputError(
-                source.reader.path,
-                f"{name} has {lazy.shape[1]} input features, not a whole number of groups of {group}: pass "
-                "--group-size (a divisor of every layer's input features)",
-            )
+    features = {name: lazy.shape[1] for name, lazy in source.tensors.items() if QUANTIZED.fullmatch(name)}
+    if group and (name := next((n for n, count in features.items() if count % group), None)):
+        fits = next((size for size in GROUP_SIZES if size < group and all(c % size == 0 for c in features.values())), 0)
+        way_out = f"pass --group-size {fits}, the largest" if fits else "no group size of"
+        raise InputError(
+            source.reader.path,
+            f"{name} has {features[name]} input features, not a whole number of groups of {group}: {way_out} of "
+            f"{', '.join(map(str, GROUP_SIZES))} that divides every quantized layer's input features (one group "
+            "size serves the whole folder: compressed-tensors' config holds one scheme, and vLLM's 4-bit kernels "
+            "take whole groups)",
+        )
 
 
 @dataclass

@@ -18,6 +18,7 @@ from ..processing import frame_square, load_audio_processor
 from ..sidefiles import read_json
 from ..ui import err
 from ..vllm_plugin import DEFAULT_CONTEXT_CACHE_GIB, MEDIA_CONNECTOR, VIDEO_BACKEND, unsupported
+from ..vllm_plugin.logs import QUIET_ENVIRONMENT
 from ..vllm_plugin.video import encoder_token_budget, max_video_frames
 
 NO_CHAT_TEMPLATE = (
@@ -108,10 +109,12 @@ def vllm_serve_command(
     port: int,
     extra: tuple[str, ...],
     context_cache_gib: float | None = None,
+    verbose: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """The `vllm serve` command line for a converted folder and the environment it runs in; refuses in one line
     what vLLM cannot serve. `context_cache_gib`: the plugin's context cache per rank (`vllm_plugin/context_cache.py`),
-    set through vLLM's --hf-overrides."""
+    set through vLLM's --hf-overrides; unless `verbose`, vLLM's warnings and errors alone (QUIET_ENVIRONMENT, where
+    this environment does not set them), and not the deprecation warning of the server module it starts (below)."""
     check_kind(folder, "serve", (CONVERTED,))
     config = folder_config(folder)
     if reason := unsupported(config):
@@ -141,6 +144,9 @@ def vllm_serve_command(
     import torch
 
     env = {"VLLM_MEDIA_CONNECTOR": os.environ.get("VLLM_MEDIA_CONNECTOR", MEDIA_CONNECTOR)}
+    if not verbose:
+        quiet = {**QUIET_ENVIRONMENT, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+        env |= {name: value for name, value in quiet.items() if name not in os.environ}
     if torch.cuda.is_available():
         return command + list(extra), env
     check_cpu_attention(folder, config)

@@ -31,6 +31,7 @@ from ..processing import load_audio_processor, load_tokenizer
 from ..prompts import Prompt, as_prompt
 from ..ui import quiet
 from ..vllm_plugin import unsupported
+from ..vllm_plugin.logs import QUIET_ENVIRONMENT
 from . import onnx_quantize
 from .quantize import SCHEMES
 from .serve import check_cpu_attention, cpu_environment
@@ -48,14 +49,15 @@ def validate_vllm(
     weight_check: bool = True,
     weights_only: bool = False,
     progress=quiet,
+    verbose: bool = False,
 ) -> ValidationReport:
     """`against`: the 16-bit folder (default: the one the manifest names); `media`: default the demo's picture or
     video; `prompt`: default the demo's. Writes validation_report.json in `folder`."""
     folder = Path(folder)
     manifest = ConvertManifest.read(folder, "a folder written by dattn-export convert")
     if manifest.quantization is None:
-        raise InputError(folder, "is not quantized: --backend vllm holds a folder `dattn-export quantize` wrote to "
-                         "its 16-bit folder (a 16-bit folder's numbers: validate --backend torch)")  # fmt: skip
+        raise InputError(folder, "is not quantized: --backend vllm holds a folder `dattn-export quantize` wrote "
+                         "to its unquantized one (whose numbers: validate --backend torch)")  # fmt: skip
     scheme = manifest.quantization.scheme
     against = Path(quantized_from(folder, manifest, against))
     config = folder_config(folder)
@@ -84,12 +86,12 @@ def validate_vllm(
     prompts = [prompt_ids(tokenizer, t) for t in [text, *GATE_PROMPTS]]
     report.prompt_tokens = len(prompts[0])
     with progress("serving both folders with vLLM", 4, "runs") as advance:
-        with Engine(against, config, decoded, prompts, steps, report.dtype) as engine:
+        with Engine(against, config, decoded, prompts, steps, report.dtype, verbose) as engine:
             continuations = engine.greedy(prompts, steps)
-            advance(1, "vLLM: the 16-bit folder, teacher-forced")
+            advance(1, "vLLM: the unquantized folder, teacher-forced")
             expected = engine.distributions(prompts, continuations)
         advance(1, f"vLLM: the {scheme} folder's greedy tokens")
-        with Engine(folder, config, decoded, prompts, steps, report.dtype) as engine:
+        with Engine(folder, config, decoded, prompts, steps, report.dtype, verbose) as engine:
             report.backend_tokens = engine.greedy(prompts[:1], steps)[0]
             advance(1, f"vLLM: the {scheme} folder, teacher-forced")
             got = engine.distributions(prompts, continuations)
@@ -114,8 +116,9 @@ class Engine:
     """`vllm.LLM` on one folder for the gate's requests, in this process (its engine shut down on leaving, so that
     the next folder's starts on a free machine)."""
 
-    def __init__(self, folder: Path, config, media: DecodedMedia, prompts: list[list[int]], steps: int, dtype: str):
-        self.folder, self.config, self.media, self.dtype = folder, config, media, dtype
+    def __init__(self, folder: Path, config, media: DecodedMedia, prompts: list[list[int]], steps: int, dtype: str,
+                 verbose: bool = False):  # fmt: skip
+        self.folder, self.config, self.media, self.dtype, self.verbose = folder, config, media, dtype, verbose
         self.length = max(map(len, prompts)) + steps + 1
         if media.frames:  # as vLLM takes them, once for every request
             frames = np.stack([np.asarray(f.convert("RGB")) for f in media.frames])
@@ -124,8 +127,8 @@ class Engine:
             self.data = {"image": media.images[0].convert("RGB")}
 
     def __enter__(self) -> Engine:
-        quiet_engine = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}  # in this process
-        for name, value in {**cpu_environment(1), **quiet_engine}.items():
+        in_this_process = {**({} if self.verbose else QUIET_ENVIRONMENT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        for name, value in {**cpu_environment(1), **in_this_process}.items():
             os.environ.setdefault(name, value)
         from vllm import LLM
 
@@ -139,7 +142,7 @@ class Engine:
                        "max_num_batched_tokens": max(budget, self.length)}  # fmt: skip
         self.llm = LLM(str(self.folder), dtype=self.dtype, max_model_len=self.length, max_logprobs=-1,
                        enforce_eager=not torch.cuda.is_available(), distributed_executor_backend="uni",
-                       **options)  # fmt: skip
+                       use_tqdm_on_load=False, **options)  # fmt: skip
         return self
 
     def __exit__(self, *exc) -> None:

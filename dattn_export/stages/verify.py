@@ -162,7 +162,7 @@ def check_chat_template(out: Path, source=None) -> Check:
 
 
 def check_quantized(out: Path, manifest: ConvertManifest, source, progress=quiet) -> Check:
-    """A folder `quantize` wrote: its kept tensors bit-exact against the 16-bit folder, every quantized matrix
+    """A folder `quantize` wrote: its kept tensors bit-exact against the unquantized folder, every quantized matrix
     within its scheme's rounding of its source (`weight_check.check_compressed`), naming the first that is not."""
     from .weight_check import check_compressed
 
@@ -178,7 +178,7 @@ def check_quantized(out: Path, manifest: ConvertManifest, source, progress=quiet
         "tensors reload",
         True,
         f"{len(kept)} tensors bit-exact against {manifest.quantization.source}; {len(report.matrices)} "
-        f"{manifest.quantization.scheme} matrices within their rounding of it (worst {worst.worst_ratio:.2f}x "
+        f"{manifest.quantization.scheme} matrices within their rounding of it (worst {worst.worst_ratio:.5f} of "
         f"the bound, {worst.node})",
     )
 
@@ -190,7 +190,7 @@ def quantized_from(out: Path, manifest: ConvertManifest, against: Path | None) -
         return against
     sixteen = Path(manifest.quantization.source)
     if not (sixteen / "config.json").is_file():
-        raise InputError(out, f"was quantized from {sixteen}, which is gone: pass the 16-bit folder as --against")
+        raise InputError(out, f"was quantized from {sixteen}, which is gone: pass the unquantized folder as --against")
     return sixteen
 
 

@@ -48,14 +48,17 @@ ARITHMETIC_ULPS = 4 * float(np.finfo(np.float32).eps)  # of a block's largest |w
 
 @dataclass
 class MatrixCheck:
-    """One quantized node's weight against its source: the largest error over its rounding bound, and where."""
+    """One quantized matrix against its source: the largest error over its rounding bound, and where. Both readers
+    give one: an ONNX export's quantized node (`location` its graph's file, `node` the node, `source` the checkpoint
+    tensor it folds) and a compressed-tensors folder's matrix (`location` its shard; the matrix is its own source)."""
 
-    graph: str
+    location: str  # the file that stores it: decoder.onnx, or a safetensors shard
     node: str
     op: str
-    source: str  # WeightSource.describe()
+    source: str  # WeightSource.describe(), or the matrix's own name
     rows: int  # in the quantized layout: output features (MatMulNBits) or table rows
-    columns: int  # the blocked axis
+    columns: int  # the axis scales are set along
+    scale_unit: str  # what one scale covers along it: a "block" (ONNX), a "group", or a whole row ("channel")
     worst_ratio: float  # max over elements of |dequantized - source| / bound; within the scheme: <= 1
     row: int  # the worst element's row and block
     block: int
@@ -67,12 +70,16 @@ class MatrixCheck:
     def passed(self) -> bool:
         return self.worst_ratio <= 1.0
 
+    def matrix(self) -> str:
+        return f"matrix {self.node}" if self.source == self.node else f"node {self.node} ({self.source})"
+
+    def position(self) -> str:
+        """The worst element's place: its row, and its block or group where a row has several scales."""
+        return f"row {self.row}" if self.scale_unit == "channel" else f"row {self.row}, {self.scale_unit} {self.block}"
+
     def failure(self) -> str:
-        where = f"{self.graph}: matrix {self.node}" if self.graph.endswith(".safetensors") else (
-            f"{self.graph}.onnx node {self.node} ({self.source})"
-        )  # fmt: skip
         return (
-            f"{where}: row {self.row}, block {self.block} is "
+            f"{self.location} {self.matrix()}: {self.position()} is "
             f"{self.worst_ratio:.3g}x its rounding bound (error {self.error:.3g}, bound {self.bound:.3g})"
         )
 
@@ -378,8 +385,8 @@ def check_node(graph: str, node: onnx.NodeProto, quantized: QuantizedNode, sourc
                opset: int, pool: ThreadPoolExecutor, advance) -> MatrixCheck:  # fmt: skip
     """Every element of the node's weight against its source's: a chunk of rows read at a time, compared a slice
     of it a core."""
-    result = MatrixCheck(graph, node.name, node.op_type, source.describe(), quantized.rows, quantized.columns,
-                         0.0, 0, 0, 0.0, 0.0)  # fmt: skip
+    result = MatrixCheck(f"{graph}.onnx", node.name, node.op_type, source.describe(), quantized.rows,
+                         quantized.columns, "block", 0.0, 0, 0, 0.0, 0.0)  # fmt: skip
     first, step = 0, max(1, SLICE_BYTES // (4 * quantized.columns))
     for rows in source_rows(source, node.op_type, weights, opset, quantized.columns):
         if rows.shape[1] != quantized.columns or first + len(rows) > quantized.rows:
@@ -433,8 +440,8 @@ def check_weights(folder: Path, checkpoint: Path, progress=quiet) -> WeightCheck
                 places = [graphs[graph].place(name) for name in node.input if name in graphs[graph].tensors]
                 key = (node.op_type, repr(recorded[node.name]), tuple(places), repr(attributes_of(node)))
                 if key in checked:
-                    same = dataclasses.replace(checked[key], graph=graph, node=node.name)
-                    same.same_as = f"{checked[key].graph}.onnx node {checked[key].node}"
+                    same = dataclasses.replace(checked[key], location=f"{graph}.onnx", node=node.name)
+                    same.same_as = f"{checked[key].location} node {checked[key].node}"
                     report.matrices.append(same)
                     advance(4 * same.rows * same.columns, node.name)
                     continue
@@ -451,7 +458,7 @@ def check_weights(folder: Path, checkpoint: Path, progress=quiet) -> WeightCheck
 
 
 def check_compressed(folder: Path, manifest, source, progress=quiet) -> WeightCheck:
-    """Every matrix of a folder `quantize` wrote (manifest.quantization) against its 16-bit source (`source`: its
+    """Every matrix of a folder `quantize` wrote (manifest.quantization) against its unquantized source (`source`: its
     folder opened), dequantized by compressed-tensors as vLLM and transformers read it."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
@@ -470,7 +477,7 @@ def check_compressed(folder: Path, manifest, source, progress=quiet) -> WeightCh
             stored.setdefault(entry.source_name, {})[name] = entry.file
     total = sum(4 * math.prod(source.tensors[m].shape) for m in record.matrices if m in source.tensors)
     float_type = scheme.weights.type == "float"
-    with progress("checking quantized matrices against the 16-bit folder", total) as advance:
+    with progress("checking quantized matrices against the unquantized folder", total) as advance:
         for matrix in record.matrices:
             parts, module = stored.get(matrix, {}), matrix.removesuffix("weight")
             if matrix not in source.tensors or not parts:
@@ -485,8 +492,9 @@ def check_compressed(folder: Path, manifest, source, progress=quiet) -> WeightCh
             dense = compressor.decompress(state, scheme)["weight"]
             slack = 1 + 2 * torch.finfo(scale_dtype).eps  # the scales rounded up into their dtype
             quantized = CompressedMatrix(dense, scheme.weights.group_size, scheme.weights.num_bits, float_type, slack)
+            unit = "group" if scheme.weights.group_size else "channel"
             check = MatrixCheck(parts[module + "weight_scale"], matrix, record.format, matrix, quantized.rows,
-                                quantized.columns, 0.0, 0, 0, 0.0, 0.0)  # fmt: skip
+                                quantized.columns, unit, 0.0, 0, 0, 0.0, 0.0)  # fmt: skip
             rows = source.tensors[matrix].load().float().numpy()
             if rows.shape != (quantized.rows, quantized.columns):
                 check.worst_ratio = check.error = float("inf")

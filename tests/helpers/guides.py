@@ -25,6 +25,25 @@ def runnable(page: Path) -> list[str]:
     return [block for block in bash_blocks(page) if not block.startswith(NOT_RUN)]
 
 
+def runnable_with_output(page: Path) -> list[tuple[str, str | None]]:
+    """The page's runnable blocks, each with what it prints where the page shows it: a ```text block right after."""
+    fences = re.findall(r"```(bash|text)\n(.*?)```", page.read_text(), re.S)
+    pairs = []
+    for number, (kind, block) in enumerate(fences):
+        if kind == "bash" and not block.startswith(NOT_RUN):
+            shown = fences[number + 1] if number + 1 < len(fences) else ("", "")
+            pairs.append((block, shown[1] if shown[0] == "text" else None))
+    return pairs
+
+
+def assert_printed(shown: str, printed: str) -> None:
+    """Each line a page shows is a line the command printed ("..." standing for what the page leaves out)."""
+    lines = printed.splitlines()
+    for line in filter(str.strip, shown.splitlines()):
+        pattern = re.compile(".*".join(map(re.escape, line.split("..."))))
+        assert any(pattern.fullmatch(got) for got in lines), f"not printed: {line!r}\n{printed[-3000:]}"
+
+
 def readme_blocks() -> dict[str, str]:
     """The README's command blocks by what they are: its set-up line and test command (the two commands on a fresh
     machine), its quickstart."""
