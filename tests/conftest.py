@@ -34,11 +34,11 @@ def pytest_configure(config):
 # the short rest as they free up, so that they finish together; test_bad_inputs.py early, as in the fast tier it is the
 # first to ask for getting started's pipeline (a minute, which the other worker would otherwise wait for at the end)
 LONGEST_FIRST = (
-    "test_quantized_serving.py", "test_vllm.py", "test_onnx.py", "test_bad_inputs.py", "test_quantize.py",
-    "test_convert_errors.py", "test_tensorrt_rtx.py", "test_released_prompts.py", "test_video.py", "test_memory.py",
-    "test_hub_processor.py", "test_wings.py", "test_docs.py", "test_quantized_folders.py", "test_released.py",
-    "test_cli.py", "test_genai.py", "test_push.py", "test_output_places.py", "test_first_hour.py", "test_images.py",
-    "test_inputs.py", "test_kernels.py", "test_families.py",
+    "test_quantized_serving.py", "test_vllm.py", "test_onnx.py", "test_retrieve.py", "test_bad_inputs.py",
+    "test_quantize.py", "test_convert_errors.py", "test_tensorrt_rtx.py", "test_released_prompts.py", "test_video.py",
+    "test_memory.py", "test_hub_processor.py", "test_wings.py", "test_docs.py", "test_quantized_folders.py",
+    "test_released.py", "test_cli.py", "test_genai.py", "test_push.py", "test_output_places.py", "test_first_hour.py",
+    "test_images.py", "test_inputs.py", "test_score.py", "test_kernels.py", "test_families.py",
 )  # fmt: skip
 
 
