@@ -209,11 +209,15 @@ def test_media_without_a_marker_and_a_marker_without_media_are_refused(folders):
         processor(text="<image>\nWhat is it?")
 
 
-def test_sampling_is_refused_not_ignored(folders):
+def test_what_the_model_cannot_give_is_refused_not_ignored(folders):
+    """transformers' generate takes every setting it has (tests/test_transformers_generate.py); what this model
+    cannot give, attentions and a static cache (its window needs every key), is a ValueError, not a silent no-op."""
     folder = folders("gemma2", "image")
-    inputs = processor_of(folder)(text="hello", return_tensors="pt")
-    with pytest.raises(ValueError, match="decodes greedily"):
-        load_model(folder).generate(**inputs, do_sample=True)
+    inputs, model = processor_of(folder)(text="hello", return_tensors="pt"), load_model(folder)
+    with pytest.raises(ValueError, match="returns no attentions or hidden states"):
+        model.generate(**inputs, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match="cache_implementation='static'"):
+        model.generate(**inputs, max_new_tokens=2, cache_implementation="static")
 
 
 # --- published: a fresh process that cannot import dattn_export --------------------------------------------------

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.gemma2.modeling_gemma2 import (
@@ -43,6 +43,7 @@ from .configuration_dattn import CONFIG_CLASSES
 from .context import KV, ContextCaches, ContextStreams, MMRMSNorm
 from .families import FAMILIES, Family
 from .generation import DAttnGenerationMixin
+from .streams import MEDIA_INPUTS
 
 
 class StaticKV(tuple):
@@ -58,14 +59,36 @@ class StaticKV(tuple):
         return kv
 
 
-def extend(past: KV | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """A layer's text K/V with this call's appended: the past's and the new concatenated, or a StaticKV's buffers
-    with the new written at its slot."""
+@dataclass(frozen=True)
+class CachedKV:
+    """One layer's text cache in a transformers `Cache` (the one `generate` keeps): `index` its layer there, and
+    `learner` the layer holding its WINGS text learner's (past the decoder's layers)."""
+
+    cache: Cache
+    index: int
+    learner: int
+
+    def learner_part(self) -> CachedKV:
+        return CachedKV(self.cache, self.learner, self.learner)
+
+
+def extend(past, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """A layer's text K/V with this call's appended: the past's and the new concatenated, a StaticKV's buffers with
+    the new written at its slot, or a transformers Cache's layer appended to (`Cache.update`)."""
     if past is None:
         return k, v
+    if isinstance(past, CachedKV):
+        return past.cache.update(k, v, past.index)
     if isinstance(past, StaticKV):
         return past[0].index_copy_(2, past.slot, k), past[1].index_copy_(2, past.slot, v)
     return torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+
+
+def learner_part(past):
+    """The WINGS text learner's cache beside a layer's: the last two of its K/V tuple, or its Cache layer."""
+    if past is None:
+        return None
+    return past.learner_part() if isinstance(past, CachedKV) else (past[2], past[3])
 
 
 @dataclass(frozen=True)
@@ -328,8 +351,7 @@ class DAttnDecoderLayer(nn.Module, NormsAndMLP):
         visual_out = visual_learner.attend(visual_learner.heads(visual_learner.q_proj, x), *context[2:], context_mask)
         q, k = (apply_rope(text_learner.heads(proj, x), *rope) for proj in (text_learner.q_proj, text_learner.k_proj))
         v = text_learner.heads(text_learner.v_proj, x)
-        if past is not None:
-            k, v = torch.cat([past[2], k], dim=2), torch.cat([past[3], v], dim=2)
+        k, v = extend(learner_part(past), k, v)
         text_out = text_learner.attend(q, k, v, causal_mask(key_mask.bool(), num_new, window=None))
         return weights[..., :1] * visual_out + weights[..., 1:] * text_out, (k, v)
 
@@ -379,16 +401,21 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams, ContextCaches):
         inputs_embeds: Tensor | None = None,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
-        past_key_values: list[KV] | None = None,
+        past_key_values: list[KV] | Cache | None = None,
         context_key_values: list[KV] | None = None,
         context_mask: Tensor | None = None,
-    ) -> tuple[Tensor, list[KV]]:
+    ) -> tuple[Tensor, list[KV] | Cache]:
         """The text stream. attention_mask (B, past + T) marks real text tokens (left padding allowed);
         context_mask (B, V) each context key's segment (`streams.py`; a bool mask: one segment), 0 or False for
-        none. Returns the final hidden states and the text cache."""
+        none; past_key_values a layer's K/V each, or a transformers Cache (`generate`'s), appended to. Returns the
+        final hidden states and the text cache (that Cache, where one was given)."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, num_new = h.shape[:2]
-        num_past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        cache = past_key_values if isinstance(past_key_values, Cache) else None
+        if cache is not None:
+            num_past = cache.get_seq_length()
+        else:
+            num_past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
         num_context = 0 if context_key_values is None else context_key_values[0][0].shape[2]
         text_valid = (
             torch.ones(batch, num_past + num_new, dtype=torch.bool, device=h.device)
@@ -404,16 +431,19 @@ class DAttnModel(DAttnPreTrainedModel, ContextStreams, ContextCaches):
             position_ids = offset + (text_valid.long().cumsum(-1) - 1).clamp_min(0)[:, -num_new:]
         rope = self.rotary_emb(h, position_ids)
 
-        present = []
+        present, layers = [], len(self.layers)
         for i, layer in enumerate(self.layers):
-            past = None if past_key_values is None else past_key_values[i]
+            if cache is not None:
+                past = CachedKV(cache, i, layers + i)
+            else:
+                past = None if past_key_values is None else past_key_values[i]
             if context_key_values is None:
                 context, layer_context_valid = layer.no_context(h)
             else:
                 context, layer_context_valid = context_key_values[i], context_valid
             h, kv = layer.text_forward(h, rope, past, context, text_valid, layer_context_valid)
             present.append(kv)
-        return self.norm(h), present
+        return self.norm(h), present if cache is None else cache
 
 
 @dataclass
@@ -455,12 +485,23 @@ class DAttnForCausalLM(DAttnPreTrainedModel, DAttnGenerationMixin):
         context_key_values: list[KV] | None = None,
         context_mask: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         **media: Tensor | None,
     ) -> DAttnOutput:
         """Logits for the text tokens. The media come as the processor gives them (`pixel_values` (B, images, 3, H,
         W), and `media`: an anyres picture's `image_sizes`, a video's `pixel_values_videos` and `video_frames`,
         sound as `input_features` and `audio_mel_frames`), or as the `context_key_values` and `context_mask` an
-        earlier call returned (or `model.encode_inputs` made): the context's K/V are a function of the media alone."""
+        earlier call returned (or `model.encode_inputs` made): the context's K/V are a function of the media alone.
+        The text cache is always returned (`use_cache`, and `return_dict`, as transformers passes them, change
+        nothing); attentions and hidden states are not kept, and asking for them is refused."""
+        if output_attentions or output_hidden_states:
+            raise ValueError("this model returns no attentions or hidden states (`dattn-export analyze` reports "
+                             "where the text's attention goes)")  # fmt: skip
+        if unknown := sorted(set(media) - set(MEDIA_INPUTS)):
+            raise TypeError(f"forward() got unexpected keyword arguments {unknown}")
         if context_key_values is None and (pixel_values is not None or any(v is not None for v in media.values())):
             context_key_values, media_mask = self.model.encode_inputs(pixel_values, **media)
             context_mask = media_mask if context_mask is None else media_mask * context_mask.bool()

@@ -75,6 +75,13 @@ REUSE_NOTE = (
     "above but `input_ids` and `attention_mask`) computes its context once; `model.generate(input_ids=..., "
     "attention_mask=..., context_key_values=context, context_mask=segments)` asks each question with it."
 )
+# `generate` is transformers' own: every setting it takes works (the two most asked for, a line each)
+GENERATION_NOTES = (
+    "Sampling: `model.generate(**inputs, do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=64)`; beam "
+    "search, stop strings and every logits processor as for any transformers model.",
+    "Streaming: pass `streamer=TextIteratorStreamer(processor.tokenizer, skip_prompt=True)` to `generate` in a "
+    "thread and read the text from the streamer as it comes.",
+)
 
 
 def model_card(
@@ -193,6 +200,7 @@ def model_card(
         "",
         REUSE_NOTE.format(medium="video" if config.modality == "video" else "picture"),
         "",
+        *(line for note in GENERATION_NOTES for line in (note, "")),
     ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
