@@ -10,26 +10,21 @@ token left out of both, so that every run decodes all of them), the best of 5 ru
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dattn_export.checkpoints.source import load_model
-from dattn_export.demo_model import write_demo_checkpoint, write_video
-from dattn_export.modeling.processing_dattn import DAttnProcessor
-from dattn_export.stages.convert import convert
+sys.path.insert(0, str(Path(__file__).parent))
 
+from onnx_scaling import best_of  # noqa: E402
 
-def best_of(run, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+from dattn_export.checkpoints.source import load_model  # noqa: E402
+from dattn_export.demo_model import write_demo_checkpoint, write_video  # noqa: E402
+from dattn_export.modeling.processing_dattn import DAttnProcessor  # noqa: E402
+from dattn_export.stages.convert import convert  # noqa: E402
 
 
 def inputs_for(folder: Path, kind: str, work: Path):
@@ -76,9 +71,9 @@ def main() -> None:
             )
             text = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
             streams = {"context_key_values": context, "context_mask": segments}
-            greedy = best_of(lambda: model.greedy(**text, **streams, max_new_tokens=args.tokens, eos_token_id=None))
+            greedy = best_of(5, lambda: model.greedy(**text, **streams, max_new_tokens=args.tokens, eos_token_id=None))
             settings = dict(max_new_tokens=args.tokens, do_sample=False)
-            generated = best_of(lambda: model.generate(**text, **streams, **settings))
+            generated = best_of(5, lambda: model.generate(**text, **streams, **settings))
             once = model.generate(**text, **streams, **settings)
             assert once.shape[1] - text["input_ids"].shape[1] == args.tokens
         print(f"{kind:<8} {greedy / args.tokens:>24.5f} {generated / args.tokens:>22.5f} {generated / greedy:>6.2f}x")

@@ -14,24 +14,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers.builders import GRID_POINTS, demo_folders
 from helpers.released_images import open_picture, process_images, with_output_size
 from PIL import Image
 
 from dattn_export.checkpoints.source import load_model
-from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint, write_video
+from dattn_export.demo_model import DEMO_QUESTIONS, write_video
 from dattn_export.media import decode_media, encode_media
 from dattn_export.media_options import Media
 from dattn_export.modeling.processing_dattn import DAttnProcessor
 from dattn_export.prompts import Prompt
-from dattn_export.stages.convert import convert
 from dattn_export.stages.generate import run_prompt
 
-GRID_POINTS = [[1, 2], [2, 1], [2, 2]]
-KINDS = {  # a converted folder of each kind of model: the demo's, as the released training code saves it
-    "image": {},
-    "anyres": {"mm_image_aspect_ratio": "anyres", "mm_image_grid_points": GRID_POINTS},
-    "video": {"video": True},
-}
 QUESTION = "What happens here?"
 COLORS = [(20 * i, 255 - 20 * i, 90) for i in range(12)]
 
@@ -39,15 +33,7 @@ COLORS = [(20 * i, 255 - 20 * i, 90) for i in range(12)]
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """(family, kind) -> a converted folder, made once a module."""
-    made, root = {}, tmp_path_factory.mktemp("hub_processor")
-
-    def folder(family: str, kind: str) -> Path:
-        if (family, kind) not in made:
-            checkpoint = write_demo_checkpoint(root / family / kind / "checkpoint", family, **KINDS[kind])
-            made[family, kind] = convert(checkpoint, root / family / kind / "converted").out
-        return made[family, kind]
-
-    return folder
+    return demo_folders(tmp_path_factory.mktemp("hub_processor"))
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +246,7 @@ def test_published_repos_answer_through_auto_classes_the_pipeline_and_their_card
     template and AutoModelForImageTextToText.generate give `dattn-export generate`'s tokens for a picture, an anyres
     picture, a video file with sound and text alone, both families; the pipeline and each model card's usage, run as
     written, its answers."""
-    from helpers.hub_server import client_env, start
+    from helpers.hub_server import client_env, push_with_cli, start
 
     server, _, endpoint = start({"hf_token_a": "alice"})
     try:
@@ -268,11 +254,7 @@ def test_published_repos_answer_through_auto_classes_the_pipeline_and_their_card
         for family in ("mistral", "gemma2"):
             for kind in ("image", "anyres", "video"):
                 repo = f"alice/{family}-{kind}"
-                pushed = subprocess.run(
-                    [sys.executable, "-m", "dattn_export", "push", str(folders(family, kind)), "--repo-id", repo],
-                    capture_output=True, text=True, timeout=300, env=client_env(tmp_path, endpoint, "hf_token_a"),
-                )  # fmt: skip
-                assert pushed.returncode == 0, pushed.stderr[-2000:]
+                push_with_cli(folders(family, kind), repo, client_env(tmp_path, endpoint, "hf_token_a"))
                 path = media.video if kind == "video" else media.picture
                 cards[f"{family} {kind}"] = (repo, str(path))
                 decode = processor_of(folders(family, kind)).tokenizer.decode  # the card's decode, as it prints

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers.builders import KINDS, demo_folders
 from PIL import Image
 from transformers import (
     GenerationMixin,
@@ -27,15 +28,12 @@ from transformers import (
 from transformers.modeling_outputs import CausalLMOutput
 
 from dattn_export.checkpoints.source import load_model
-from dattn_export.demo_model import write_demo_checkpoint, write_video
+from dattn_export.demo_model import write_video
 from dattn_export.media_options import Media
 from dattn_export.modeling.processing_dattn import DAttnProcessor
 from dattn_export.prompts import Prompt
-from dattn_export.stages.convert import convert
 from dattn_export.stages.generate import run_prompt
 
-KINDS = {"image": {}, "anyres": {"mm_image_aspect_ratio": "anyres", "mm_image_grid_points": [[1, 2], [2, 1], [2, 2]]},
-         "video": {"video": True}}  # fmt: skip
 QUESTION = "What happens here?"
 TOKENS = 6
 SAMPLING = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}  # applied by transformers in this order
@@ -57,15 +55,7 @@ def media(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    made, root = {}, tmp_path_factory.mktemp("generate")
-
-    def folder(family: str, kind: str) -> Path:
-        if (family, kind) not in made:
-            checkpoint = write_demo_checkpoint(root / family / kind / "checkpoint", family, **KINDS[kind])
-            made[family, kind] = convert(checkpoint, root / family / kind / "converted").out
-        return made[family, kind]
-
-    return folder
+    return demo_folders(tmp_path_factory.mktemp("generate"))
 
 
 def conversation(kind: str, path: Path) -> list[dict]:
@@ -235,7 +225,7 @@ FRESH_PROCESS = textwrap.dedent("""
 
 @pytest.mark.slow  # pushes six repos and asks each a dozen ways in a fresh process
 def test_published_repos_generate_as_transformers_models_do(folders, media, tmp_path):
-    from helpers.hub_server import client_env, start
+    from helpers.hub_server import client_env, push_with_cli, start
 
     server, _, endpoint = start({"hf_token_a": "alice"})
     try:
@@ -243,11 +233,7 @@ def test_published_repos_generate_as_transformers_models_do(folders, media, tmp_
         for family in ("mistral", "gemma2"):
             for kind in KINDS:
                 repo = f"alice/{family}-{kind}"
-                pushed = subprocess.run(
-                    [sys.executable, "-m", "dattn_export", "push", str(folders(family, kind)), "--repo-id", repo],
-                    capture_output=True, text=True, timeout=300, env=client_env(tmp_path, endpoint, "hf_token_a"),
-                )  # fmt: skip
-                assert pushed.returncode == 0, pushed.stderr[-2000:]
+                push_with_cli(folders(family, kind), repo, client_env(tmp_path, endpoint, "hf_token_a"))
                 other = str(media.other) if kind == "image" else None
                 asks[f"{family} {kind}"] = (repo, conversation(kind, media_path(kind, media)), other)
         script = tmp_path / "fresh.py"
@@ -281,11 +267,13 @@ def check_published(folder: Path, kind: str, media, got: dict) -> None:
         torch.testing.assert_close(torch.tensor(logits), expected, atol=1e-4, rtol=0)
         assert scores == logits  # greedy processes nothing
     assert got["sampled"][0] == got["sampled"][1]
-    warpers = LogitsProcessorList([
-        TemperatureLogitsWarper(SAMPLING["temperature"]),
-        TopKLogitsWarper(SAMPLING["top_k"]),
-        TopPLogitsWarper(SAMPLING["top_p"]),
-    ])
+    warpers = LogitsProcessorList(
+        [
+            TemperatureLogitsWarper(SAMPLING["temperature"]),
+            TopKLogitsWarper(SAMPLING["top_k"]),
+            TopPLogitsWarper(SAMPLING["top_p"]),
+        ]
+    )
     for step, scores in enumerate(got["sampled scores"]):
         ids = prompt + got["sampled"][0][:step]
         expected = warpers(torch.tensor([ids]), next_logits(ids)[None].clone())[0]

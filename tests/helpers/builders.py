@@ -103,3 +103,26 @@ def released_model(family: str, seed: int = 0, window: int = 6, **preset):
     fields |= {"vision_config": config.vision_config, "audio_config": config.audio_config}
     released = config_from_dict(released_fields(fields, "config.json"), "config.json")
     return randomize_weights(MODEL_CLASSES[released.model_type](released), seed).eval()
+
+
+GRID_POINTS = [[1, 2], [2, 1], [2, 2]]
+KINDS = {  # a converted folder of each kind of model: the demo's, as the released training code saves it
+    "image": {},
+    "anyres": {"mm_image_aspect_ratio": "anyres", "mm_image_grid_points": GRID_POINTS},
+    "video": {"video": True},
+}
+
+
+def demo_folders(root):
+    """(family, kind) -> a converted demo folder of that kind (KINDS), written under `root` at its first use."""
+    from dattn_export.stages.convert import convert
+
+    made = {}
+
+    def folder(family: str, kind: str):
+        if (family, kind) not in made:
+            checkpoint = write_demo_checkpoint(root / family / kind / "checkpoint", family, **KINDS[kind])
+            made[family, kind] = convert(checkpoint, root / family / kind / "converted").out
+        return made[family, kind]
+
+    return folder

@@ -349,3 +349,13 @@ def publish_folder(state: HubState, repo_id: str, folder, private: bool = False)
     repo.refs["main"] = commit
     state.repos[repo_id] = repo
     return commit
+
+
+def push_with_cli(folder, repo_id: str, env: dict) -> None:
+    """`dattn-export push FOLDER --repo-id REPO_ID` as a user runs it, in the environment `client_env` gives."""
+    import subprocess
+    import sys
+
+    pushed = subprocess.run([sys.executable, "-m", "dattn_export", "push", str(folder), "--repo-id", repo_id],
+                            capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr[-2000:]
