@@ -134,7 +134,10 @@ def test_quantized_folders_are_served_within_the_gate_and_load_in_transformers(t
 def test_serve_answers_from_a_quantized_folder(trained, clip, tmp_path, family, kind, scheme):
     """`serve` on a quantized folder (the quantization read from its config; bfloat16: vLLM's CPU 4-bit kernel takes
     16-bit activations): a chat request with the picture or the video file is asked with the processor's ids and
-    answered as transformers answers the processor's inputs on the same folder."""
+    answered as transformers answers the processor's inputs on the same folder: its greedy tokens, or, where the two
+    first differ, a token transformers finds within the gate of its own (the chat template's wording is not the one
+    the tiny model was trained on: its answers there hold near ties, which vLLM's bfloat16 4-bit kernel and
+    transformers' float32 decompressed weights may break apart; vLLM's own tests compare so)."""
     folder = trained(family, kind)[scheme]
     text = questions("demo" if kind == "image" else "colours")[0].removeprefix("<image>")
     path = folder.parent / "demo.png" if kind == "image" else clip
@@ -149,10 +152,18 @@ def test_serve_answers_from_a_quantized_folder(trained, clip, tmp_path, family, 
     )
     model = MODEL_CLASSES[json.loads((folder / "config.json").read_text())["model_type"]].from_pretrained(folder)
     with torch.no_grad():
-        expected = model.generate(**inputs, max_new_tokens=8)[0, inputs["input_ids"].shape[1] :].tolist()
+        expected = model.generate(**inputs, max_new_tokens=8, output_logits=True, return_dict_in_generate=True)
     local = ("--allowed-local-media-path", str(path.parent), "--dtype", "bfloat16")
     with serving(folder, tmp_path / "serve.log", *local) as chat:
-        assert answer_ids(chat(text, medium)) == expected and chat.prompt_ids == inputs["input_ids"][0].tolist()
+        got = answer_ids(chat(text, medium))
+        assert chat.prompt_ids == inputs["input_ids"][0].tolist()
+    tokens = expected.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len(got) == len(tokens)
+    for step, (token, wanted) in enumerate(zip(got, tokens)):
+        if token != wanted:  # a near tie the two kernels break differently: the rest answers another prefix
+            logprobs = expected.logits[step][0].log_softmax(-1)
+            assert logprobs[wanted] - logprobs[token] <= SERVING_GATE, (step, got, tokens)
+            break
 
 
 @pytest.mark.slow
