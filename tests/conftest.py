@@ -1,7 +1,10 @@
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
+import threading
+from pathlib import Path
 
 # transformers copies the remote code of every folder it loads with trust_remote_code into its modules cache,
 # under the folder's name (converted, w8a8): one of this process's own, not the home folder's, so that another
@@ -104,21 +107,52 @@ def family(request):
     return request.param
 
 
+def shared_builds() -> dict:
+    """What the run builds once for every worker, under a file lock, by the first that asks: fixture name -> the
+    function that builds it (or waits for it) in a folder and an environment."""
+    from helpers.guides import run_the_docs_pipeline
+    from helpers.real_checkpoints import real_checkpoints
+
+    return {"pipeline": run_the_docs_pipeline, "real_checkpoints": real_checkpoints}
+
+
+def shared_root(config) -> Path:
+    """The run's temporary folder, which holds each xdist worker's own (tmp_path_factory's, read as xdist reads it)."""
+    base = config._tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
 @pytest.fixture(scope="session")
-def pipeline(tmp_path_factory, worker_id):
+def pipeline(request):
     """The README's set-up line, its quickstart and getting started's blocks, run once per test run on a fresh clone
     as a user runs them: its folder (dattn-demo/, converted/, onnx/, video-demo/), each command's stdout and stderr
     kept in commands/. The xdist workers share it; tests copy what they change."""
-    from helpers.guides import run_the_docs_pipeline
-
-    base = tmp_path_factory.getbasetemp()
-    return run_the_docs_pipeline(base if worker_id == "master" else base.parent)
+    return shared_builds()["pipeline"](shared_root(request.config))
 
 
 @pytest.fixture(scope="session")
-def real_checkpoints(tmp_path_factory, worker_id):
+def real_checkpoints(request):
     """What DeepSpeed and the Trainer write, trained once per run: the xdist workers share one folder."""
-    from helpers.real_checkpoints import real_checkpoints as trained
+    return shared_builds()["real_checkpoints"](shared_root(request.config))
 
-    base = tmp_path_factory.getbasetemp()
-    return trained(base if worker_id == "master" else base.parent)
+
+def pytest_collection_finish(session):
+    """The shared builds the collected tests need, started at once in a thread of the first worker, in the order the
+    tests first need them: both are commands in processes of their own (the thread only waits), and built before a
+    test asks, no worker sits idle on the lock for minutes while another builds. In the environment the run set up,
+    not the one a running test has set. A build that fails here is built again by the test that asks for it, which
+    then fails with the error."""
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return
+    builds = shared_builds()
+    needed = dict.fromkeys(name for item in session.items for name in item.fixturenames if name in builds)
+    if not needed:
+        return
+    root, environment = shared_root(session.config), dict(INITIAL_STATE["environment"])
+
+    def build_in_order():
+        for name in needed:
+            with contextlib.suppress(Exception):
+                builds[name](root, environment)
+
+    threading.Thread(target=build_in_order, name="shared builds").start()  # not a daemon: the run waits for it

@@ -54,12 +54,12 @@ def readme_blocks() -> dict[str, str]:
 
 
 def run_block(
-    block: str, cwd: Path, log: Path | None = None, bin_dir: Path | None = None
+    block: str, cwd: Path, log: Path | None = None, bin_dir: Path | None = None, environment: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """One block through `bash -e`, `bin_dir` (default: this environment's commands) first on PATH; with `log`, each
-    command's output kept there (COMMAND_NUMBER.out / .err)."""
-    bin_dir = bin_dir or Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    """One block through `bash -e` in `environment` (default: this process's), `bin_dir` (default: this
+    environment's commands) first on PATH; with `log`, each command's output kept there (COMMAND_NUMBER.out / .err)."""
+    bin_dir, environment = bin_dir or Path(sys.executable).parent, environment or dict(os.environ)
+    env = {**environment, "PATH": f"{bin_dir}{os.pathsep}{environment['PATH']}"}
     run = dict(cwd=cwd, capture_output=True, text=True, env=env, timeout=BLOCK_TIMEOUT_S)
     if log is None:
         result = subprocess.run(["bash", "-e", "-c", block], **run)
@@ -80,32 +80,36 @@ def joined_lines(block: str) -> list[str]:
     return block.replace("\\\n", " ").splitlines()
 
 
-def fresh_clone(work: Path) -> None:
+def fresh_clone(work: Path, environment: dict | None = None) -> None:
     """The repository's files as a clean clone of this working tree holds them: tracked, and new files that git does
     not ignore (CI runs on a clean clone, where the two are the same)."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True)
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                            env=environment)  # fmt: skip
     for name in filter(None, listed.stdout.decode().split("\0")):
         if (ROOT / name).is_file():  # not one deleted in the working tree
             (work / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, work / name)
 
 
-def run_the_docs_pipeline(shared_root: Path) -> Path:
+def run_the_docs_pipeline(shared_root: Path, environment: dict | None = None) -> Path:
     """On a fresh clone, as a new user runs them, by the first worker that asks: the README's set-up line as written
     (a venv of the clone's own, the install, the demo), its quickstart, then every block of getting started that
-    runs here, with the clone's venv first on PATH as the set-up line leaves a shell. Each command's output is kept
-    in commands/setup, commands/quickstart and commands/getting-started-N. Returns the clone."""
+    runs here, with the clone's venv first on PATH as the set-up line leaves a shell; the commands in `environment`
+    (default: this process's). Each command's output is kept in commands/setup, commands/quickstart and
+    commands/getting-started-N. Returns the clone."""
     work = shared_root / "pipeline"
     with FileLock(f"{work}.lock"):
         if not (work / "done").is_file():
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir()
-            fresh_clone(work)
+            fresh_clone(work, environment)
             blocks = readme_blocks()
-            run_block(blocks["setup"], work, log=work / "commands" / "setup")
+            run_block(blocks["setup"], work, log=work / "commands" / "setup", environment=environment)
             venv = work / ".venv" / "bin"
-            run_block(blocks["quickstart"], work, log=work / "commands" / "quickstart", bin_dir=venv)
+            run_block(blocks["quickstart"], work, log=work / "commands" / "quickstart", bin_dir=venv,
+                      environment=environment)  # fmt: skip
             for number, block in enumerate(runnable(ROOT / "docs" / "getting-started.md")):
-                run_block(block, work, log=work / "commands" / f"getting-started-{number}", bin_dir=venv)
+                log = work / "commands" / f"getting-started-{number}"
+                run_block(block, work, log=log, bin_dir=venv, environment=environment)
             (work / "done").touch()
     return work

@@ -43,8 +43,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_all(root: Path) -> None:
-    """One launch per world size, as a user runs `deepspeed --num_gpus N train.py`."""
+def train_all(root: Path, environment: dict | None = None) -> None:
+    """One launch per world size, as a user runs `deepspeed --num_gpus N train.py`, in `environment` (default: this
+    process's)."""
     shutil.rmtree(root, ignore_errors=True)  # what a failed attempt left
     root.mkdir(parents=True)
     launcher = Path(sys.executable).with_name("deepspeed")
@@ -52,7 +53,7 @@ def train_all(root: Path) -> None:
     # a build killed midway leaves that lock behind and every later launch waits on it forever. A folder of this
     # run's own cannot hold a stale lock.
     env = {
-        **os.environ,
+        **(environment or os.environ),
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "TORCH_EXTENSIONS_DIR": str(root / "torch-extensions"),
@@ -73,11 +74,11 @@ def train_all(root: Path) -> None:
             )
 
 
-def real_checkpoints(shared_root: Path) -> dict[str, Path]:
-    """The runs' output folders under `shared_root`, trained by the first worker that asks."""
+def real_checkpoints(shared_root: Path, environment: dict | None = None) -> dict[str, Path]:
+    """The runs' output folders under `shared_root`, trained by the first worker that asks (in `environment`)."""
     root = shared_root / "deepspeed-runs"
     with FileLock(f"{root}.lock"):
         if not (root / "done").is_file():
-            train_all(root)
+            train_all(root, environment)
             (root / "done").touch()
     return {name: root / name for name in RUNS}
