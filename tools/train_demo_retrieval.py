@@ -1,0 +1,141 @@
+"""Train a tiny D-Attn video model of a released family on the synthetic retrieval benchmark (demo_corpus.py)
+and score it on the held-out split through the product's own path (`retrieve`, then `score`), beside the same model
+untrained. Deterministic: a fixed seed, a fixed order of clips, two threads.
+
+    python tools/train_demo_retrieval.py mistral OUT [--steps 1500] [--clips 200] [--held-out 20]
+
+OUT gets: corpus/ (train.json, held-out.json, videos/), untrained/ and trained/ (converted folders), their predictions
+(*.jsonl) and scores (*.score.json)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dattn_export.checkpoints.source import load_model, saved_state_dict
+from dattn_export.demo_corpus import answer, write_benchmark
+from dattn_export.demo_model import write_demo_checkpoint
+from dattn_export.modeling.marked_prompts import prompt_ids
+from dattn_export.modeling.processing_dattn import DAttnProcessor
+from dattn_export.prompts import Prompt
+from dattn_export.stages.convert import convert
+
+METRICS = ("precision", "recall", "iou")  # VUE-TR's areas under the curves
+
+
+def examples(benchmark: Path, processor, family) -> list[tuple[dict, list[tuple[list[int], list[int]]]]]:
+    """Each video's processor inputs and its queries as (prompt ids, answer ids + EOS), asked as `retrieve` asks."""
+    tokenizer, by_video = processor.tokenizer, {}
+    for query in json.loads(benchmark.read_text()):
+        by_video.setdefault(query["video_id"], []).append(query)
+    out = []
+    for video, queries in by_video.items():
+        media = processor(text="<image>", videos=str(benchmark.parent / "videos" / f"{video}.mov"), return_tensors="pt")
+        media = {k: v for k, v in media.items() if k not in ("input_ids", "attention_mask")}
+        rows = []
+        for q in queries:
+            text = Prompt(q["query"], "query").text_for(tokenizer, family, True, q["duration"])
+            reply = tokenizer(answer(q["gt"], q["duration"]), add_special_tokens=False)["input_ids"]
+            rows.append((prompt_ids(tokenizer, text), reply + [tokenizer.eos_token_id]))
+        out.append((media, rows))
+    return out
+
+
+def batch(rows):
+    """Left-padded ids, their mask, and labels on the answers only."""
+    longest = max(len(p) + len(a) for p, a in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, (prompt, reply) in enumerate(rows):
+        start = longest - len(prompt) - len(reply)
+        ids[i, start:] = torch.tensor(prompt + reply)
+        mask[i, start:] = 1
+        labels[i, start + len(prompt) :] = torch.tensor(reply)
+    return ids, mask, labels
+
+
+def train(folder: Path, data, steps: int, lr: float) -> torch.nn.Module:
+    """AdamW with a one-cycle schedule, a video a step (its context once for all its queries)."""
+    torch.manual_seed(0)
+    model, order = load_model(folder).train(), random.Random(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
+    started = time.perf_counter()
+    for step in range(steps):
+        media, rows = data[order.randrange(len(data))]
+        ids, mask, labels = batch(rows)
+        context, segments = model.model.encode_inputs(**media)
+        expand = lambda t: t.expand(len(ids), *t.shape[1:])  # noqa: E731
+        context = [tuple(expand(t) for t in layer) for layer in context]
+        logits = model(ids, attention_mask=mask, context_key_values=context, context_mask=expand(segments)).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"step {step:5d}  loss {loss.item():.3f}  {time.perf_counter() - started:6.0f} s", flush=True)
+    return model.eval()
+
+
+def retrieve_and_score(folder: Path, corpus: Path, name: str, out: Path) -> dict:
+    predictions, truth = out / f"{name}.jsonl", corpus / "held-out.json"
+    command = [sys.executable, "-m", "dattn_export"]
+    retrieve = ["retrieve", folder, "--benchmark", truth, "--videos", corpus / "videos", "-o", predictions]
+    subprocess.run([*command, *retrieve, "--max-new-tokens", "32"], check=True)
+    scored = subprocess.run([*command, "score", predictions, "--gt", truth, "--json"], check=True, capture_output=True,
+                            text=True)  # fmt: skip
+    (out / f"{name}.score.json").write_text(scored.stdout)
+    return json.loads(scored.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("family", choices=["mistral", "gemma2"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--clips", type=int, default=200)
+    parser.add_argument("--held-out", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    out, corpus = args.out, args.out / "corpus"
+    train_split = write_benchmark(corpus, "train", args.clips)
+    write_benchmark(corpus, "held-out", args.held_out)
+    untrained = convert(write_demo_checkpoint(out / "checkpoint", args.family, video=True), out / "untrained").out
+    processor = DAttnProcessor.from_pretrained(untrained, trust_remote_code=True)
+    started = time.perf_counter()
+    model = train(untrained, examples(train_split, processor, model_family(untrained)), args.steps, args.lr)
+    seconds = time.perf_counter() - started
+    trained_checkpoint = write_demo_checkpoint(out / "trained-checkpoint", args.family, video=True)
+    for shard in trained_checkpoint.glob("model*.safetensors*"):
+        shard.unlink()
+    save_file(saved_state_dict(model), trained_checkpoint / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(trained_checkpoint)
+    trained = convert(trained_checkpoint, out / "trained").out
+    scores = {name: retrieve_and_score(folder, corpus, name, out)["overall"]
+              for name, folder in (("untrained", untrained), ("trained", trained))}  # fmt: skip
+    print(f"\n{args.family}: {args.steps} steps on {args.clips} clips in {seconds:.0f} s; held-out ({args.held_out} "
+          f"clips), VUE-TR's areas under the curves:")  # fmt: skip
+    for name, figures in scores.items():  # precision: None where no query was answered with a range
+        shown = {metric: "-" if figures[metric] is None else f"{figures[metric]:.3f}" for metric in METRICS}
+        print(f"  {name:9s}  " + "  ".join(f"{metric} {value}" for metric, value in shown.items()))
+
+
+def model_family(folder: Path):
+    from dattn_export.modeling.families import FAMILIES
+
+    return FAMILIES[json.loads((folder / "config.json").read_text())["model_type"].removeprefix("dattn_")]
+
+
+if __name__ == "__main__":
+    main()
