@@ -1,6 +1,7 @@
 """Train a tiny D-Attn video model of a released family on the synthetic retrieval benchmark (demo_corpus.py)
 and score it on the held-out split through the product's own path (`retrieve`, then `score`), beside the same model
-untrained. Deterministic: a fixed seed, a fixed order of clips, two threads.
+untrained. Seeded (the weights, the order of clips) on two threads; whether a rerun gives the same weights bit for
+bit is not checked yet.
 
     python tools/train_demo_retrieval.py mistral OUT [--steps 1500] [--clips 200] [--held-out 20]
 
