@@ -1,8 +1,8 @@
 """A synthetic temporal-retrieval benchmark made here, of real video files: shapes of several colours come and go and
 tones and noise play at known seconds, asked about in VUE-TR's three modalities and three query formats, with the
-ground truth in VUE-TR's fields (`retrieve` and `score` read it as they read the released benchmark). The demo's video
-model is trained on its train split (`demo_training.py`) and scored on its held-out one. Every clip is a function of
-its seed alone."""
+ground truth in VUE-TR's fields (`retrieve` and `score` read it as they read the released benchmark).
+`tools/train_demo_retrieval.py` trains the demo's tiny video model on its train split and scores it on its held-out
+one. Every clip is a function of its seed alone."""
 
 from __future__ import annotations
 
