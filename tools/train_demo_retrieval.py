@@ -115,7 +115,7 @@ def main() -> None:
     untrained = convert(write_demo_checkpoint(out / "checkpoint", args.family, video=True), out / "untrained").out
     processor = DAttnProcessor.from_pretrained(untrained, trust_remote_code=True)
     started = time.perf_counter()
-    model = train(untrained, examples(train_split, processor, model_family(untrained)), args.steps, args.lr)
+    model = train(untrained, examples(train_split, processor, processor.model_config.family), args.steps, args.lr)
     seconds = time.perf_counter() - started
     trained_checkpoint = write_demo_checkpoint(out / "trained-checkpoint", args.family, video=True)
     for shard in trained_checkpoint.glob("model*.safetensors*"):
@@ -130,12 +130,6 @@ def main() -> None:
     for name, figures in scores.items():  # precision: None where no query was answered with a range
         shown = {metric: "-" if figures[metric] is None else f"{figures[metric]:.3f}" for metric in METRICS}
         print(f"  {name:9s}  " + "  ".join(f"{metric} {value}" for metric, value in shown.items()))
-
-
-def model_family(folder: Path):
-    from dattn_export.modeling.families import FAMILIES
-
-    return FAMILIES[json.loads((folder / "config.json").read_text())["model_type"].removeprefix("dattn_")]
 
 
 if __name__ == "__main__":
