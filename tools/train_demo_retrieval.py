@@ -4,6 +4,7 @@ untrained. Seeded (the weights, the order of clips) on two threads; whether a re
 bit is not checked yet.
 
     python tools/train_demo_retrieval.py mistral OUT [--steps 1500] [--clips 200] [--held-out 20]
+        [--config hidden_size=128 intermediate_size=256]
 
 OUT gets: corpus/ (train.json, held-out.json, videos/), untrained/ and trained/ (converted folders), their predictions
 (*.jsonl) and scores (*.score.json)."""
@@ -107,17 +108,20 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=200)
     parser.add_argument("--held-out", type=int, default=20)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--config", nargs="*", default=[], metavar="KEY=JSON", help="the tiny config's fields changed")
     args = parser.parse_args()
     torch.set_num_threads(2)
     out, corpus = args.out, args.out / "corpus"
     train_split = write_benchmark(corpus, "train", args.clips)
     write_benchmark(corpus, "held-out", args.held_out)
-    untrained = convert(write_demo_checkpoint(out / "checkpoint", args.family, video=True), out / "untrained").out
+    overrides = {key: json.loads(value) for key, _, value in (item.partition("=") for item in args.config)}
+    checkpoint = write_demo_checkpoint(out / "checkpoint", args.family, video=True, **overrides)
+    untrained = convert(checkpoint, out / "untrained").out
     processor = DAttnProcessor.from_pretrained(untrained, trust_remote_code=True)
     started = time.perf_counter()
     model = train(untrained, examples(train_split, processor, processor.model_config.family), args.steps, args.lr)
     seconds = time.perf_counter() - started
-    trained_checkpoint = write_demo_checkpoint(out / "trained-checkpoint", args.family, video=True)
+    trained_checkpoint = write_demo_checkpoint(out / "trained-checkpoint", args.family, video=True, **overrides)
     for shard in trained_checkpoint.glob("model*.safetensors*"):
         shard.unlink()
     save_file(saved_state_dict(model), trained_checkpoint / "model.safetensors", metadata={"format": "pt"})
