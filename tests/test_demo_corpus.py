@@ -104,7 +104,7 @@ def test_the_truth_in_the_family_s_answer_scores_as_the_truth(tmp_path, family):
         {
             "query_id": r["query_id"],
             "answer": seconds_ranges(answer(r["gt"], r["duration"]), r["duration"], FAMILIES[family]),
-        }  # fmt: skip
+        }
         for r in records
     ]
     (tmp_path / "answered.json").write_text(json.dumps(answered))
