@@ -166,6 +166,16 @@ def queries(clip: Clip, rng: np.random.Generator) -> list[dict]:
     return out
 
 
+def tokenizer_texts(family) -> list[str]:
+    """What a retrieval model's tokenizer learns its words from: every query of every format, in the family's released
+    task prompt, and answers' numbers (a real model's tokenizer knows these words whole)."""
+    seen = [f"{colour} {shape}" for colour in COLOURS for shape in SHAPES]
+    asked = [f.format(what=what) for what in seen for f in FORMATS["vision"]]
+    asked += [f.format(what=what) for what in SOUNDS for f in FORMATS["audio"]]
+    asked += [f.format(what=what, heard=heard) for what in seen for heard in SOUNDS for f in FORMATS["vision+audio"]]
+    return [family.task_prompt(query, seconds) for query in asked for seconds in (8.0, 17.0)]
+
+
 def answer(truth: list[list[float]], seconds: float) -> str:
     """The ranges as the released models answer: fractions of the video to two places, written strictly inside the
     whole second each end falls in, so that the released scorer's floor of a start and ceiling of an end give the
@@ -177,6 +187,13 @@ def answer(truth: list[list[float]], seconds: float) -> str:
     return ", ".join(parts)
 
 
+def written_clip(seed: int, folder: Path) -> list[dict]:
+    """Clip `seed` written to `folder/{its name}.mov`; its queries (VUE-TR's fields, without query_id)."""
+    clip = make_clip(seed)
+    write_clip(clip, Path(folder) / f"{clip.name}.mov")
+    return queries(clip, np.random.default_rng(seed))
+
+
 def write_benchmark(folder: Path, split: str, clips: int) -> Path:
     """`clips` clips of `split` written to `folder/videos/`, their queries to `folder/{split}.json` (VUE-TR's ground
     truth format); returns the benchmark's path."""
@@ -184,9 +201,7 @@ def write_benchmark(folder: Path, split: str, clips: int) -> Path:
     (folder / "videos").mkdir(parents=True, exist_ok=True)
     records = []
     for seed in range(base, base + clips):
-        clip = make_clip(seed)
-        write_clip(clip, folder / "videos" / f"{clip.name}.mov")
-        records += queries(clip, np.random.default_rng(seed))
+        records += written_clip(seed, folder / "videos")
     records = [{"query_id": n, **record} for n, record in enumerate(records)]
     path = folder / f"{split}.json"
     path.write_text(json.dumps(records, indent=1) + "\n")

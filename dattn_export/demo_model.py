@@ -48,9 +48,11 @@ def demo_prompt(modality: str, tokenizer) -> Prompt:
     return Prompt(question) if tokenizer.chat_template else Prompt(f"{MEDIA_MARKERS[0]}\n{question}", "raw")
 
 
-def build_tokenizer(vocab_size: int, family: str = DEFAULT_FAMILY) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained here on a few sentences: encodes any text, needs no download; with the family's chat
-    template and its turns' special tokens (ids 3 on), as its released model's tokenizer has them."""
+def build_tokenizer(
+    vocab_size: int, family: str = DEFAULT_FAMILY, texts: list[str] = CORPUS
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained here on a few sentences (`texts`): encodes any text, needs no download; with the
+    family's chat template and its turns' special tokens (ids 3 on), as its released model's tokenizer has them."""
     chat = FAMILIES[family]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -61,7 +63,7 @@ def build_tokenizer(vocab_size: int, family: str = DEFAULT_FAMILY) -> PreTrained
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.train_from_iterator(texts, trainer)
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
