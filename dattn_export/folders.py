@@ -293,7 +293,8 @@ def check_output(final: str | Path, overwrite: bool, reading: Iterable[str | Pat
     return final
 
 
-DEMO_FOLDERS = ("checkpoint", "towers", "converted", "onnx")  # what `demo` writes in its folder, and all it replaces
+# what `demo` writes in its folder, and all it replaces
+DEMO_FOLDERS = ("checkpoint", "towers", "converted", "onnx", "held-out", "untrained")
 
 
 def check_demo_folder(directory: Path, force: bool) -> None:

@@ -856,6 +856,11 @@ CASES = {
         2,
         "'llama' is not one of",
     ),
+    "demo: a video model of a family with no released task": (
+        lambda ws: (["demo", ws.out, "--family", "qwen2", "--input", "video"], "--input"),
+        2,
+        "no released retrieval task",
+    ),
     "demo: zero tokens": (
         lambda ws: (["demo", ws.out, "--max-new-tokens", "0"], "--max-new-tokens"),
         2,

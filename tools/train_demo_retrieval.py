@@ -1,17 +1,17 @@
-"""Train a tiny D-Attn video model of a released family on the synthetic retrieval benchmark (demo_corpus.py)
-and score it on the held-out split through the product's own path (`retrieve`, then `score`), beside the same model
-untrained. Seeded (the weights, the order of clips) on two threads; whether a rerun gives the same weights bit for
-bit is not checked yet.
+"""Train the demo's video model (demo_retrieval.py), a tiny D-Attn video model of a released family, on the synthetic
+retrieval benchmark (demo_corpus.py), and score it on the held-out split through the product's own path (`retrieve`,
+then `score`) beside the same model untrained. Seeded (the weights, the order of clips) on two threads; says whether
+the weights are the bytes the package ships (demo_weights/).
 
-    python tools/train_demo_retrieval.py mistral OUT [--steps 1500] [--clips 200] [--held-out 20]
-        [--config hidden_size=128 intermediate_size=256]
+    python tools/train_demo_retrieval.py mistral OUT [--steps 4000] [--clips N] [--held-out 20]
 
-OUT gets: corpus/ (train.json, held-out.json, videos/), untrained/ and trained/ (converted folders), their predictions
-(*.jsonl) and scores (*.score.json)."""
+OUT gets: corpus/ (held-out.json, videos/), {family}.safetensors (the trained weights), untrained/ and trained/
+(converted folders), their predictions (*.jsonl) and scores (*.score.json)."""
 
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import random
 import subprocess
@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 from dattn_export.checkpoints.source import load_model, saved_state_dict
-from dattn_export.demo_corpus import answer, write_benchmark
-from dattn_export.demo_model import write_demo_checkpoint
+from dattn_export.demo_corpus import SPLITS, answer, write_benchmark, written_clip
+from dattn_export.demo_retrieval import ANSWER_TOKENS, HELD_OUT_CLIPS, trained_weights, write_retrieval_checkpoint
 from dattn_export.modeling.marked_prompts import prompt_ids
 from dattn_export.modeling.processing_dattn import DAttnProcessor
 from dattn_export.prompts import Prompt
@@ -33,22 +33,19 @@ from dattn_export.stages.convert import convert
 METRICS = ("precision", "recall", "iou")  # VUE-TR's areas under the curves
 
 
-def examples(benchmark: Path, processor, family) -> list[tuple[dict, list[tuple[list[int], list[int]]]]]:
-    """Each video's processor inputs and its queries as (prompt ids, answer ids + EOS), asked as `retrieve` asks."""
-    tokenizer, by_video = processor.tokenizer, {}
-    for query in json.loads(benchmark.read_text()):
-        by_video.setdefault(query["video_id"], []).append(query)
-    out = []
-    for video, queries in by_video.items():
-        media = processor(text="<image>", videos=str(benchmark.parent / "videos" / f"{video}.mov"), return_tensors="pt")
-        media = {k: v for k, v in media.items() if k not in ("input_ids", "attention_mask")}
-        rows = []
-        for q in queries:
-            text = Prompt(q["query"], "query").text_for(tokenizer, family, True, q["duration"])
-            reply = tokenizer(answer(q["gt"], q["duration"]), add_special_tokens=False)["input_ids"]
-            rows.append((prompt_ids(tokenizer, text), reply + [tokenizer.eos_token_id]))
-        out.append((media, rows))
-    return out
+def example(seed: int, scratch: Path, processor, family) -> tuple[dict, list[tuple[list[int], list[int]]]]:
+    """Train clip `seed`, written to `scratch` and read back as `retrieve` reads a video: its processor inputs, and its
+    queries as (prompt ids, answer ids + EOS), asked as `retrieve` asks."""
+    tokenizer, queries = processor.tokenizer, written_clip(seed, scratch)
+    video = scratch / f"{queries[0]['video_id']}.mov"
+    media = processor(text="<image>", videos=str(video), return_tensors="pt")
+    video.unlink()
+    rows = []
+    for q in queries:
+        text = Prompt(q["query"], "query").text_for(tokenizer, family, True, q["duration"])
+        reply = tokenizer(answer(q["gt"], q["duration"]), add_special_tokens=False)["input_ids"]
+        rows.append((prompt_ids(tokenizer, text), reply + [tokenizer.eos_token_id]))
+    return {k: v for k, v in media.items() if k not in ("input_ids", "attention_mask")}, rows
 
 
 def batch(rows):
@@ -64,15 +61,19 @@ def batch(rows):
     return ids, mask, labels
 
 
-def train(folder: Path, data, steps: int, lr: float) -> torch.nn.Module:
-    """AdamW with a one-cycle schedule, a video a step (its context once for all its queries)."""
+def train(folder: Path, clips: int, steps: int, lr: float, scratch: Path) -> torch.nn.Module:
+    """AdamW with a one-cycle schedule, a clip a step (its context once for all its queries): the train split's first
+    `clips` clips in a seeded order, each made afresh when its turn comes."""
     torch.manual_seed(0)
     model, order = load_model(folder).train(), random.Random(0)
+    processor = DAttnProcessor.from_pretrained(folder, trust_remote_code=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    started = time.perf_counter()
+    started, seeds = time.perf_counter(), []
     for step in range(steps):
-        media, rows = data[order.randrange(len(data))]
+        if not seeds:
+            seeds = order.sample(range(SPLITS["train"], SPLITS["train"] + clips), clips)
+        media, rows = example(seeds.pop(), scratch, processor, processor.model_config.family)
         ids, mask, labels = batch(rows)
         context, segments = model.model.encode_inputs(**media)
         expand = lambda t: t.expand(len(ids), *t.shape[1:])  # noqa: E731
@@ -93,7 +94,7 @@ def retrieve_and_score(folder: Path, corpus: Path, name: str, out: Path) -> dict
     predictions, truth = out / f"{name}.jsonl", corpus / "held-out.json"
     command = [sys.executable, "-m", "dattn_export"]
     retrieve = ["retrieve", folder, "--benchmark", truth, "--videos", corpus / "videos", "-o", predictions]
-    subprocess.run([*command, *retrieve, "--max-new-tokens", "32"], check=True)
+    subprocess.run([*command, *retrieve, "--max-new-tokens", str(ANSWER_TOKENS)], check=True)
     scored = subprocess.run([*command, "score", predictions, "--gt", truth, "--json"], check=True, capture_output=True,
                             text=True)  # fmt: skip
     (out / f"{name}.score.json").write_text(scored.stdout)
@@ -104,36 +105,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("family", choices=["mistral", "gemma2"])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--clips", type=int, default=200)
-    parser.add_argument("--held-out", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--clips", type=int, help="distinct train clips (default: one a step, none seen twice)")
+    parser.add_argument("--held-out", type=int, default=HELD_OUT_CLIPS)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--config", nargs="*", default=[], metavar="KEY=JSON", help="the tiny config's fields changed")
     args = parser.parse_args()
     torch.set_num_threads(2)
     out, corpus = args.out, args.out / "corpus"
-    train_split = write_benchmark(corpus, "train", args.clips)
     write_benchmark(corpus, "held-out", args.held_out)
-    overrides = {key: json.loads(value) for key, _, value in (item.partition("=") for item in args.config)}
-    checkpoint = write_demo_checkpoint(out / "checkpoint", args.family, video=True, **overrides)
-    untrained = convert(checkpoint, out / "untrained").out
-    processor = DAttnProcessor.from_pretrained(untrained, trust_remote_code=True)
-    started = time.perf_counter()
-    model = train(untrained, examples(train_split, processor, processor.model_config.family), args.steps, args.lr)
+    untrained = convert(write_retrieval_checkpoint(out / "checkpoint", args.family), out / "untrained").out
+    clips, started = args.clips or args.steps, time.perf_counter()
+    (out / "scratch").mkdir(exist_ok=True)
+    model = train(untrained, clips, args.steps, args.lr, out / "scratch")
     seconds = time.perf_counter() - started
-    trained_checkpoint = write_demo_checkpoint(out / "trained-checkpoint", args.family, video=True, **overrides)
-    for shard in trained_checkpoint.glob("model*.safetensors*"):
-        shard.unlink()
-    save_file(saved_state_dict(model), trained_checkpoint / "model.safetensors", metadata={"format": "pt"})
-    model.config.save_pretrained(trained_checkpoint)
-    trained = convert(trained_checkpoint, out / "trained").out
+    weights = out / f"{args.family}.safetensors"
+    save_file(saved_state_dict(model), weights, metadata={"format": "pt"})
+    trained = convert(write_retrieval_checkpoint(out / "trained-checkpoint", args.family, weights), out / "trained").out
     scores = {name: retrieve_and_score(folder, corpus, name, out)["overall"]
               for name, folder in (("untrained", untrained), ("trained", trained))}  # fmt: skip
-    print(f"\n{args.family}: {args.steps} steps on {args.clips} clips in {seconds:.0f} s; held-out ({args.held_out} "
+    print(f"\n{args.family}: {args.steps} steps on {clips} clips in {seconds:.0f} s; held-out ({args.held_out} "
           f"clips), VUE-TR's areas under the curves:")  # fmt: skip
     for name, figures in scores.items():  # precision: None where no query was answered with a range
         shown = {metric: "-" if figures[metric] is None else f"{figures[metric]:.3f}" for metric in METRICS}
         print(f"  {name:9s}  " + "  ".join(f"{metric} {value}" for metric, value in shown.items()))
+    shipped = trained_weights(args.family)
+    same = shipped.is_file() and filecmp.cmp(weights, shipped, shallow=False)
+    print(f"{weights}: {'the same bytes as' if same else 'not the bytes of'} the demo's {shipped}")
 
 
 if __name__ == "__main__":

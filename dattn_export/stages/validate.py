@@ -28,6 +28,7 @@ from ..media import DecodedMedia, context_tokens, decode_media, encode_media, gr
 from ..media_options import Media
 from ..modeling.images import anyres_tiles, prepare_pictures
 from ..modeling.marked_prompts import prompt_ids
+from ..modeling.media_files import media_duration
 from ..processing import load_image_processor, load_tokenizer
 from ..prompts import Prompt, as_prompt
 from ..runtime import open_graphs
@@ -179,7 +180,8 @@ def validate(
     media.check(config)
     tokenizer = load_tokenizer(folder if (folder / "tokenizer_config.json").is_file() else against, config)
     prompt = as_prompt(prompt) if prompt else demo_prompt(config.modality, tokenizer)
-    text = prompt.text_for(tokenizer, config.family, media=True)  # the default media when none is given
+    length = media_duration(media.video) if media.video else None  # a retrieval query's task prompt states it
+    text = prompt.text_for(tokenizer, config.family, media=True, length=length)  # the default media when none given
     ids = torch.tensor([prompt_ids(tokenizer, text)])
     mask = torch.ones_like(ids)
     inputs = {"input_ids": ids, "attention_mask": mask}
