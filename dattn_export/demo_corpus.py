@@ -167,8 +167,8 @@ def queries(clip: Clip, rng: np.random.Generator) -> list[dict]:
 
 
 def tokenizer_texts(family) -> list[str]:
-    """What a retrieval model's tokenizer learns its words from: every query of every format, in the family's released
-    task prompt, and answers' numbers (a real model's tokenizer knows these words whole)."""
+    """What a retrieval model's tokenizer learns its words from: every query of every format in the family's released
+    task prompt (a real model's tokenizer knows these words whole; the answers' digits stay a token each)."""
     seen = [f"{colour} {shape}" for colour in COLOURS for shape in SHAPES]
     asked = [f.format(what=what) for what in seen for f in FORMATS["vision"]]
     asked += [f.format(what=what) for what in SOUNDS for f in FORMATS["audio"]]

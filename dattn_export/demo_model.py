@@ -157,14 +157,20 @@ def write_towers(folder: Path, config) -> tuple[Path, Path]:
 
 
 def write_demo_checkpoint(
-    out: Path, family: str = DEFAULT_FAMILY, seed: int = 0, video: bool = False, **config_overrides
+    out: Path,
+    family: str = DEFAULT_FAMILY,
+    seed: int = 0,
+    video: bool = False,
+    tokenizer_texts: list[str] = CORPUS,
+    **config_overrides,
 ) -> Path:
     """A checkpoint as the released training code (bytedance/vidi) saves it: its config.json keys (the towers named
     by folders, written beside in `towers/`), sharded safetensors with its names and shapes (the Whisper audio tower
     included), tokenizer and generation config; plus a sample image (demo.png). Overrides of this project's own
     switches (attention modes, WINGS learners), which the released code cannot express, and families with no released
     model give our config format.
-    `video`: a video model (frames and audio) as the family's released video model."""
+    `video`: a video model (frames and audio) as the family's released video model; `tokenizer_texts`: what its
+    tokenizer learns its words from."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if FAMILIES[family].released_model is None:  # attends as the released models do, so vLLM serves it too
@@ -182,7 +188,7 @@ def write_demo_checkpoint(
     else:
         fields = released_config(config, str(vision), str(audio))
         (out / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
-    save_tokenizer(build_tokenizer(config.vocab_size, family), out)
+    save_tokenizer(build_tokenizer(config.vocab_size, family, tokenizer_texts), out)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 16, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     demo_image().save(out / "demo.png")  # video models: a demo.mov beside

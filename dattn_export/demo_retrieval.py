@@ -4,7 +4,6 @@ finds the seconds of the held-out clips beside the same model untrained."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .demo_corpus import SPLITS, make_clip, queries, tokenizer_texts, write_clip
-from .demo_model import CORPUS, build_tokenizer, save_tokenizer, write_demo_checkpoint
+from .demo_model import CORPUS, write_demo_checkpoint
 from .modeling.families import FAMILIES
 
 WEIGHTS = Path(__file__).parent / "demo_weights"  # {family}.safetensors: what the tool trained, its names released
@@ -29,9 +28,7 @@ def write_retrieval_checkpoint(out: Path, family: str, weights: Path | None = No
     """The family's demo video checkpoint (released layout) with a tokenizer that knows the benchmark's words and its
     family's task prompt, as a real model's does; `weights`: a safetensors file of its tensors (released names) in
     place of the random ones. Its demo.mov is the held-out clip DEMO_CLIP."""
-    out = write_demo_checkpoint(out, family, video=True)
-    vocab_size = json.loads((out / "config.json").read_text())["vocab_size"]
-    save_tokenizer(build_tokenizer(vocab_size, family, CORPUS + tokenizer_texts(FAMILIES[family])), out)
+    out = write_demo_checkpoint(out, family, video=True, tokenizer_texts=CORPUS + tokenizer_texts(FAMILIES[family]))
     if weights is not None:
         for shard in out.glob("model*.safetensors*"):
             shard.unlink()

@@ -119,7 +119,7 @@ def test_video_demo_end_to_end(tmp_path):
     generated = json.loads(re.search(r"generated ids \(\d+\): (\[.*\])", result.stdout).group(1))
     checkpoint, asked = out / "checkpoint", demo_queries()
     video = Media(video=checkpoint / "demo.mov")
-    answers = run_prompts(checkpoint, [Prompt(q.query, "query") for q in asked], video, max_new_tokens=24).results
+    answers = run_prompts(checkpoint, [Prompt(q.query, "query") for q in asked], video, ANSWER_TOKENS).results
     assert generated == answers[0].generated_ids
     assert answers[0].visual_tokens == asked[0].duration * 16  # a frame a second, 4 x 4 tokens each
     found = [seconds_ranges(answer.text, q.duration, FAMILIES["gemma2"]) for q, answer in zip(asked, answers)]

@@ -81,8 +81,7 @@ def run_demo(
     media = Media(video=checkpoint / "demo.mov") if video else Media(images=[checkpoint / "demo.png"])
     prompts = [Prompt(q.query, "query") for q in asked] if video else [Prompt(DEMO_QUESTIONS["image"])]
     answers = run_prompts(checkpoint, prompts, media, max_new_tokens)
-    result, prompt = answers.results[0], prompts[0]
-    result.seconds = answers.seconds | result.seconds
+    result, prompt = answers.first(), prompts[0]
     seconds |= result.seconds  # the stages' times in the order they ran
     with stage("convert to safetensors + manifest, verify against the source", seconds):
         convert(checkpoint, converted, force=True)

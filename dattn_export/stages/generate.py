@@ -76,7 +76,12 @@ class Answers:
 
     def one(self) -> PromptResult:
         """The one prompt's result, its seconds the whole run's."""
-        (result,) = self.results
+        (_,) = self.results
+        return self.first()
+
+    def first(self) -> PromptResult:
+        """The first prompt's result, its seconds what was done once and then its own answer's."""
+        result = self.results[0]
         result.seconds = self.seconds | result.seconds
         return result
 
