@@ -86,6 +86,26 @@ SERVED = {"vllm": (CONVERTED,)}  # the engines that serve a converted folder, wh
     help="A quantized export: skip the weight check and hold the graphs to the accuracy gate alone (weights that "
     "another tool quantized other than to the nearest point of each block's grid, as GPTQ does).",
 )
+@click.option(
+    "--benchmark",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The task gate: a retrieval benchmark (as `retrieve` takes it) answered by FOLDER and by its PyTorch "
+    "reference; FOLDER passes when its answers, scored against the reference's as VUE-TR scores (IoU), reach its "
+    "weights' least agreement (fp32 0.98; fp16, int8, w8a8 0.95; int4, w4a16 0.85). Needs --videos.",
+)
+@click.option(
+    "--videos",
+    "videos_folder",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="--benchmark's videos: each video_id the file VIDEO_ID.* in this folder.",
+)
+@click.option(
+    "--answer-tokens",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="--benchmark: the new tokens an answer may have (the released scripts'; an answer ends at its EOS).",
+)
 @device_option
 @verbose_option
 def validate(
@@ -104,6 +124,9 @@ def validate(
     save_polygraphy: Path | None,
     weights_only: bool,
     no_weight_check: bool,
+    benchmark: Path | None,
+    videos_folder: Path | None,
+    answer_tokens: int,
     device: str,
     verbose: bool,
 ):
@@ -118,6 +141,12 @@ def validate(
     if backend == "torch" and (against or save_polygraphy or weights_only or atol is not None):
         raise click.UsageError("--backend torch checks a checkpoint against itself in fp32: it takes no --against, "
                                "--atol, --save-polygraphy or --weights-only")  # fmt: skip
+    if (benchmark is None) != (videos_folder is None):
+        raise click.UsageError("--benchmark and --videos go together: the task gate asks the benchmark's queries "
+                               "about the videos in the folder")  # fmt: skip
+    if benchmark and (backend == "torch" or weights_only):
+        raise click.UsageError("--benchmark judges an export or a quantized folder against its PyTorch reference: "
+                               "not with --backend torch or --weights-only")  # fmt: skip
     if backend == "vllm" and (save_polygraphy or atol is not None):
         raise click.UsageError("--backend vllm holds a quantized folder to the accuracy gate: it takes no --atol or "
                                "--save-polygraphy")  # fmt: skip
@@ -159,6 +188,13 @@ def validate(
             weight_check=not no_weight_check,
             progress=progress,
         )
+    if benchmark and (report.weights is None or report.weights.passed):
+        from ..stages.task_gate import task_gate
+
+        weights = report.gate.scheme if report.gate else "exact" if report.dtype in ("fp32", "float32") else "16-bit"
+        report.task = task_gate(folder, backend, Path(report.reference), benchmark, videos_folder, weights,
+                                answer_tokens, device, progress)  # fmt: skip
+        report.write(folder)
     if report.weights is not None:
         print_weights(report.weights, report.reference)
     if report.weights is not None and (weights_only or not report.weights.passed):
@@ -205,6 +241,8 @@ def print_validation(report, folder: Path, written: bool = True) -> None:
             f"{g.greedy_mass:.3f} (>= {t.greedy_mass}), top-5 mass {g.top5_mass:.4f} (>= {t.top5_mass}), "
             f"mean KL {g.mean_kl:.4f} (<= {t.mean_kl}); greedy agreement {g.agreement:.3f}, max KL {g.max_kl:.4f}"
         )
+    if report.task:
+        print_task(report.task, folder)
     verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
     tokens = f"greedy tokens: {report.agreement}/{len(report.reference_tokens)} agree with the reference"
     if report.gate:  # free-running tokens part at the first near tie and never meet again: reported, not gated
@@ -216,7 +254,27 @@ def print_validation(report, folder: Path, written: bool = True) -> None:
     else:
         gated = "all must" if report.tokens_gated else "reported, not gated: 16-bit logits may part at a tie"
         decided = f"logits {'within' if report.logits_within else 'beyond'} tolerance; {tokens} ({gated})"
+    if report.task:
+        decided += f"; the task gate {'passed' if report.task.passed else 'FAILED'}"
     out.print(f"{verdict}: {decided}" + (f" (report: {folder / VALIDATION_REPORT})" if written else ""))
+
+
+def print_task(task, folder: Path) -> None:
+    """The task gate's line, and the first queries answered otherwise than the reference answered them."""
+    from ..ui import out
+
+    truth = ""
+    if task.reference_iou is not None:
+        truth = f"; against the truth: the reference {task.reference_iou:.3f}, {folder.name} {task.deployment_iou:.3f}"
+    out.print(
+        f"task gate: {task.queries} queries of {Path(task.benchmark).name} answered by {folder.name} and by the "
+        f"reference: IoU against the reference's answers {task.agreement:.3f} (>= {task.threshold} for {task.weights} "
+        f"weights); {task.identical}/{task.queries} answers identical{truth}",
+        markup=False,
+    )
+    for d in task.differences:
+        out.print(f"  query {d['query_id']}: reference {d['reference']!r}, {folder.name} {d['deployment']!r}",
+                  markup=False)  # fmt: skip
 
 
 def print_weights(check, checkpoint: str) -> None:

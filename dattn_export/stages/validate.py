@@ -37,6 +37,7 @@ from ..sidefiles import read_json, reading
 from ..ui import quiet
 from . import onnx_quantize, polygraphy_data
 from .polygraphy_data import recording
+from .task_gate import TaskGate
 from .weight_check import WeightCheck, check_weights
 
 # max abs error allowed on logits: fp32 as in the ecosystem's exporters; fp16 keeps ~3 significant digits
@@ -89,6 +90,7 @@ class ValidationReport:
     rtol: float = 0.0  # on the logits, relative to the reference's magnitude
     device: str = "cpu"  # where ONNX Runtime ran the graphs or the model (TensorRT: always the GPU)
     tokens_gated: bool = True  # the free-running greedy tokens must agree (not for 16-bit or quantized weights)
+    task: TaskGate | None = None  # with a benchmark: the deployment's answers against the reference's
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -108,6 +110,8 @@ class ValidationReport:
     def passed(self) -> bool:
         if self.weights is not None and not self.weights.passed:
             return False
+        if self.task is not None and not self.task.passed:
+            return False
         if self.gate is not None:  # quantized weights: the gate, not the fp tolerance or exact tokens
             return self.gate.passed
         return self.logits_within and (self.reference_tokens == self.backend_tokens or not self.tokens_gated)
@@ -122,6 +126,8 @@ class ValidationReport:
             fields["gate"]["passed"] = self.gate.passed
         if self.weights is not None:
             fields["weights"]["passed"] = self.weights.passed
+        if self.task is not None:
+            fields["task"]["passed"] = self.task.passed
         return {**fields, "agreement": self.agreement, "passed": self.passed}
 
     def write(self, folder: Path) -> ValidationReport:
