@@ -17,6 +17,7 @@ from dattn_export.demo_corpus import write_benchmark
 from dattn_export.demo_retrieval import ANSWER_TOKENS, trained_weights, write_retrieval_checkpoint
 from dattn_export.stages.convert import convert
 from dattn_export.stages.onnx_export import export_onnx
+from dattn_export.stages.onnx_quantize import GATES
 from dattn_export.stages.quantize import quantize
 from dattn_export.stages.retrieve.job import retrieve
 from dattn_export.stages.score import score
@@ -86,7 +87,10 @@ def test_a_w4a16_folder_on_vllm_passes_its_row(benchmark, tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     run, report = gated(folder, benchmark, "--backend", "vllm", env=env)
     assert run.returncode == 0 and "the task gate passed" in run.stdout, run.stdout + run.stderr[-3000:]
-    assert report["weights"]["passed"] and report["gate"]["passed"]
+    gate, row = report["gate"], GATES["w4a16"]
+    assert report["weights"]["passed"] and len(report["weights"]["matrices"]) == 7 * 3  # q k v o gate up down
+    assert gate["passed"] and gate["scheme"] == "w4a16" and gate["positions"] == 4 * 20  # 4 prompts, 20 tokens
+    assert gate["thresholds"] == {"greedy_mass": row.greedy_mass, "top5_mass": row.top5_mass, "mean_kl": row.mean_kl}
     task = report["task"]
     assert task["weights"] == "w4a16" and task["agreement"] >= TASK_GATES["w4a16"] and task["queries"] == 15
 
