@@ -14,7 +14,7 @@ IDR. Then, side by side for each length, height and preset:
               decoded, those kept at the tower's square, the sound track at 16 kHz mono), and its ratio to
               ffmpeg's (the goal: <= 1.2); both the median of --repeats runs, taken in turns
   --bytes     and the same decode from the file's bytes in memory, as `serve`'s video loader gets a request's
-              (`decoding.files.FileBytes`; the file read beforehand, not timed), in the same turns
+              (`modeling.media_files.FileBytes`; the file read beforehand, not timed), in the same turns
   backends    `dattn-export generate FILE --video ... --max-new-tokens 4` per backend: wall time, peak resident
               memory (/usr/bin/time), the visual and audio tokens, and whether its tokens equal torch's
   --validate  `dattn-export validate ONNX_FOLDER --video FILE --max-new-tokens 4`: the export's graphs (ONNX

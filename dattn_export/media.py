@@ -1,7 +1,8 @@
 """A prompt's media, from the files given to the context the model reads: `Media` (the paths, checked against
 the model: `media_options.py`), `DecodedMedia` (pictures, video frames at the tower's square, the sound track's
-samples), then the context streams' K/V from the reference model (`encode_media`) or from the graphs
-(`graph_context`). generate, validate and analyze share it."""
+samples; pictures and folders of frames opened here as the released code opens them), then the context streams' K/V
+from the reference model (`encode_media`) or from the graphs (`graph_context`). generate, validate and analyze share
+it."""
 
 from __future__ import annotations
 
@@ -10,19 +11,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from .answers import time_ranges
-from .decoding.files import load_frame_folder, open_image
+from .errors import InputError
+from .folders import MEDIA_SUFFIXES
 from .media_options import Media
 from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
 from .modeling.marked_prompts import media_marker
-from .modeling.media_files import media_duration
+from .modeling.media_files import media_duration, tower_square
 from .modeling.processing_dattn import audio_features
 from .modeling.sound_decoding import AUDIO_RATE, load_audio
 from .modeling.streams import AUDIO
 from .modeling.video_decoding import load_video
 from .processing import frame_square, load_audio_processor, load_image_processor
 from .prompts import Prompt
+from .sidefiles import reading
 from .ui import err, stage
 
 UNMARKED = (
@@ -30,6 +34,25 @@ UNMARKED = (
     "'<image>' and a newline there (for a video too), which dattn-export cuts out as their code does; without "
     "it their answers may differ"
 )
+
+IMAGE_SUFFIXES = MEDIA_SUFFIXES["--image"]
+
+
+def open_image(path: Path) -> Image.Image:
+    """An image file as RGB (the released code's `.convert('RGB')`); a picture over Pillow's decompression-bomb
+    limit (about 179 Mpixels) is refused before it is decoded. Video and audio files are read by the code a Hub repo
+    ships (`modeling/video_decoding.py`, `modeling/sound_decoding.py`)."""
+    with reading(path, "image"):
+        with Image.open(path) as image:
+            return image.convert("RGB")
+
+
+def load_frame_folder(folder: Path, square: int | None = None) -> list[Image.Image]:
+    """A folder of frame images, in file-name order; with `square`, each resized to it as it is read."""
+    files = sorted(f for f in Path(folder).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise InputError(folder, f"holds no frame images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return [open_image(f) if square is None else tower_square(open_image(f), square) for f in files]
 
 
 @dataclass

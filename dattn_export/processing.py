@@ -1,6 +1,6 @@
 """The checkpoint's processors, offline: its tokenizer (a prompt's ids: `prompts.py`), its image processor
 (pictures prepared as the released code prepares them, and as bytes for vLLM) and its audio feature extractor
-(Whisper's log-mel chunks). Decoding media files is `decoding/`'s."""
+(Whisper's log-mel chunks). Opening media files is `media.py`'s and the shipped decoders'."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from PIL import Image
 from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProcessorPil, WhisperFeatureExtractor
 
 from .checkpoints.towers import tower_folder
-from .decoding.files import open_image
 from .errors import InputError
-from .modeling.images import anyres_tiles, prepare_pictures, squared, tower_side
+from .modeling.images import anyres_tiles, squared, tower_side
 from .modeling.processing_dattn import default_audio_processor
 from .sidefiles import read_json, reading
 
@@ -62,12 +61,6 @@ def save_processor_files(out: Path, folder: Path, config) -> None:
         load_image_processor(folder, config).save_pretrained(str(out))
     fields = {"processor_class": PROCESSOR_CLASS.split(".")[1], "auto_map": {"AutoProcessor": PROCESSOR_CLASS}}
     (Path(out) / "processor_config.json").write_text(json.dumps(fields, indent=2) + "\n")
-
-
-def load_images(paths: list[Path], config, image_processor) -> torch.Tensor:
-    """Image files -> (1, images, 3, H, W) pixel values, each prepared as the released code prepares a picture
-    (`modeling/images.py`, by mm_image_aspect_ratio; not anyres, whose pictures become tiles)."""
-    return prepare_pictures([open_image(path) for path in paths], config.mm_image_aspect_ratio, image_processor)[None]
 
 
 UNSCALED = {"do_rescale": False, "do_normalize": False}  # a processor's call that stops at the pixels' bytes

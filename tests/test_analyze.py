@@ -7,7 +7,7 @@ import wave
 import numpy as np
 import pytest
 import torch
-from helpers.builders import build_model, checkpoint_of
+from helpers.builders import build_model, checkpoint_of, picture_pixels
 from PIL import Image
 
 from dattn_export.checkpoints.source import load_model
@@ -16,7 +16,7 @@ from dattn_export.media import decode_media, encode_media
 from dattn_export.media_options import Media
 from dattn_export.modeling.attention import dattn_op
 from dattn_export.plugins.contract import using_op
-from dattn_export.processing import load_image_processor, load_images, load_tokenizer
+from dattn_export.processing import load_tokenizer
 from dattn_export.stages.analyze import PLOT_SIZE, analyze
 
 PROMPT = "USER: Look at this <image> and describe the picture in detail.\nASSISTANT:"
@@ -65,7 +65,7 @@ def test_analyze_matches_materialised_softmax(tmp_path, family):
     demo_image().save(tmp_path / "image.png")
     report = analyze(checkpoint, Media(images=[tmp_path / "image.png"]), PROMPT, tmp_path / "report")
 
-    pixels = load_images([tmp_path / "image.png"], model.config, load_image_processor(checkpoint, model.config))
+    pixels = picture_pixels(tmp_path / "image.png", model.config, checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config)
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(report.tokens)])
     with torch.no_grad():

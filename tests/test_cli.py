@@ -10,6 +10,7 @@ import sys
 import click
 import pytest
 import torch
+from helpers.builders import picture_pixels
 from helpers.checks import released_question_ids
 from helpers.cli import error_line, fork_server, run_cli, run_fresh
 from safetensors.torch import load_file, save_file
@@ -22,7 +23,7 @@ from dattn_export.demo_retrieval import ANSWER_TOKENS, demo_queries
 from dattn_export.media_options import Media
 from dattn_export.memory import MEMORY_ENV
 from dattn_export.modeling.families import FAMILIES
-from dattn_export.processing import load_image_processor, load_images, load_tokenizer
+from dattn_export.processing import load_tokenizer
 from dattn_export.prompts import Prompt
 from dattn_export.stages.generate import run_prompts
 from dattn_export.stages.retrieve import retrieve
@@ -97,7 +98,7 @@ def test_demo_end_to_end(pipeline):
     checkpoint = pipeline / "dattn-demo" / "checkpoint"
     model = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config)
-    pixels = load_images([checkpoint / "demo.png"], model.config, load_image_processor(checkpoint, model.config))
+    pixels = picture_pixels(checkpoint / "demo.png", model.config, checkpoint)
     ids = torch.tensor([released_question_ids(tokenizer, model.config.family.name, DEMO_QUESTIONS["image"])])
     expected = model.greedy(ids, pixels, torch.ones_like(ids), max_new_tokens=12, eos_token_id=2)
     assert generated == expected[0].tolist()

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers.builders import picture_pixels
 from helpers.cli import run_cli
 
 from dattn_export.checkpoints.source import load_model
@@ -12,7 +13,7 @@ from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint, write
 from dattn_export.media import decode_media, encode_media, graph_context
 from dattn_export.media_options import Media
 from dattn_export.modeling.families import DEFAULT_FAMILY
-from dattn_export.processing import load_image_processor, load_images, load_tokenizer
+from dattn_export.processing import load_tokenizer
 from dattn_export.runtime.genai import GenaiRuntime
 from dattn_export.stages.onnx_export import export_onnx
 
@@ -39,7 +40,7 @@ def test_genai_generates_the_reference_tokens(pipeline, tmp_path, family):
     assert config["model"]["type"] == family and config["model"]["eos_token_id"] == 2
     runtime, model = GenaiRuntime(onnx), load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config)
-    pixels = load_images([checkpoint / "demo.png"], model.config, load_image_processor(checkpoint, model.config))
+    pixels = picture_pixels(checkpoint / "demo.png", model.config, checkpoint)
     context = runtime.graphs.encode_images(pixels.numpy())
     with torch.no_grad():
         visual, context_mask = model.model.encode_images(pixels)

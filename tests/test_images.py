@@ -19,8 +19,8 @@ from PIL import Image
 from transformers import CLIPImageProcessorPil, SiglipImageProcessorPil
 
 from dattn_export.checkpoints.source import load_model
-from dattn_export.decoding.files import open_image
 from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint
+from dattn_export.media import open_image
 from dattn_export.media_options import Media
 from dattn_export.modeling.images import anyres_tiles, prepare_pictures
 from dattn_export.processing import load_image_processor, load_tokenizer, normalize_pixels, picture_bytes, tiles_bytes

@@ -3,8 +3,8 @@
 The configs, the reference model, the released-config reader, the presets, the graphs' runtime, genai's config and
 the vLLM model all read a family's facts from here; adding a family is one `Family` below, a line naming each class
 made from it (in configuration_dattn.py, modeling_dattn.py and the vLLM plugin: grep finds every class by its name),
-and its tests. Plain Python, no imports: the CLI lists the families without importing torch, and the file ships in a
-Hub repo beside the model files that import it.
+its transformers modules in modeling_dattn.py's `FAMILY_MODULES`, and its tests. Plain Python, no imports: the CLI
+lists the families without importing torch, and the file ships in a Hub repo beside the model files that import it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from string import Formatter
 @dataclass(frozen=True)
 class Family:
     name: str  # the CLI's and the presets' name; the model type is dattn_{name}
-    transformers_module: str  # transformers.models.{module}.modeling_{module} holds the parts below
     prefix: str  # transformers' class prefix: {prefix}Config, {prefix}RMSNorm, {prefix}MLP, {prefix}RotaryEmbedding
     activation_key: str  # the config field naming the MLP's activation (transformers' own MLP reads it)
     sandwich_norms: bool  # norms after the attention and around the MLP
@@ -184,7 +183,6 @@ FAMILIES = {
     for family in (
         Family(
             name="mistral",
-            transformers_module="mistral",
             prefix="Mistral",
             activation_key="hidden_act",
             sandwich_norms=False,
@@ -209,7 +207,6 @@ FAMILIES = {
         ),
         Family(
             name="gemma2",
-            transformers_module="gemma2",
             prefix="Gemma2",
             activation_key="hidden_activation",
             sandwich_norms=True,
@@ -240,7 +237,6 @@ FAMILIES = {
         ),
         Family(  # no released D-Attn model: a family added by this entry (and its class lines)
             name="qwen2",
-            transformers_module="qwen2",
             prefix="Qwen2",
             activation_key="hidden_act",
             sandwich_norms=False,

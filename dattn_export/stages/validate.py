@@ -20,11 +20,10 @@ from PIL import Image
 
 from ..artifacts import VALIDATION_REPORT, OnnxManifest, TrtManifest, atomic_write, from_json
 from ..checkpoints.source import load_model
-from ..decoding.files import open_image
 from ..demo_model import DEMO_VIDEO_FPS, demo_audio, demo_frames, demo_image, demo_prompt
 from ..errors import InputError
 from ..graphs import layer_caches
-from ..media import DecodedMedia, context_tokens, decode_media, encode_media, graph_context
+from ..media import DecodedMedia, context_tokens, decode_media, encode_media, graph_context, open_image
 from ..media_options import Media
 from ..modeling.images import anyres_tiles, prepare_pictures
 from ..modeling.marked_prompts import prompt_ids

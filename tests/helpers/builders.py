@@ -10,8 +10,11 @@ from safetensors.torch import save_file
 from dattn_export.checkpoints.released import released_config, released_fields
 from dattn_export.checkpoints.source import config_from_dict, saved_state_dict
 from dattn_export.demo_model import build_tokenizer, save_tokenizer, write_demo_checkpoint
+from dattn_export.media import open_image
+from dattn_export.modeling.images import prepare_pictures
 from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
 from dattn_export.presets import randomize_weights, tiny_config
+from dattn_export.processing import load_image_processor
 
 
 def build_model(family: str, seed: int = 0, **overrides):
@@ -111,6 +114,14 @@ KINDS = {  # a converted folder of each kind of model: the demo's, as the releas
     "anyres": {"mm_image_aspect_ratio": "anyres", "mm_image_grid_points": GRID_POINTS},
     "video": {"video": True},
 }
+
+
+def picture_pixels(path, config, folder) -> torch.Tensor:
+    """A picture file as the CLI prepares it for a model of `config` whose processor is `folder`'s: (1, 1, 3, H, W)
+    pixel values, by the released code's aspect rule (not anyres, whose pictures become tiles)."""
+    return prepare_pictures([open_image(path)], config.mm_image_aspect_ratio, load_image_processor(folder, config))[
+        None
+    ]
 
 
 def demo_folders(root):

@@ -13,7 +13,8 @@ import torch
 
 from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import CORPUS
-from dattn_export.processing import load_image_processor, load_images, load_tokenizer
+from dattn_export.processing import load_tokenizer
+from helpers.builders import picture_pixels
 
 CORPORA = {
     "demo": CORPUS[:3],  # the demo's questions and answers, which the gate's prompts ask
@@ -34,7 +35,7 @@ def train(folder: Path, corpus: list[str], steps: int = 150, seed: int = 0, vide
     batch = tokenizer(corpus, return_tensors="pt", padding=True)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     if video is None:
-        pixels = load_images([folder / "demo.png"], model.config, load_image_processor(folder, model.config))
+        pixels = picture_pixels(folder / "demo.png", model.config, folder)
         media = {"pixel_values": pixels.expand(len(ids), -1, -1, -1, -1)}
     else:
         from dattn_export.modeling.processing_dattn import DAttnProcessor

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from dattn_export.checkpoints.source import load_model
-from dattn_export.decoding.files import open_image
+from dattn_export.media import open_image
 from dattn_export.modeling.images import anyres_grid, prepare_pictures
 from dattn_export.processing import load_image_processor
 from dattn_export.runtime.ort import OrtModel
