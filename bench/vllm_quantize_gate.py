@@ -1,6 +1,7 @@
 """The accuracy gate's figures under vLLM (`validate --backend vllm`): quantized folders of tiny models trained first,
 both families, two seeds each, served by vLLM's CPU kernels against their 16-bit folder served alike; every metric
-the gate judges, against the thresholds of `onnx_quantize.GATES` (the row `quantize.SCHEMES` names for each scheme).
+the gate judges, against the thresholds of `onnx_quantize.GATES` (the row `quantize.COMPRESSED_SCHEMES` names for
+each scheme).
 
 Healthy: w8a8, w4a16 (groups of 32: the tiny models' layers take 64 or 128 features) and fp8 folders as
 `dattn-export quantize` writes them. Broken (w4a16, the weight check skipped as --no-weight-check skips it, so that
@@ -30,7 +31,7 @@ from quantize_gate import print_row, print_table  # noqa: E402
 from dattn_export.demo_model import write_demo_checkpoint  # noqa: E402
 from dattn_export.stages.convert import convert  # noqa: E402
 from dattn_export.stages.onnx_quantize import GATES  # noqa: E402
-from dattn_export.stages.quantize import SCHEMES, quantize  # noqa: E402
+from dattn_export.stages.quantize import COMPRESSED_SCHEMES, quantize  # noqa: E402
 from dattn_export.stages.validate_vllm import validate_vllm  # noqa: E402
 
 SEEDS = (0, 1)
@@ -65,7 +66,7 @@ def main() -> None:
                     rows.append((name, scheme, variant, g, g.max_kl))
                     print_row(rows[-1], "max KL")
     print_table(rows, "folder", "max KL")
-    for scheme, spec in SCHEMES.items():
+    for scheme, spec in COMPRESSED_SCHEMES.items():
         t = GATES[spec.gate]
         print(f"{scheme} ({spec.gate}'s row): greedy mass >= {t.greedy_mass}, top-5 mass >= {t.top5_mass}, "
               f"mean KL <= {t.mean_kl}")  # fmt: skip

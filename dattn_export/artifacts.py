@@ -179,8 +179,9 @@ class ConvertModel:
 
 @dataclass
 class QuantizationRecord:
-    """How `quantize` made a folder: the scheme (stages/quantize.SCHEMES), compressed-tensors' format, the group size
-    (None: a scale per channel), the 16-bit folder quantized and the matrices quantized (their weights' names)."""
+    """How `quantize` made a folder: the scheme (stages/quantize.COMPRESSED_SCHEMES), compressed-tensors' format, the
+    group size (None: a scale per channel), the 16-bit folder quantized and the matrices quantized (their weights'
+    names)."""
 
     scheme: str
     format: str

@@ -30,7 +30,7 @@ from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
 from dattn_export.modeling.processing_dattn import DAttnProcessor
 from dattn_export.stages.convert import convert
 from dattn_export.stages.onnx_quantize import GATES
-from dattn_export.stages.quantize import SCHEMES, quantize
+from dattn_export.stages.quantize import COMPRESSED_SCHEMES, quantize
 
 HELPERS = Path(__file__).parent / "helpers"
 SERVING_GATE = 0.1  # the largest |log-probability - the 16-bit model's| of a greedy token
@@ -169,7 +169,7 @@ def test_validate_backend_vllm_fails_a_damaged_folder_by_the_gate(trained, tmp_p
     run = run_cli("validate", folder, "--backend", "vllm", "--image", healthy.parent / "demo.png", "--max-new-tokens",
                   STEPS, "--no-weight-check", env=ENGINE_ENV, timeout=600)  # fmt: skip
     report = json.loads((folder / "validation_report.json").read_text())
-    gate, row = report["gate"], GATES[SCHEMES["w8a8"].gate]
+    gate, row = report["gate"], GATES[COMPRESSED_SCHEMES["w8a8"].gate]
     assert gate["scheme"] == "w8a8" and gate["positions"] == 4 * STEPS
     assert gate["thresholds"] == {"greedy_mass": row.greedy_mass, "top5_mass": row.top5_mass, "mean_kl": row.mean_kl}
     assert run.returncode == 1 and "FAILED: by the accuracy gate" in run.stdout, run.stdout + run.stderr[-3000:]

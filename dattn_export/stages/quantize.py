@@ -60,16 +60,16 @@ from ..errors import InputError
 from ..ui import quiet
 
 
-class Scheme(NamedTuple):
+class CompressedScheme(NamedTuple):
     preset: str  # compressed-tensors' preset
     format: str  # its storage format
     gate: str  # the accuracy gate's row it is held to when served (onnx_quantize.GATES, measured there)
 
 
-SCHEMES = {
-    "w8a8": Scheme("W8A8", "int-quantized", "int8"),
-    "w4a16": Scheme("W4A16", "pack-quantized", "w4a16"),
-    "fp8": Scheme("FP8_DYNAMIC", "float-quantized", "int8"),
+COMPRESSED_SCHEMES = {
+    "w8a8": CompressedScheme("W8A8", "int-quantized", "int8"),
+    "w4a16": CompressedScheme("W4A16", "pack-quantized", "w4a16"),
+    "fp8": CompressedScheme("FP8_DYNAMIC", "float-quantized", "int8"),
 }
 QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 # the modules that stay in 16 bits, as both engines read config.json's `ignore` (a name, or `re:` a pattern)
@@ -79,10 +79,10 @@ MEMO = 4  # quantized matrices kept for their other tensors (a matrix's are writ
 
 
 def scheme_of(name: str, group_size: int | None = None):
-    """compressed-tensors' scheme for `name` (SCHEMES), for every Linear module the config does not ignore."""
+    """compressed-tensors' scheme object for `name` (COMPRESSED_SCHEMES), for every Linear module not ignored."""
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    scheme = preset_name_to_scheme(SCHEMES[name].preset, ["Linear"])
+    scheme = preset_name_to_scheme(COMPRESSED_SCHEMES[name].preset, ["Linear"])
     if group_size is not None:
         if scheme.weights.group_size is None:
             raise InputError("--group-size", f"{name} has a scale per channel, not per group")
@@ -96,7 +96,7 @@ def quantization_config(name: str, group_size: int | None = None) -> dict:
 
     return QuantizationConfig(
         config_groups={"group_0": scheme_of(name, group_size)},
-        format=SCHEMES[name].format,
+        format=COMPRESSED_SCHEMES[name].format,
         ignore=IGNORE,
         quantization_status=QuantizationStatus.COMPRESSED,
     ).to_dict()
@@ -198,9 +198,9 @@ def quantize(
     folder, out = Path(folder), Path(out)
     manifest = ConvertManifest.read(folder)
     source = open_source(folder)
-    compression = scheme_of(scheme, group_size)
+    spec, compression = COMPRESSED_SCHEMES[scheme], scheme_of(scheme, group_size)
     check_quantizable(source, compression)
-    quantizer = MatrixQuantizer(compression, SCHEMES[scheme].format)
+    quantizer = MatrixQuantizer(compression, spec.format)
     planned, matrices, kept = [], [], {}
     for name, lazy in source.tensors.items():
         if not QUANTIZED.fullmatch(name):
@@ -246,13 +246,13 @@ def quantize(
                 for name, t in ((t.name, t) for t in planned)
             },  # fmt: skip
             quantization=QuantizationRecord(
-                scheme, SCHEMES[scheme].format, compression.weights.group_size, str(folder.absolute()), matrices
+                scheme, spec.format, compression.weights.group_size, str(folder.absolute()), matrices
             ),  # fmt: skip
         ).write(tmp)
     return QuantizeResult(
         out=out,
         scheme=scheme,
-        format=SCHEMES[scheme].format,
+        format=spec.format,
         group_size=compression.weights.group_size,
         matrices=len(matrices),
         kept=len(kept),

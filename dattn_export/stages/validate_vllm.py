@@ -33,7 +33,7 @@ from ..ui import quiet
 from ..vllm_plugin import unsupported
 from ..vllm_plugin.logs import QUIET_ENVIRONMENT
 from . import onnx_quantize
-from .quantize import SCHEMES
+from .quantize import COMPRESSED_SCHEMES
 from .serve import check_cpu_attention, cpu_environment
 from .validate import GATE_PROMPTS, ValidationReport, default_media
 from .verify import quantized_from
@@ -97,7 +97,7 @@ def validate_vllm(
             got = engine.distributions(prompts, continuations)
         advance(1)
     report.reference_tokens = continuations[0]
-    report.gate = dataclasses.replace(onnx_quantize.gate(SCHEMES[scheme].gate, expected, got), scheme=scheme)
+    report.gate = dataclasses.replace(onnx_quantize.gate(COMPRESSED_SCHEMES[scheme].gate, expected, got), scheme=scheme)
     return report.write(folder)
 
 
