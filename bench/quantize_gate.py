@@ -1,6 +1,6 @@
 """The accuracy gate's figures: healthy and broken quantized exports of tiny models trained on two corpora, two seeds
 each, every metric the gate judges (and the plain agreement and top-5 overlap it does not), against its thresholds.
-These measurements chose the thresholds in `dattn_export/stages/onnx_quantize.py`.
+These measurements chose the thresholds in `dattn_export/stages/accuracy_gate.py`.
 
 Healthy: int8 and int4 exports as `dattn-export onnx --quantize` writes them. Broken (int4): one matrix's scales
 shifted a row (`shift-one`), every matrix's (`shift`), the first two layers' weights exchanged (`swap`). Each export
@@ -25,7 +25,7 @@ from helpers.quantized import CORPORA, broken_export, train  # noqa: E402
 
 from dattn_export.artifacts import Scheme  # noqa: E402
 from dattn_export.demo_model import write_demo_checkpoint  # noqa: E402
-from dattn_export.stages import onnx_quantize as quantize  # noqa: E402
+from dattn_export.stages import accuracy_gate  # noqa: E402
 from dattn_export.stages.onnx_export import export_onnx  # noqa: E402
 from dattn_export.stages.validate import validate  # noqa: E402
 
@@ -61,13 +61,13 @@ def main() -> None:
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="quantize-gate-"))
     logits = {}  # the gate's inputs, kept for the plain top-5 overlap
-    measured = quantize.gate
+    measured = accuracy_gate.gate
 
     def keeping(scheme, reference, quantized):
         logits["last"] = (reference, quantized)
         return measured(scheme, reference, quantized)
 
-    quantize.gate = keeping
+    accuracy_gate.gate = keeping
     rows = []
     for corpus, sentences in CORPORA.items():
         for seed in SEEDS:
@@ -85,7 +85,7 @@ def main() -> None:
                     rows.append((name, scheme, variant, g, plain_top5_overlap(*logits["last"])))
                     print_row(rows[-1], "top-5 overlap")
     print_table(rows, "export", "top-5 overlap")
-    for scheme, t in quantize.GATES.items():
+    for scheme, t in accuracy_gate.GATES.items():
         print(f"{scheme}: greedy mass >= {t.greedy_mass}, top-5 mass >= {t.top5_mass}, mean KL <= {t.mean_kl}")
     wrong = [r[:3] for r in rows if r[3].passed != (r[2] == "healthy")]
     print("every healthy export passes and every broken one fails" if not wrong else f"MISJUDGED: {wrong}")

@@ -1,6 +1,6 @@
 """The accuracy gate's figures under vLLM (`validate --backend vllm`): quantized folders of tiny models trained first,
 both families, two seeds each, served by vLLM's CPU kernels against their 16-bit folder served alike; every metric
-the gate judges, against the thresholds of `onnx_quantize.GATES` (the row `quantize.COMPRESSED_SCHEMES` names for
+the gate judges, against the thresholds of `accuracy_gate.GATES` (the row `quantize.COMPRESSED_SCHEMES` names for
 each scheme).
 
 Healthy: w8a8, w4a16 (groups of 32: the tiny models' layers take 64 or 128 features) and fp8 folders as
@@ -29,8 +29,8 @@ from helpers.quantized import CORPORA, corrupt, train  # noqa: E402
 from quantize_gate import print_row, print_table  # noqa: E402
 
 from dattn_export.demo_model import write_demo_checkpoint  # noqa: E402
+from dattn_export.stages.accuracy_gate import GATES  # noqa: E402
 from dattn_export.stages.convert import convert  # noqa: E402
-from dattn_export.stages.onnx_quantize import GATES  # noqa: E402
 from dattn_export.stages.quantize import COMPRESSED_SCHEMES, quantize  # noqa: E402
 from dattn_export.stages.validate_vllm import validate_vllm  # noqa: E402
 

@@ -247,7 +247,7 @@ def test_a_quantized_export_s_verdict_names_the_gate_that_decided():
     from click.testing import CliRunner
 
     from dattn_export.cli.validate import print_validation
-    from dattn_export.stages.onnx_quantize import GATES, GateResult
+    from dattn_export.stages.accuracy_gate import GATES, GateResult
     from dattn_export.stages.validate import Comparison, ValidationReport
 
     gate = GateResult("int4", 3, 60, 0.93, 0.99, 0.05, 0.4, 0.8, GATES["int4"])

@@ -18,8 +18,9 @@ from dattn_export.artifacts import OnnxManifest, Quantization, Scheme
 from dattn_export.demo_model import write_demo_checkpoint
 from dattn_export.runtime.ort import external_tensors
 from dattn_export.stages import onnx_quantize as quantize
+from dattn_export.stages.accuracy_gate import GATES, gate
 from dattn_export.stages.onnx_export import export_onnx
-from dattn_export.stages.onnx_quantize import GATES, QUANTIZED_GRAPHS, gate
+from dattn_export.stages.onnx_quantize import QUANTIZED_GRAPHS
 from dattn_export.stages.validate import validate
 from dattn_export.stages.weight_check import check_weights
 

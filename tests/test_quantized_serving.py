@@ -28,8 +28,8 @@ from test_vllm import answer_ids, serving, video_part, vllm_missing
 from dattn_export.demo_model import write_demo_checkpoint, write_video
 from dattn_export.modeling.modeling_dattn import MODEL_CLASSES
 from dattn_export.modeling.processing_dattn import DAttnProcessor
+from dattn_export.stages.accuracy_gate import GATES
 from dattn_export.stages.convert import convert
-from dattn_export.stages.onnx_quantize import GATES
 from dattn_export.stages.quantize import COMPRESSED_SCHEMES, quantize
 
 HELPERS = Path(__file__).parent / "helpers"

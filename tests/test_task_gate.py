@@ -15,9 +15,9 @@ from test_vllm import vllm_missing
 from dattn_export.artifacts import Scheme
 from dattn_export.demo_corpus import write_benchmark
 from dattn_export.demo_retrieval import ANSWER_TOKENS, trained_weights, write_retrieval_checkpoint
+from dattn_export.stages.accuracy_gate import GATES
 from dattn_export.stages.convert import convert
 from dattn_export.stages.onnx_export import export_onnx
-from dattn_export.stages.onnx_quantize import GATES
 from dattn_export.stages.quantize import quantize
 from dattn_export.stages.retrieve.job import retrieve
 from dattn_export.stages.score import score

@@ -63,7 +63,7 @@ from ..ui import quiet
 class CompressedScheme(NamedTuple):
     preset: str  # compressed-tensors' preset
     format: str  # its storage format
-    gate: str  # the accuracy gate's row it is held to when served (onnx_quantize.GATES, measured there)
+    gate: str  # the accuracy gate's row it is held to when served (accuracy_gate.GATES, measured there)
 
 
 COMPRESSED_SCHEMES = {

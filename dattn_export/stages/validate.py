@@ -34,7 +34,7 @@ from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
 from ..sidefiles import read_json, reading
 from ..ui import quiet
-from . import onnx_quantize, polygraphy_data
+from . import accuracy_gate, polygraphy_data
 from .polygraphy_data import recording
 from .task_gate import TaskGate
 from .weight_check import WeightCheck, check_weights
@@ -84,7 +84,7 @@ class ValidationReport:
     backend_tokens: list[int] = field(default_factory=list)
     audio_tokens: int | None = None  # None: an image model
     polygraphy_commands: list[str] = field(default_factory=list)  # with --save-polygraphy: what checks its data
-    gate: onnx_quantize.GateResult | None = None  # a quantized decoder: the accuracy gate
+    gate: accuracy_gate.GateResult | None = None  # a quantized decoder: the accuracy gate
     weights: WeightCheck | None = None  # a quantized export: its weights against the checkpoint's, run first
     rtol: float = 0.0  # on the logits, relative to the reference's magnitude
     device: str = "cpu"  # where ONNX Runtime ran the graphs or the model (TensorRT: always the GPU)
@@ -201,9 +201,7 @@ def validate(
         report.polygraphy_commands = polygraphy_data.save(calls, reference, folder, save_polygraphy, report.bounds)
     if manifest.quantization:
         report.weights = weights
-        result = accuracy_gate(
-            runtime, reference, tokenizer, manifest.quantization.scheme, text, steps, got_kv, got_mask
-        )
+        result = gate_graphs(runtime, reference, tokenizer, manifest.quantization.scheme, text, steps, got_kv, got_mask)
         report.gate = result
     report.reference_tokens = expected_tokens.tolist()
     report.backend_tokens = runtime.generate(ids.numpy(), mask.numpy(), got_kv, steps, context_mask=got_mask)[
@@ -212,21 +210,14 @@ def validate(
     return report.write(folder)
 
 
-GATE_PROMPTS = [
-    "USER: What is in the picture?\nASSISTANT:",
-    "USER: How many objects are there?\nASSISTANT:",
-    "USER: Describe the colours, one by one.\nASSISTANT:",
-]
-
-
 @torch.no_grad()
-def accuracy_gate(runtime, reference, tokenizer, scheme: str, prompt: str, steps: int, got_kv, got_mask):
-    """The quantized decoder against the reference over the prompt and GATE_PROMPTS, with the same context:
-    next-token distributions at every position of the reference's greedy continuation (teacher-forced)."""
+def gate_graphs(runtime, reference, tokenizer, scheme: str, prompt: str, steps: int, got_kv, got_mask):
+    """The quantized decoder against the reference over the prompt and the gate's own (GATE_PROMPTS), with the same
+    context: next-token distributions at every position of the reference's greedy continuation (teacher-forced)."""
     layers = [tuple(torch.from_numpy(t) for t in layer) for layer in layer_caches(got_kv, reference.config)]
     visual = dict(context_key_values=layers, context_mask=torch.from_numpy(got_mask))  # both sides: the same context
     expected, got = [], []
-    for text in [prompt, *GATE_PROMPTS]:
+    for text in [prompt, *accuracy_gate.GATE_PROMPTS]:
         ids = torch.tensor([prompt_ids(tokenizer, text)])
         continuation = reference.greedy(ids, max_new_tokens=steps, **visual)
         full = torch.cat([ids, continuation], dim=1)[:, :-1]
@@ -235,7 +226,7 @@ def accuracy_gate(runtime, reference, tokenizer, scheme: str, prompt: str, steps
         ones = np.ones(full.shape, np.int64)
         logits, _ = runtime.decode(full.numpy(), ones, runtime.empty_kv(1), got_kv, got_mask)
         got.append(logits[0, start:])
-    return onnx_quantize.gate(scheme, expected, got)
+    return accuracy_gate.gate(scheme, expected, got)
 
 
 def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport, inputs, steps):

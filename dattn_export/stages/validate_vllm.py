@@ -1,7 +1,7 @@
 """`validate --backend vllm`: a folder `quantize` wrote, served by vLLM offline (`vllm.LLM`, the engine `serve`
 runs), held to its 16-bit folder served alike.
 
-The same accuracy gate as a quantized ONNX export's (`onnx_quantize.GATES`, the scheme's row), over the prompt and
+The same accuracy gate as a quantized ONNX export's (`accuracy_gate.GATES`, the scheme's row), over the prompt and
 `GATE_PROMPTS` with the same media: each engine's full next-token distribution at every position of the 16-bit
 model's greedy continuation, teacher-forced (one request per position, the continuation so far in its prompt, since
 the engine decodes only its own tokens). The free-running greedy tokens are reported, not gated: quantized weights
@@ -32,10 +32,10 @@ from ..prompts import Prompt, as_prompt
 from ..ui import quiet
 from ..vllm_plugin import unsupported
 from ..vllm_plugin.logs import QUIET_ENVIRONMENT
-from . import onnx_quantize
+from . import accuracy_gate
 from .quantize import COMPRESSED_SCHEMES
 from .serve import check_cpu_attention, cpu_environment
-from .validate import GATE_PROMPTS, ValidationReport, default_media
+from .validate import ValidationReport, default_media
 from .verify import quantized_from
 from .weight_check import check_compressed
 
@@ -83,7 +83,7 @@ def validate_vllm(
     prompt = as_prompt(prompt) if prompt else demo_prompt(config.modality, tokenizer)
     decoded = decode_media(media, folder, config, [prompt]) if media.given else default_media(folder, config)
     text = prompt.text_for(tokenizer, config.family, media=True, length=decoded.duration)
-    prompts = [prompt_ids(tokenizer, t) for t in [text, *GATE_PROMPTS]]
+    prompts = [prompt_ids(tokenizer, t) for t in [text, *accuracy_gate.GATE_PROMPTS]]
     report.prompt_tokens = len(prompts[0])
     with progress("serving both folders with vLLM", 4, "runs") as advance:
         with Engine(against, config, decoded, prompts, steps, report.dtype, verbose) as engine:
@@ -97,7 +97,7 @@ def validate_vllm(
             got = engine.distributions(prompts, continuations)
         advance(1)
     report.reference_tokens = continuations[0]
-    report.gate = dataclasses.replace(onnx_quantize.gate(COMPRESSED_SCHEMES[scheme].gate, expected, got), scheme=scheme)
+    report.gate = dataclasses.replace(accuracy_gate.gate(COMPRESSED_SCHEMES[scheme].gate, expected, got), scheme=scheme)
     return report.write(folder)
 
 
