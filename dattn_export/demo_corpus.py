@@ -16,6 +16,7 @@ from PIL import Image, ImageDraw
 
 from .demo_model import write_video
 from .modeling.sound_decoding import AUDIO_RATE
+from .prompts import task_prompt
 
 COLOURS = {"red": (225, 35, 35), "green": (40, 190, 60), "blue": (50, 90, 240), "yellow": (235, 215, 40)}
 SHAPES = ("circle", "square", "triangle")
@@ -173,7 +174,7 @@ def tokenizer_texts(family) -> list[str]:
     asked = [f.format(what=what) for what in seen for f in FORMATS["vision"]]
     asked += [f.format(what=what) for what in SOUNDS for f in FORMATS["audio"]]
     asked += [f.format(what=what, heard=heard) for what in seen for heard in SOUNDS for f in FORMATS["vision+audio"]]
-    return [family.task_prompt(query, seconds) for query in asked for seconds in (8.0, 17.0)]
+    return [task_prompt(family, query, seconds) for query in asked for seconds in (8.0, 17.0)]
 
 
 def answer(truth: list[list[float]], seconds: float) -> str:

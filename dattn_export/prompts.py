@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from .errors import InputError
+from .modeling.families import task_macro
 from .modeling.marked_prompts import MEDIA_MARKERS, media_marker
 
 QUERY_WITHOUT_VIDEO = "asks when something happens in a video file: pass it with --video"
@@ -47,8 +49,31 @@ class Prompt:
             raise InputError("--query", f"the {family.name} family has no released retrieval task: ask with --prompt")
         if self.kind == "query" and length is None:
             raise InputError("--query", QUERY_WITHOUT_VIDEO)
-        question = self.text if self.kind == "question" else family.task_prompt(self.text, length)
+        question = self.text if self.kind == "question" else task_prompt(family, self.text, length)
         return chat_text(tokenizer, f"{MEDIA_MARKERS[0]}\n{question}" if media else question)
+
+
+@cache
+def task_template(task: str):
+    """The chat template's task macro (`families.task_macro`) as a template of its own, in a sandbox as transformers
+    renders chat templates."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    return environment.from_string(task_macro(task) + "{{- task_prompt(text) -}}")
+
+
+def task_prompt(family, query: str, length: float) -> str:
+    """The released inference script's question for a retrieval query about a video `length` seconds long: the
+    chat template's own rule (its trailing period cut, the length's format), rendered here, so that the CLI and a Hub
+    user's `apply_chat_template(..., task="retrieval")` ask alike."""
+    if family.released_task is None:
+        raise ValueError(f"the {family.name} family has no released task")
+    return task_template(family.released_task).render(text=query, video_length=length)
 
 
 def as_prompt(prompt: str | Prompt) -> Prompt:

@@ -68,12 +68,6 @@ class Family:
         `video_length` where the task states it), the released task prompt around the user's text."""
         return CONTENT_TEXT + task_macro(self.released_task) + self.chat_turns
 
-    def task_prompt(self, query: str, length: float) -> str:
-        """The released inference script's question for a retrieval query about a video `length` seconds long."""
-        if self.released_task is None:
-            raise ValueError(f"the {self.name} family has no released task")
-        return self.released_task.format(query=query[:-1] if query.endswith(".") else query, length=length)
-
     def projection_has_bias(self, projection: str, attention_bias: bool) -> bool:
         """Whether `projection` (q_proj, k_proj, v_proj, o_proj) has a bias, given the config's attention_bias."""
         if self.biased_projections is None:
