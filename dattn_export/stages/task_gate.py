@@ -52,7 +52,7 @@ def task_gate(deployment: Path, backend: str, reference: Path, benchmark: Path, 
         answers = {}
         for name, folder, on in (("reference", reference, "torch"), ("deployment", deployment, backend)):
             out = Path(scratch) / f"{name}.jsonl"
-            retrieve(folder, benchmark, videos, out, on, device, max_new_tokens, show=show)
+            retrieve(folder, benchmark, videos, out, on, device, max_new_tokens, show=labelled(show, name))
             answers[name] = out
         against = score(answers["deployment"], benchmark, against=answers["reference"])
         has_truth = all(query.truth is not None for query in read_benchmark(benchmark))
@@ -74,3 +74,8 @@ def task_gate(deployment: Path, backend: str, reference: Path, benchmark: Path, 
             for q in differ[:5]
         ],
     )
+
+
+def labelled(show, name: str):
+    """`show` (ui.progress or ui.quiet) with each description headed by `name`: which run is answering."""
+    return lambda description, *args, **kwargs: show(f"{name}: {description}", *args, **kwargs)
