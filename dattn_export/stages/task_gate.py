@@ -46,13 +46,15 @@ class TaskGate:
 
 def task_gate(deployment: Path, backend: str, reference: Path, benchmark: Path, videos: Path, weights: str,
               max_new_tokens: int, device: str = "cpu", show=quiet) -> TaskGate:  # fmt: skip
-    """`deployment` on `backend` and `reference` on torch (fp32 on a CPU) answer `benchmark`'s queries about the
-    files in `videos`; the deployment judged by `weights`' row of TASK_GATES. `show`: `ui.progress` for the CLI."""
+    """`deployment` on `backend` (on `device`) and `reference` on torch (fp32 on the CPU) answer `benchmark`'s queries
+    about the files in `videos`; the deployment judged by `weights`' row of TASK_GATES. `show`: `ui.progress` for the
+    CLI."""
     with tempfile.TemporaryDirectory(prefix="dattn-task-") as scratch:
         answers = {}
-        for name, folder, on in (("reference", reference, "torch"), ("deployment", deployment, backend)):
+        runs = (("reference", reference, "torch", "cpu"), ("deployment", deployment, backend, device))
+        for name, folder, on, where in runs:  # the reference in fp32 on the CPU, wherever the deployment runs
             out = Path(scratch) / f"{name}.jsonl"
-            retrieve(folder, benchmark, videos, out, on, device, max_new_tokens, show=labelled(show, name))
+            retrieve(folder, benchmark, videos, out, on, where, max_new_tokens, show=labelled(show, name))
             answers[name] = out
         against = score(answers["deployment"], benchmark, against=answers["reference"])
         has_truth = all(query.truth is not None for query in read_benchmark(benchmark))
