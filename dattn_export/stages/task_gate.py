@@ -12,8 +12,6 @@ from pathlib import Path
 
 from ..retrieval import read_benchmark, read_predictions
 from ..ui import quiet
-from .retrieve.job import retrieve
-from .score import score
 
 # The least IoU of a deployment's answers against its reference's (`score --against`; answers all alike score 0.995,
 # VUE-TR counting an IoU strictly above each threshold), by its weights. Measured by bench/retrieval_task.py on the
@@ -49,6 +47,9 @@ def task_gate(deployment: Path, backend: str, reference: Path, benchmark: Path, 
     """`deployment` on `backend` (on `device`) and `reference` on torch (fp32 on the CPU) answer `benchmark`'s queries
     about the files in `videos`; the deployment judged by `weights`' row of TASK_GATES. `show`: `ui.progress` for the
     CLI."""
+    from .retrieve.job import retrieve  # here: validate reads TaskGate whether or not a benchmark is given
+    from .score import score
+
     with tempfile.TemporaryDirectory(prefix="dattn-task-") as scratch:
         answers = {}
         runs = (("reference", reference, "torch", "cpu"), ("deployment", deployment, backend, device))
