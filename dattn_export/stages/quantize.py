@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from ..checkpoints.safetensors_writer import (
 )
 from ..checkpoints.source import open_source
 from ..errors import InputError
+from ..modeling.modeling_dattn import MODEL_CLASSES
 from ..ui import quiet
 
 
@@ -71,11 +71,21 @@ COMPRESSED_SCHEMES = {
     "w4a16": CompressedScheme("W4A16", "pack-quantized", "w4a16"),
     "fp8": CompressedScheme("FP8_DYNAMIC", "float-quantized", "int8"),
 }
-QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
-# the modules that stay in 16 bits, as both engines read config.json's `ignore` (a name, or `re:` a pattern)
+# the Linear modules that stay in 16 bits, as both engines read config.json's `ignore` (a name, or `re:` a pattern):
+# every other Linear module's weight is quantized (`quantized_matrices`)
 IGNORE = ["lm_head", "re:.*mm_vis.*", "re:.*mm_aud.*", "re:.*mm_rand.*", "re:.*wings.*"]
 SHARD_BYTES = 5 * 10**9  # as `convert` shards by default
 MEMO = 4  # quantized matrices kept for their other tensors (a matrix's are written one after another)
+
+
+def quantized_matrices(config) -> set[str]:
+    """The weights a scheme quantizes: those of every Linear module `IGNORE` leaves, matched by compressed-tensors as
+    llm-compressor and vLLM match them, on the model's modules (built on the meta device: no memory, any size)."""
+    from compressed_tensors.utils.match import match_named_modules
+
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.model_type](config)
+    return {f"{name}.weight" for name, _ in match_named_modules(model, ["Linear"], IGNORE)}
 
 
 def scheme_of(name: str, group_size: int | None = None):
@@ -158,13 +168,13 @@ class MatrixQuantizer:
 GROUP_SIZES = (128, 64, 32, 16)  # what --group-size offers where the default does not divide a layer: vLLM's kernels'
 
 
-def check_quantizable(source, scheme) -> None:
+def check_quantizable(source, scheme, matrices: set[str]) -> None:
     """The folder can be quantized so: a converted one (its manifest), not quantized already, its matrices a whole
     number of groups."""
     if getattr(source.config, "quantization_config", None):
         raise InputError(source.reader.path, "is quantized already: quantize its unquantized folder")
     group = scheme.weights.group_size
-    features = {name: lazy.shape[1] for name, lazy in source.tensors.items() if QUANTIZED.fullmatch(name)}
+    features = {name: source.tensors[name].shape[1] for name in matrices}
     if group and (name := next((n for n, count in features.items() if count % group), None)):
         fits = next((size for size in GROUP_SIZES if size < group and all(c % size == 0 for c in features.values())), 0)
         way_out = f"pass --group-size {fits}, the largest" if fits else "no group size of"
@@ -199,11 +209,12 @@ def quantize(
     manifest = ConvertManifest.read(folder)
     source = open_source(folder)
     spec, compression = COMPRESSED_SCHEMES[scheme], scheme_of(scheme, group_size)
-    check_quantizable(source, compression)
+    quantized = quantized_matrices(source.config)
+    check_quantizable(source, compression, quantized)
     quantizer = MatrixQuantizer(compression, spec.format)
     planned, matrices, kept = [], [], {}
     for name, lazy in source.tensors.items():
-        if not QUANTIZED.fullmatch(name):
+        if name not in quantized:
             kept[name] = lazy
             continue
         matrices.append(name)
