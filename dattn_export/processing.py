@@ -17,7 +17,8 @@ from .modeling.images import anyres_tiles, squared, tower_side
 from .modeling.processing_dattn import default_audio_processor
 from .sidefiles import read_json, reading
 
-PROCESSOR_FILE = "preprocessor_config.json"
+PROCESSOR_FILE = "preprocessor_config.json"  # an image processor's, or a tower folder's feature extractor's
+PROCESSOR_CONFIG, FEATURE_EXTRACTOR = "processor_config.json", "feature_extractor"  # the processor's, nesting that
 PROCESSOR_CLASS = "processing_dattn.DAttnProcessor"  # AutoProcessor's (modeling/processing_dattn.py, shipped)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -56,11 +57,13 @@ def load_image_processor(folder: Path, config):
 
 def save_processor_files(out: Path, folder: Path, config) -> None:
     """What AutoProcessor loads a converted folder's processor from: processor_config.json naming the shipped class,
-    and the image processor's preprocessor_config.json where the checkpoint carried none (its tower's defaults)."""
+    with the audio tower's feature extractor (`load_audio_processor`) as transformers 5 nests a processor's; and the
+    image processor's preprocessor_config.json where the checkpoint carried none (its tower's defaults)."""
     if not (Path(out) / PROCESSOR_FILE).is_file():
         load_image_processor(folder, config).save_pretrained(str(out))
     fields = {"processor_class": PROCESSOR_CLASS.split(".")[1], "auto_map": {"AutoProcessor": PROCESSOR_CLASS}}
-    (Path(out) / "processor_config.json").write_text(json.dumps(fields, indent=2) + "\n")
+    fields[FEATURE_EXTRACTOR] = load_audio_processor(folder, config).to_dict()
+    (Path(out) / PROCESSOR_CONFIG).write_text(json.dumps(fields, indent=2) + "\n")
 
 
 UNSCALED = {"do_rescale": False, "do_normalize": False}  # a processor's call that stops at the pixels' bytes
@@ -108,8 +111,12 @@ def frame_square(folder: Path, config) -> int | None:
 
 
 def load_audio_processor(folder: Path, config) -> WhisperFeatureExtractor:
-    """The audio tower folder's feature extractor, else Whisper's at the tower's mel bins, its chunk the encoder's
-    input (2 x max_source_positions mel frames: 3000 for Whisper)."""
+    """The folder's processor's feature extractor (a converted folder's: what DAttnProcessor prepares sound with),
+    else the audio tower folder's, else Whisper's at the tower's mel bins, its chunk the encoder's input
+    (2 x max_source_positions mel frames: 3000 for Whisper)."""
+    own = Path(folder) / PROCESSOR_CONFIG
+    if own.is_file() and (saved := read_json(own, PROCESSOR_CONFIG).get(FEATURE_EXTRACTOR)):
+        return WhisperFeatureExtractor(**saved)
     found = tower_folder(config.mm_audio_tower, folder)
     if found is not None and (found / PROCESSOR_FILE).is_file():
         return WhisperFeatureExtractor.from_pretrained(str(found), local_files_only=True)

@@ -18,12 +18,15 @@ from helpers.builders import GRID_POINTS, demo_folders
 from helpers.released_images import open_picture, process_images, with_output_size
 from PIL import Image
 
-from dattn_export.checkpoints.source import load_model
-from dattn_export.demo_model import DEMO_QUESTIONS, write_video
+from dattn_export.checkpoints.source import folder_config, load_model
+from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint, write_video
 from dattn_export.media import decode_media, encode_media
 from dattn_export.media_options import Media
-from dattn_export.modeling.processing_dattn import DAttnProcessor
+from dattn_export.modeling.processing_dattn import DAttnProcessor, audio_features, default_audio_processor
+from dattn_export.modeling.sound_decoding import load_audio
+from dattn_export.processing import load_audio_processor
 from dattn_export.prompts import Prompt
+from dattn_export.stages.convert import convert
 from dattn_export.stages.generate import run_prompt
 
 QUESTION = "What happens here?"
@@ -131,8 +134,25 @@ def test_frames_and_log_mels_are_the_released_decoders_and_process_audio_s(folde
     expected = process_images(frames, with_output_size(processor.image_processor), cfg)
     assert got["video_frames"].tolist() == [len(frames)] == [5]
     assert torch.equal(got["pixel_values_videos"][0], expected)
-    mels, length = released.released_process_audio(released.released_samples(path), processor.audio_processor)
+    mels, length = released.released_process_audio(released.released_samples(path), processor.feature_extractor)
     assert torch.equal(got["input_features"][0], mels) and got["audio_mel_frames"].tolist() == [length]
+
+
+def test_the_audio_tower_s_own_feature_extractor_prepares_sound_for_hub_users_and_the_cli_alike(tmp_path, media):
+    """A tower whose preprocessor is not Whisper's defaults (n_fft 256): `convert` carries it into the folder's
+    processor, and the Hub processor and the CLI's loader both prepare sound with it."""
+    checkpoint = write_demo_checkpoint(tmp_path / "checkpoint", "mistral", video=True)
+    tower = tmp_path / "towers" / "tiny-whisper" / "preprocessor_config.json"
+    tower.write_text(json.dumps(json.loads(tower.read_text()) | {"n_fft": 256}))
+    folder = convert(checkpoint, tmp_path / "converted").out
+    processor, cli = processor_of(folder), load_audio_processor(folder, folder_config(folder))
+    assert processor.feature_extractor.n_fft == cli.n_fft == 256
+    got = processor(text="<image>\nq", videos=str(media.video), return_tensors="pt")["input_features"][0]
+    samples = load_audio(media.video)
+    assert torch.equal(got, audio_features(samples, cli)[0])
+    assert not torch.equal(
+        got, audio_features(samples, default_audio_processor(processor.model_config.audio_config))[0]
+    )
 
 
 def test_frames_given_as_pictures_or_an_array_are_prepared_alike(folders, media):

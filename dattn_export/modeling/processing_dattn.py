@@ -26,7 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, BatchFeature, PretrainedConfig, ProcessorMixin, WhisperFeatureExtractor
+from transformers import (
+    AutoImageProcessor,
+    AutoTokenizer,
+    BatchFeature,
+    PretrainedConfig,
+    ProcessorMixin,
+    WhisperFeatureExtractor,
+)
 from transformers.image_transforms import to_pil_image
 
 from .configuration_dattn import CONFIG_CLASSES
@@ -41,9 +48,12 @@ HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token", "revi
 IGNORED_OPTIONS = ("padding", "truncation", "return_attention_mask", "return_mm_token_type_ids")
 
 
-def default_audio_processor(audio_config: dict) -> WhisperFeatureExtractor:
+def default_audio_processor(audio_config: dict | None) -> WhisperFeatureExtractor:
     """Whisper's feature extractor at the audio tower's mel bins, its chunk the encoder's input (2 x
-    max_source_positions mel frames: 3000 for Whisper), as the released towers' preprocessor is."""
+    max_source_positions mel frames: 3000 for Whisper), as the released towers' preprocessor is; a model without an
+    audio tower: Whisper's (its processor holds one as every processor holds its components; it takes no audio)."""
+    if audio_config is None:
+        return WhisperFeatureExtractor()
     hop = WhisperFeatureExtractor().n_samples // (2 * audio_config["max_source_positions"])
     return WhisperFeatureExtractor(feature_size=audio_config["num_mel_bins"], hop_length=hop)
 
@@ -131,32 +141,32 @@ def padded(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class DAttnProcessor(ProcessorMixin):
-    """The tokenizer, the vision tower's image processor and Whisper's feature extractor (the audio tower's, by the
-    config), each medium prepared as the released code prepares it. `model_config`: the repo's config.json, read by
-    `from_pretrained` (the aspect rule, the anyres tilings, the streams a model takes)."""
+    """The tokenizer, the vision tower's image processor and the audio tower's Whisper feature extractor (saved in
+    processor_config.json by `convert`, as transformers 5 saves a processor's; Whisper's defaults at the tower's size
+    where a folder has none), each loaded once, each medium prepared as the released code prepares it.
+    `model_config`: the repo's config.json, read by `from_pretrained` (the aspect rule, the anyres tilings, the
+    streams a model takes)."""
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+    def __init__(self, image_processor=None, feature_extractor=None, tokenizer=None, chat_template=None, **kwargs):
         # the chat template is the tokenizer's: the one the released scripts and dattn-export ask through
         chat_template = chat_template or getattr(tokenizer, "chat_template", None)
-        super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+        super().__init__(image_processor, feature_extractor, tokenizer, chat_template=chat_template, **kwargs)
         self.model_config = None
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        processor = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        options = {key: kwargs[key] for key in HUB_OPTIONS if key in kwargs}
+        path, options = pretrained_model_name_or_path, {key: kwargs[key] for key in HUB_OPTIONS if key in kwargs}
+        fields, _ = PretrainedConfig.get_config_dict(path, **options)
+        config = CONFIG_CLASSES[fields["model_type"]].from_dict(fields)
         # the released code prepares pictures with PIL: torchvision's resize (transformers' default where it is
         # installed) gives other pixels
-        processor.image_processor = AutoImageProcessor.from_pretrained(
-            pretrained_model_name_or_path, backend="pil", **options
-        )
-        fields, _ = PretrainedConfig.get_config_dict(pretrained_model_name_or_path, **options)
-        processor.model_config = CONFIG_CLASSES[fields["model_type"]].from_dict(fields)
+        image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", **options)
+        saved = cls.get_processor_dict(path, **options)[0].get("feature_extractor")  # convert writes the tower's
+        feature_extractor = WhisperFeatureExtractor(**saved) if saved else default_audio_processor(config.audio_config)
+        tokenizer = AutoTokenizer.from_pretrained(path, config=config, **options)  # the config read: no remote code
+        processor = cls(image_processor, feature_extractor, tokenizer)
+        processor.model_config = config
         return processor
-
-    @property
-    def audio_processor(self) -> WhisperFeatureExtractor:
-        return default_audio_processor(self.model_config.audio_config)
 
     @property
     def model_input_names(self) -> list[str]:
@@ -284,7 +294,7 @@ class DAttnProcessor(ProcessorMixin):
 
     def audio(self, sounds: list[np.ndarray | None]) -> dict:
         """Each prompt's sound track as Whisper's log-mel chunks (zeros: none) and its length in mel frames."""
-        extractor = self.audio_processor
+        extractor = self.feature_extractor
         features = [audio_features(s, extractor) if s is not None else None for s in sounds]
         shape = next(f[0] for f in features if f is not None).shape[1:]
         chunks = [f[0] if f is not None else torch.zeros(1, *shape) for f in features]
