@@ -19,7 +19,7 @@ from .folders import MEDIA_SUFFIXES
 from .media_options import Media
 from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
 from .modeling.marked_prompts import media_marker
-from .modeling.media_files import media_duration, tower_square
+from .modeling.media_files import media_duration, resized_to_tower
 from .modeling.processing_dattn import audio_features
 from .modeling.sound_decoding import AUDIO_RATE, load_audio
 from .modeling.streams import AUDIO
@@ -52,7 +52,7 @@ def load_frame_folder(folder: Path, square: int | None = None) -> list[Image.Ima
     files = sorted(f for f in Path(folder).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise InputError(folder, f"holds no frame images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    return [open_image(f) if square is None else tower_square(open_image(f), square) for f in files]
+    return [open_image(f) if square is None else resized_to_tower(open_image(f), square) for f in files]
 
 
 @dataclass

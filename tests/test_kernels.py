@@ -254,7 +254,7 @@ def test_every_tactic_compiles_to_ptx_without_a_gpu(compiled_ptx, arch, dtype, m
         ptx = kernel["ptx"]
         assert f".target sm_{arch}" in ptx and f".entry {kernel['name']}(" in ptx and ".version 8.4" in ptx, key
         params = entry_parameters(kernel)
-        assert len(params) == kernel["parameters"], key
+        assert len(params) == kernel["parameter_count"], key
         if key == "merge":  # the shares, their log-sum-exps, rows and shares, the output
             assert params == [".u64", ".u64", ".u32", ".u32", ".u64"]
             continue

@@ -653,7 +653,7 @@ def test_video_loader_keeps_the_sound_track_and_others_are_refused(tmp_path):
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
 
     import dattn_export.vllm_plugin.media  # noqa: F401  (registers the loader, as the plugin does)
-    from dattn_export.modeling.media_files import tower_square
+    from dattn_export.modeling.media_files import resized_to_tower
     from dattn_export.modeling.video_decoding import load_video
     from dattn_export.vllm_plugin.processor import sound_track
 
@@ -666,10 +666,10 @@ def test_video_loader_keeps_the_sound_track_and_others_are_refused(tmp_path):
     assert np.array_equal(decoded, frames) and np.array_equal(sound_track(metadata), sound)
     # as `serve` loads it: each frame resized to the tower's square as it is decoded, one frame past the limit at most
     squares, _ = loader.load_bytes(data, frame_size=32, max_frames=3)
-    expected = [tower_square(Image.fromarray(frame), 32) for frame in frames[:4]]
+    expected = [resized_to_tower(Image.fromarray(frame), 32) for frame in frames[:4]]
     assert np.array_equal(squares, np.stack([np.asarray(frame) for frame in expected]))
     # the processor's own resize then leaves them as they are: the pixels the reference's frames give
-    assert all(np.array_equal(np.asarray(tower_square(frame, 32)), np.asarray(frame)) for frame in expected)
+    assert all(np.array_equal(np.asarray(resized_to_tower(frame, 32)), np.asarray(frame)) for frame in expected)
     _, metadata = VIDEO_LOADER_REGISTRY.load("opencv").load_bytes(data, num_frames=4)
     with pytest.raises(ValueError, match="video_backend"):
         sound_track(metadata)

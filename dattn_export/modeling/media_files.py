@@ -66,7 +66,7 @@ def media_duration(path: Path | FileBytes) -> float:
         return container.duration / av.time_base
 
 
-def tower_square(frame: Image.Image, size: int) -> Image.Image:
+def resized_to_tower(frame: Image.Image, size: int) -> Image.Image:
     """A frame resized to the tower's square (bicubic: the released `resize` preparation, which video models use); a
     frame already that size is left as it is (Pillow copies it)."""
     return frame.resize((size, size), resample=Image.BICUBIC)

@@ -39,7 +39,7 @@ from transformers.image_transforms import to_pil_image
 from .configuration_dattn import CONFIG_CLASSES
 from .images import anyres_tiles, prepare_pictures, tower_side
 from .marked_prompts import media_marker, prompt_ids
-from .media_files import FileBytes, MediaError, tower_square
+from .media_files import FileBytes, MediaError, resized_to_tower
 from .sound_decoding import AUDIO_RATE, load_audio
 from .streams import AUDIO, MEDIA_INPUTS
 from .video_decoding import VIDEO_FPS, load_video
@@ -281,7 +281,7 @@ class DAttnProcessor(ProcessorMixin):
             frames, samples = load_video(source, fps=fps, square=square, sound=sound)
         else:
             frames = [load_picture(frame) for frame in video]
-            frames = frames if square is None else [tower_square(frame, square) for frame in frames]
+            frames = frames if square is None else [resized_to_tower(frame, square) for frame in frames]
             samples = None
         return prepare_pictures(frames, config.mm_image_aspect_ratio, self.image_processor), samples
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .media_files import FileBytes, MediaError, av, import_av, open_media, tower_square
+from .media_files import FileBytes, MediaError, av, import_av, open_media, resized_to_tower
 from .nal_units import SKIPPABLE_CODECS, IdrFinder
 from .sound_decoding import SoundTrack
 
@@ -40,13 +40,13 @@ def load_video(
     however long the video (or one a piece, below):
     - frames: every round(average rate / fps)-th from the first, RGB, turned upright as the stream's display matrix
       says (decord's `VideoReader.get_batch` at load_video's frame indices); with `square`, each resized to the
-      tower's square as it is decoded (`tower_square`), so that an hour never holds its full-size frames;
+      tower's square as it is decoded (`resized_to_tower`), so that an hour never holds its full-size frames;
     - the sound track (with `sound`): `load_audio`'s samples of its first audio stream, None without one.
     Where a file's index lists every frame, the stream is cut at IDR pictures into a piece a core, each decoded on a
     thread of its own (`video_pieces`; the first piece's pass reads on to the end for the sound track). Decoding
     stops at `limit` frames (the caller then refuses the video; the sound track ends there)."""
     import_av()
-    prepare = upright if square is None else lambda frame: tower_square(upright(frame), square)
+    prepare = upright if square is None else lambda frame: resized_to_tower(upright(frame), square)
     # kept frames are converted and resized on a thread of their own while decoding goes on (both release the GIL),
     # at most PREPARING_AHEAD of them waiting a piece, so that a video whose every frame is kept holds few at full size
     with ThreadPoolExecutor(1) as preparing:

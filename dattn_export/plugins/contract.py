@@ -57,6 +57,12 @@ class Attributes:
         if not 1 <= self.num_contexts <= MAX_CONTEXTS or (self.causal_context and self.num_contexts != 1):
             raise ValueError(f"{ID}: num_contexts {self.num_contexts}: 1 to {MAX_CONTEXTS}, 1 with causal_context")
 
+    @property
+    def slots(self) -> int:
+        """With keys split into shares, the states each share writes: the text's, then each context segment's (sum),
+        or one for all of the contexts (alpha)."""
+        return self.num_contexts + 1 if self.merge == "sum" else 2
+
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))

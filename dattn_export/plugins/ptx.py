@@ -11,7 +11,6 @@ import triton
 
 from .contract import Attributes
 from .triton_kernel import (
-    BLOCK_M,
     INT_ARGS,
     MERGE_WARPS,
     TRITON_TYPES,
@@ -34,7 +33,7 @@ class Compiled:
     ptx: str
     num_warps: int
     shared: int  # bytes of shared memory a program
-    parameters: int  # the entry's parameters: the pointers and integers a launch passes, in order
+    parameter_count: int  # the entry's parameters: the pointers and integers a launch passes, in order
 
 
 def gpu_arch() -> int:
@@ -105,8 +104,7 @@ def merge_signature(dtype: str) -> dict:
 
 
 def merge_constants(head_dim: int, attributes: Attributes) -> dict:
-    slots = constants(attributes, head_dim, BLOCK_M, BLOCK_M)["SLOTS"]
-    return dict(SLOTS=slots, HEAD_DIM=head_dim, MERGE_SUM=attributes.merge == "sum")
+    return dict(SLOTS=attributes.slots, HEAD_DIM=head_dim, MERGE_SUM=attributes.merge == "sum")
 
 
 def compile_attention(dtype: str, head_dim: int, attributes: Attributes, chosen: Tiles, split_keys: bool = False,

@@ -56,7 +56,6 @@ from .triton_kernel import (
     tiles,
 )
 
-DTYPES = {"float32", "float16", "bfloat16"}
 SHARES, MERGE = "DecomposedAttentionShares", "MergeShares"  # the split-key plugins' names, in contract.DOMAIN
 MERGE_ATTRIBUTES = {"num_heads": int, "head_dim": int, "merge": str, "num_contexts": int, "dtype": str}
 # the other tile shapes bench/kernel_blocks.py timed beside tiles()' choice (half precision; fp32 halves the keys)
@@ -113,8 +112,7 @@ def shares_shapes(q_shape, k_shape, k_vis_shape, attributes: Attributes) -> tupl
     """The shares' shapes and their log-sum-exps': (splits, SLOTS, B * Hq, T, D) and (splits, SLOTS, B * Hq, T)."""
     batch, heads, queries, head_dim = q_shape
     splits = key_splits(queries, k_shape[2] + k_vis_shape[2])
-    slots = merge_constants(1, attributes)["SLOTS"]
-    lse = (splits, slots, batch * heads, queries)
+    lse = (splits, attributes.slots, batch * heads, queries)
     return (*lse, head_dim), lse
 
 
@@ -196,7 +194,7 @@ def register() -> None:
     tactic_parameter = inspect.Parameter("tactic", keyword, annotation=int)
 
     def checked_dtype(q) -> str:
-        if dtype_names.get(q.dtype) not in DTYPES:
+        if q.dtype not in dtype_names:
             raise ValueError(f"{contract.ID}: inputs of type {q.dtype} are not supported (fp32, fp16, bf16)")
         return dtype_names[q.dtype]
 

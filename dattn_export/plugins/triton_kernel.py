@@ -364,8 +364,7 @@ def constants(attributes: Attributes, head_dim: int, block_m: int, block_n: int,
         CAUSAL_CONTEXT=bool(attributes.causal_context),
         CAUSAL=bool(attributes.causal),
         NUM_CONTEXTS=attributes.num_contexts,
-        # split keys: the states each share writes, the text's then each context segment's (sum) or all of theirs
-        SLOTS=attributes.num_contexts + 1 if attributes.merge == "sum" else 2,
+        SLOTS=attributes.slots,
         **flags,
     )
 
@@ -442,7 +441,7 @@ def launch(
                       SPLIT_KEYS=splits > 1, DOT_PRECISION=precision)  # fmt: skip
     partial = partial_lse = None
     if splits > 1:
-        shape = (splits, fixed["SLOTS"], batch * heads, queries, head_dim)
+        shape = (splits, attributes.slots, batch * heads, queries, head_dim)
         partial = torch.empty(shape, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(partial.shape[:-1], dtype=torch.float32, device=q.device)
     dattn_kernel[(*launch_grid(q.shape, k.shape, block_m=block_m), splits)](
