@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
+from ..artifacts import named_dtype
 from . import contract
 from .contract import Attributes
 from .ptx import (
@@ -214,7 +215,7 @@ def register() -> None:
             trtp.AutoTuneCombination(
                 ", ".join([code] * 3 + ["BOOL"] + [code] * 3 + ["INT32"] + [outputs or code]),
                 "LINEAR",
-                list(range(len(tactics(head_dim, 4 if dtype == "float32" else 2)))),
+                list(range(len(tactics(head_dim, named_dtype(dtype).itemsize)))),
             )
             for dtype, code in type_codes.items()
         ]
@@ -238,7 +239,7 @@ def register() -> None:
             bound = signature_.bind(*args, **kwargs)
             (q, k, _, _, _, k_vis, _, _), (_, _, head_dim), attributes = split_arguments(bound)
             dtype = checked_dtype(q)
-            chosen = tactics(head_dim, 4 if dtype == "float32" else 2)[bound.arguments["tactic"]]
+            chosen = tactics(head_dim, named_dtype(dtype).itemsize)[bound.arguments["tactic"]]
             shapes = (list(t.shape_expr) for t in (q, k, k_vis))
             return to_tensorrt(attention_launch(dtype, *shapes, head_dim, attributes, chosen, split_keys))
 
@@ -252,7 +253,6 @@ def register() -> None:
 
     # the op's shares, then their merge
     shares_describe_signature = signature(trtp.TensorDesc, tuple[trtp.TensorDesc, trtp.TensorDesc])
-    shares_tune_signature = signature(trtp.TensorDesc, list[trtp.AutoTuneCombination], extra=(outputs_parameter,))
 
     def describe_shares(*args, **kwargs):
         (q, k, _, _, _, k_vis, _, _), _, attributes = split_arguments(shares_describe_signature.bind(*args, **kwargs))
@@ -261,10 +261,10 @@ def register() -> None:
         return trtp.from_shape_expr(shares, dtype=trt.float32), trtp.from_shape_expr(lse, dtype=trt.float32)
 
     def tune_shares(*args, **kwargs):
-        _, (_, _, head_dim), _ = split_arguments(shares_tune_signature.bind(*args, **kwargs))
+        _, (_, _, head_dim), _ = split_arguments(tune_signature.bind(*args, **kwargs))  # the op's inputs
         return tactic_combinations(head_dim, "FP32, FP32")
 
-    describe_shares.__signature__, tune_shares.__signature__ = shares_describe_signature, shares_tune_signature
+    describe_shares.__signature__, tune_shares.__signature__ = shares_describe_signature, tune_signature
     shares_id = f"{contract.DOMAIN}::{SHARES}"
     trtp.register(shares_id)(describe_shares)
     trtp.autotune(shares_id)(tune_shares)

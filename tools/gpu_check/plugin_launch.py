@@ -59,7 +59,7 @@ def interpreted(launch: Launch, arguments: list) -> None:
     `triton_kernel.launch` does."""
     import torch
 
-    assert len(arguments) == len(launch.parameters) == launch.compiled.parameters, (arguments, launch.parameters)
+    assert len(arguments) == len(launch.parameters) == launch.compiled.parameter_count, (arguments, launch.parameters)
     constants = dict(launch.constants)
     if "UPCAST" in constants:
         constants["UPCAST"] = any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in arguments)
