@@ -14,11 +14,11 @@ from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProces
 from .checkpoints.towers import tower_folder
 from .errors import InputError
 from .modeling.images import anyres_tiles, squared, tower_side
-from .modeling.processing_dattn import default_audio_processor
+from .modeling.processing_dattn import FEATURE_EXTRACTOR, default_audio_processor, saved_feature_extractor
 from .sidefiles import read_json, reading
 
 PROCESSOR_FILE = "preprocessor_config.json"  # an image processor's, or a tower folder's feature extractor's
-PROCESSOR_CONFIG, FEATURE_EXTRACTOR = "processor_config.json", "feature_extractor"  # the processor's, nesting that
+PROCESSOR_CONFIG = "processor_config.json"  # the processor's, its feature extractor nested (FEATURE_EXTRACTOR)
 PROCESSOR_CLASS = "processing_dattn.DAttnProcessor"  # AutoProcessor's (modeling/processing_dattn.py, shipped)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -115,8 +115,8 @@ def load_audio_processor(folder: Path, config) -> WhisperFeatureExtractor:
     else the audio tower folder's, else Whisper's at the tower's mel bins, its chunk the encoder's input
     (2 x max_source_positions mel frames: 3000 for Whisper)."""
     own = Path(folder) / PROCESSOR_CONFIG
-    if own.is_file() and (saved := read_json(own, PROCESSOR_CONFIG).get(FEATURE_EXTRACTOR)):
-        return WhisperFeatureExtractor(**saved)
+    if own.is_file() and (saved := saved_feature_extractor(read_json(own, PROCESSOR_CONFIG))):
+        return saved
     found = tower_folder(config.mm_audio_tower, folder)
     if found is not None and (found / PROCESSOR_FILE).is_file():
         return WhisperFeatureExtractor.from_pretrained(str(found), local_files_only=True)

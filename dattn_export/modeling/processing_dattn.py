@@ -45,6 +45,7 @@ from .streams import AUDIO, MEDIA_INPUTS
 from .video_decoding import VIDEO_FPS, load_video
 
 HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+FEATURE_EXTRACTOR = "feature_extractor"  # its key in processor_config.json, as transformers 5 nests a processor's
 IGNORED_OPTIONS = ("padding", "truncation", "return_attention_mask", "return_mm_token_type_ids")
 
 
@@ -56,6 +57,12 @@ def default_audio_processor(audio_config: dict | None) -> WhisperFeatureExtracto
         return WhisperFeatureExtractor()
     hop = WhisperFeatureExtractor().n_samples // (2 * audio_config["max_source_positions"])
     return WhisperFeatureExtractor(feature_size=audio_config["num_mel_bins"], hop_length=hop)
+
+
+def saved_feature_extractor(processor_fields: dict) -> WhisperFeatureExtractor | None:
+    """The feature extractor a processor_config.json holds (`convert` writes the audio tower's), None without one."""
+    saved = processor_fields.get(FEATURE_EXTRACTOR)
+    return WhisperFeatureExtractor(**saved) if saved else None
 
 
 def audio_features(samples: np.ndarray, extractor) -> tuple[torch.Tensor, int]:
@@ -161,8 +168,8 @@ class DAttnProcessor(ProcessorMixin):
         # the released code prepares pictures with PIL: torchvision's resize (transformers' default where it is
         # installed) gives other pixels
         image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", **options)
-        saved = cls.get_processor_dict(path, **options)[0].get("feature_extractor")  # convert writes the tower's
-        feature_extractor = WhisperFeatureExtractor(**saved) if saved else default_audio_processor(config.audio_config)
+        saved = saved_feature_extractor(cls.get_processor_dict(path, **options)[0])
+        feature_extractor = saved or default_audio_processor(config.audio_config)
         tokenizer = AutoTokenizer.from_pretrained(path, config=config, **options)  # the config read: no remote code
         processor = cls(image_processor, feature_extractor, tokenizer)
         processor.model_config = config
