@@ -51,7 +51,7 @@ from dattn_export.media_options import Media
 from dattn_export.modeling.families import FAMILIES
 from dattn_export.modeling.media_files import FileBytes
 from dattn_export.modeling.video_decoding import load_video
-from dattn_export.processing import frame_square
+from dattn_export.processing import load_processor
 from dattn_export.stages.convert import convert
 from dattn_export.stages.onnx_export import export_onnx
 
@@ -92,13 +92,13 @@ def decode_seconds(path: Path, checkpoint: Path, repeats: int, from_bytes: bool)
     (a shared machine's speed drifts by 15% from one run to the next: in turns, all see the same drift)."""
     from dattn_export.checkpoints.source import open_source
 
-    config = open_source(checkpoint).config
-    data, square = path.read_bytes() if from_bytes else None, frame_square(checkpoint, config)
+    processor = load_processor(checkpoint, open_source(checkpoint).config)
+    data, square = path.read_bytes() if from_bytes else None, processor.frame_square
     runs = [
         lambda: subprocess.run(
             [imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", str(path), "-f", "null", "-"], check=True
         ),
-        lambda: decode_media(Media(video=path), checkpoint, config),
+        lambda: decode_media(Media(video=path), processor),
         *([lambda: load_video(FileBytes(data), square=square)] if from_bytes else []),
     ]
     seconds = [[] for _ in runs]
@@ -154,12 +154,11 @@ def vllm_engine_run(folder: Path, video: Path, tensor_parallel: int, out: Path) 
     asked through the chat template as `generate --prompt` asks it."""
     from vllm import LLM, SamplingParams
 
-    from dattn_export.processing import load_audio_processor, load_tokenizer
     from dattn_export.prompts import Prompt
     from dattn_export.vllm_plugin.video import encoder_token_budget
 
-    config = folder_config(folder)
-    decoded = decode_media(Media(video=video), folder, config)
+    processor = load_processor(folder, folder_config(folder))
+    config, decoded = processor.model_config, decode_media(Media(video=video), processor)
     frames = np.stack([np.asarray(frame) for frame in decoded.frames])
     llm = LLM(
         str(folder),
@@ -168,13 +167,10 @@ def vllm_engine_run(folder: Path, video: Path, tensor_parallel: int, out: Path) 
         max_model_len=512,
         tensor_parallel_size=tensor_parallel,
         limit_mm_per_prompt={"video": {"count": 1, "num_frames": len(frames)}},
-        max_num_batched_tokens=encoder_token_budget(
-            config, len(frames), load_audio_processor(folder, config).hop_length
-        ),
+        max_num_batched_tokens=encoder_token_budget(config, len(frames), processor.feature_extractor.hop_length),
     )
     start = time.perf_counter()
-    tokenizer = load_tokenizer(folder, config)
-    text = Prompt(QUESTION).text_for(tokenizer, config.family, media=True)
+    text = Prompt(QUESTION).text_for(processor.tokenizer, config.family, media=True)
     request = {"prompt": text, "multi_modal_data": {"video": (frames, {"audio": decoded.samples})}}
     (answer,) = llm.generate([request], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     seconds = time.perf_counter() - start

@@ -55,7 +55,7 @@ from dattn_export.media import decode_media
 from dattn_export.media_options import Media
 from dattn_export.modeling.families import FAMILIES
 from dattn_export.modeling.sound_decoding import AUDIO_RATE
-from dattn_export.processing import load_audio_processor
+from dattn_export.processing import load_processor
 from dattn_export.stages.convert import convert
 from dattn_export.stages.generate import run_prompts, run_prompts_graphs
 from dattn_export.stages.onnx_export import export_onnx
@@ -99,9 +99,9 @@ def vllm_engine_run(folder: Path, videos: list[Path], count: int, cache_gib: flo
     again without a video; their seconds written to `out` (a list per video, and the text-only ones)."""
     from vllm import LLM, SamplingParams
 
-    config = folder_config(folder)
-    decoded = [decode_media(Media(video=video), folder, config) for video in videos]
-    hop = load_audio_processor(folder, config).hop_length
+    processor = load_processor(folder, folder_config(folder))
+    decoded = [decode_media(Media(video=video), processor) for video in videos]
+    config, hop = processor.model_config, processor.feature_extractor.hop_length
     most = max(len(media.frames) for media in decoded)
     llm = LLM(
         str(folder),
@@ -159,8 +159,8 @@ def serve_run(folder: Path, videos: list[Path], frames: int, count: int, cache_g
 def vllm_rows(work: Path, checkpoint: Path, targets: list[int], questions: int, videos: int, serve: bool) -> list:
     folder = work / "converted"
     convert(checkpoint, folder)
-    config = folder_config(folder)
-    hop = load_audio_processor(folder, config).hop_length
+    processor = load_processor(folder, folder_config(folder))
+    config, hop = processor.model_config, processor.feature_extractor.hop_length
     rows = []
     for target in targets:
         seconds = seconds_for(config, hop, target)
@@ -176,7 +176,7 @@ def vllm_rows(work: Path, checkpoint: Path, targets: list[int], questions: int, 
             times[cache_gib] = json.loads(out.read_text())
         rows.append(("offline", seconds, tokens, times))
         if serve:
-            frames = len(decode_media(Media(video=files[0]), folder, config).frames)
+            frames = len(decode_media(Media(video=files[0]), processor).frames)
             times = {gib: serve_run(folder, files, frames, questions, gib, work / f"serve-{seconds}s-{gib}.log")
                      for gib in (4.0, 0.0)}  # fmt: skip
             rows.append(("serve", seconds, tokens, times))

@@ -110,20 +110,18 @@ def vllm_rows(folder: Path, tensor_parallel: int, port: int) -> list[dict]:
 
 def ort_rows(onnx_folder: Path, converted: Path) -> list[dict]:
     from dattn_export.checkpoints.source import open_source
-    from dattn_export.modeling.images import prepare_pictures
-    from dattn_export.processing import load_image_processor, load_tokenizer
+    from dattn_export.processing import load_processor
     from dattn_export.runtime.ort import OrtModel
 
-    graphs, config = OrtModel(onnx_folder), open_source(converted).config
-    processor = load_image_processor(converted, config)
-    ids = load_tokenizer(converted, config)(PROMPT, return_tensors="np")["input_ids"]
+    graphs, processor = OrtModel(onnx_folder), load_processor(converted, open_source(converted).config)
+    ids = processor.tokenizer(PROMPT, return_tensors="np")["input_ids"]
     pictures = images(max(CONCURRENCY))
-    prepare = lambda batch: prepare_pictures(batch, config.mm_image_aspect_ratio, processor)
-    graphs.generate(ids, np.ones_like(ids), graphs.encode_images(prepare(pictures[:1])[None].numpy())[0], 2)
+    prepare = lambda batch: processor.pictures([[picture] for picture in batch])["pixel_values"].numpy()
+    graphs.generate(ids, np.ones_like(ids), graphs.encode_images(prepare(pictures[:1]))[0], 2)
     rows = []
     for concurrent in CONCURRENCY:
         start = time.perf_counter()
-        pixels = prepare(pictures[:concurrent])[:, None].numpy()  # (batch, 1 image, 3, H, W)
+        pixels = prepare(pictures[:concurrent])  # (batch, 1 image, 3, H, W)
         visual, context_mask = graphs.encode_images(pixels)
         batch = np.repeat(ids, concurrent, axis=0)
         tokens = graphs.generate(batch, np.ones_like(batch), visual, NEW_TOKENS, context_mask=context_mask)

@@ -1,8 +1,8 @@
 """A prompt's media, from the files given to the context the model reads: `Media` (the paths, checked against
 the model: `media_options.py`), `DecodedMedia` (pictures, video frames at the tower's square, the sound track's
-samples; pictures and folders of frames opened here as the released code opens them), then the context streams' K/V
-from the reference model (`encode_media`) or from the graphs (`graph_context`). generate, validate and analyze share
-it."""
+samples; pictures and folders of frames opened here as the released code opens them), prepared by the folder's one
+DAttnProcessor (`processing.load_processor`), then the context streams' K/V from the reference model (`encode_media`)
+or from the graphs (`graph_context`). generate, validate, analyze and retrieve share it."""
 
 from __future__ import annotations
 
@@ -17,14 +17,13 @@ from .answers import time_ranges
 from .errors import InputError
 from .folders import MEDIA_SUFFIXES
 from .media_options import Media
-from .modeling.images import PreparedFrames, anyres_tiles, prepare_pictures
+from .modeling.images import PreparedFrames
 from .modeling.marked_prompts import media_marker
 from .modeling.media_files import media_duration, resized_to_tower
-from .modeling.processing_dattn import audio_features
+from .modeling.processing_dattn import DAttnProcessor
 from .modeling.sound_decoding import AUDIO_RATE, load_audio
 from .modeling.streams import AUDIO
 from .modeling.video_decoding import load_video
-from .processing import frame_square, load_audio_processor, load_image_processor
 from .prompts import Prompt
 from .sidefiles import reading
 from .ui import err, stage
@@ -70,11 +69,11 @@ class DecodedMedia:
         return time_ranges(text, self.duration, config.family)
 
 
-def decode_media(media: Media, folder: Path, config, prompts: Sequence[Prompt] = ()) -> DecodedMedia:
+def decode_media(media: Media, processor: DAttnProcessor, prompts: Sequence[Prompt] = ()) -> DecodedMedia:
     """Every file read and decoded before any model work, so that a bad one is the first and only message; video
-    frames resized to the tower's square as they are decoded (`frame_square`). Then a note for each finished prompt
-    of `prompts` that comes with media but names none where the released models expect it."""
-    square = frame_square(folder, config) if media.video or media.frames else None
+    frames resized to the tower's square as they are decoded (the processor's `frame_square`). Then a note for each
+    finished prompt of `prompts` that comes with media but names none where the released models expect it."""
+    square = processor.frame_square if media.video or media.frames else None
     frames = samples = None
     if media.video:  # with its own sound track (when it has one) unless an audio file is given
         frames, samples = load_video(media.video, square=square, sound=not media.audio)
@@ -90,14 +89,14 @@ def decode_media(media: Media, folder: Path, config, prompts: Sequence[Prompt] =
     return decoded
 
 
-def encode_media(model, folder: Path, media: DecodedMedia, seconds: dict[str, float]) -> dict:
-    """The context's K/V and segment ids for `model.generate` (none without media): pictures (the model prepares
-    them as the released code does), or a video model's frames and audio, joined as every backend joins them."""
-    contexts, config = [], model.config
+def encode_media(model, processor: DAttnProcessor, media: DecodedMedia, seconds: dict[str, float]) -> dict:
+    """The context's K/V and segment ids for `model.generate` (none without media): pictures, or a video model's
+    frames and audio, prepared by the processor and joined as every backend joins them."""
+    contexts = []
     if media.images:
         with stage(f"encode {len(media.images)} image(s): visual K/V for every layer", seconds):
-            contexts.append(model.model.encode_pictures(media.images, load_image_processor(folder, config)))
-    pixels, audio = video_inputs(folder, config, media)
+            contexts.append(model.model.encode_inputs(**processor.pictures([media.images])))
+    pixels, audio = video_inputs(processor, media)
     if pixels is not None:
         with stage(f"encode {len(pixels)} frame(s): visual K/V for every layer", seconds):
             contexts.append(model.model.encode_video([pixels]))
@@ -117,43 +116,36 @@ def context_tokens(config, segments) -> tuple[int, int | None]:
     return visual, int((segments == AUDIO.segment).sum()) if AUDIO in config.streams else None
 
 
-def video_inputs(folder: Path, config, media: DecodedMedia) -> tuple[PreparedFrames | None, tuple | None]:
+def video_inputs(processor: DAttnProcessor, media: DecodedMedia) -> tuple[PreparedFrames | None, tuple | None]:
     """A video model's tower inputs: frames (F, 3, H, W), prepared as pictures are a part at a time as the tower
     reads them, and audio (log-mel 30 s chunks, its length in mel frames), each None when absent."""
-    pixels = audio = None
-    if media.frames:
-        pixels = PreparedFrames(media.frames, config.mm_image_aspect_ratio, load_image_processor(folder, config))
-    if media.samples is not None:
-        audio = audio_features(media.samples, load_audio_processor(folder, config))
+    pixels = processor.prepared_frames(media.frames) if media.frames else None
+    audio = processor.sound_features(media.samples) if media.samples is not None else None
     return pixels, audio
 
 
-def graph_context(graphs, folder: Path, config, media: DecodedMedia) -> tuple[list[np.ndarray], np.ndarray]:
+def graph_context(graphs, processor: DAttnProcessor, media: DecodedMedia) -> tuple[list[np.ndarray], np.ndarray]:
     """The context our graphs compute for decoded media (`GraphRuntime`'s caches and mask), by the model's first
-    stream: a video model's frames and audio, an anyres image, images (each prepared as the released code prepares
-    it), or none."""
-    return GRAPH_CONTEXTS[config.streams[0].name](graphs, folder, config, media)
+    stream: a video model's frames and audio, an anyres image, images (each prepared by the processor), or none."""
+    return GRAPH_CONTEXTS[processor.model_config.streams[0].name](graphs, processor, media)
 
 
-def video_graph_context(graphs, folder: Path, config, media: DecodedMedia):
-    pixels, audio = video_inputs(folder, config, media)
+def video_graph_context(graphs, processor: DAttnProcessor, media: DecodedMedia):
+    pixels, audio = video_inputs(processor, media)
     return graphs.encode_streams({"frames": pixels, "audio": None if audio is None else (audio[0].numpy(), audio[1])})
 
 
-def tiles_graph_context(graphs, folder: Path, config, media: DecodedMedia):
+def tiles_graph_context(graphs, processor: DAttnProcessor, media: DecodedMedia):
     if not media.images:
         return graphs.no_context(1)
-    tiles, (columns, rows) = anyres_tiles(
-        media.images[0], load_image_processor(folder, config), config.mm_image_grid_points
-    )
+    tiles, (columns, rows) = processor.anyres(media.images[0])
     return graphs.encode_anyres(tiles.numpy(), columns, rows)
 
 
-def images_graph_context(graphs, folder: Path, config, media: DecodedMedia):
+def images_graph_context(graphs, processor: DAttnProcessor, media: DecodedMedia):
     if not media.images:
         return graphs.no_context(1)
-    pixels = prepare_pictures(media.images, config.mm_image_aspect_ratio, load_image_processor(folder, config))
-    return graphs.encode_images(pixels[None].numpy())
+    return graphs.encode_images(processor.pictures([media.images])["pixel_values"].numpy())
 
 
 GRAPH_CONTEXTS = {"image": images_graph_context, "tiles": tiles_graph_context, "frames": video_graph_context}

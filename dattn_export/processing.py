@@ -1,6 +1,7 @@
-"""The checkpoint's processors, offline: its tokenizer (a prompt's ids: `prompts.py`), its image processor
-(pictures prepared as the released code prepares them, and as bytes for vLLM) and its audio feature extractor
-(Whisper's log-mel chunks). Opening media files is `media.py`'s and the shipped decoders'."""
+"""The checkpoint's processor, offline (`load_processor`: the shipped DAttnProcessor, its components found in a folder
+of any layout): its tokenizer (a prompt's ids: `prompts.py`), its image processor (pictures prepared as the released
+code prepares them, and as bytes for vLLM) and its audio feature extractor (Whisper's log-mel chunks). Opening media
+files is `media.py`'s and the shipped decoders'."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProces
 
 from .checkpoints.towers import tower_folder
 from .errors import InputError
-from .modeling.images import anyres_tiles, squared, tower_side
-from .modeling.processing_dattn import FEATURE_EXTRACTOR, default_audio_processor, saved_feature_extractor
+from .modeling.images import anyres_tiles, squared
+from .modeling.processing_dattn import (
+    FEATURE_EXTRACTOR,
+    DAttnProcessor,
+    default_audio_processor,
+    saved_feature_extractor,
+)
 from .sidefiles import read_json, reading
 
 PROCESSOR_FILE = "preprocessor_config.json"  # an image processor's, or a tower folder's feature extractor's
@@ -35,6 +41,17 @@ def load_tokenizer(folder: Path, config):
             read_json(Path(folder) / name, name)
     with reading(Path(folder) / names[0], "tokenizer"):
         return AutoTokenizer.from_pretrained(str(folder), config=config, local_files_only=True)
+
+
+def load_processor(folder: Path, config, tokenizer=None) -> DAttnProcessor:
+    """The folder's processor, the one object every command and the vLLM plugin prepare a prompt and its media with,
+    as AutoProcessor gives it to a Hub user, from a folder of any layout (a converted folder's processor files, else a
+    released checkpoint's tower folders): the image processor (`load_image_processor`), the audio feature extractor
+    (`load_audio_processor`) and the tokenizer (the folder's where none is given), each loaded once."""
+    tokenizer = load_tokenizer(folder, config) if tokenizer is None else tokenizer
+    processor = DAttnProcessor(load_image_processor(folder, config), load_audio_processor(folder, config), tokenizer)
+    processor.model_config = config
+    return processor
 
 
 def processor_folder(folder: Path, config) -> Path | None:
@@ -99,15 +116,6 @@ def normalize_pixels(pixels: torch.Tensor, image_processor) -> torch.Tensor:
         image_processor.image_mean, image_processor.image_std
     ))  # fmt: skip
     return (x - mean) / std
-
-
-def frame_square(folder: Path, config) -> int | None:
-    """The side video frames are resized to before the tower (its square), when frames are prepared by `resize`
-    (as the released video models' are): a frame can then be resized as it is decoded, and an hour of 1080p holds
-    3600 squares, not 3600 x 6.2 MB of RGB. The preparation's own resize then leaves it as it is."""
-    if config.modality != "video" or config.mm_image_aspect_ratio != "resize":
-        return None
-    return tower_side(load_image_processor(folder, config))
 
 
 def load_audio_processor(folder: Path, config) -> WhisperFeatureExtractor:

@@ -16,7 +16,7 @@ from dattn_export.media import decode_media, encode_media
 from dattn_export.media_options import Media
 from dattn_export.modeling.attention import dattn_op
 from dattn_export.plugins.contract import using_op
-from dattn_export.processing import load_tokenizer
+from dattn_export.processing import load_processor, load_tokenizer
 from dattn_export.stages.analyze import PLOT_SIZE, analyze
 
 PROMPT = "USER: Look at this <image> and describe the picture in detail.\nASSISTANT:"
@@ -103,7 +103,8 @@ def test_analyze_a_video_model_matches_materialised_softmax(tmp_path):
     tokenizer = load_tokenizer(folder, model.config)
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(report.tokens)])
     with torch.no_grad():
-        streams = encode_media(model, folder, decode_media(media, folder, model.config), {})
+        processor = load_processor(folder, model.config)
+        streams = encode_media(model, processor, decode_media(media, processor), {})
         expected = materialised_masses(model, ids, streams, report.image_after_token).numpy()  # (L, 4, T)
     np.testing.assert_allclose(np.array(report.visual_mass), expected[:, 0], atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.array(report.audio_mass), expected[:, 1], atol=1e-5, rtol=0)

@@ -13,7 +13,7 @@ from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint, write
 from dattn_export.media import decode_media, encode_media, graph_context
 from dattn_export.media_options import Media
 from dattn_export.modeling.families import DEFAULT_FAMILY
-from dattn_export.processing import load_tokenizer
+from dattn_export.processing import load_processor, load_tokenizer
 from dattn_export.runtime.genai import GenaiRuntime
 from dattn_export.stages.onnx_export import export_onnx
 
@@ -66,11 +66,12 @@ def test_genai_answers_about_a_video_as_the_reference(tmp_path):
     frames = [rng.integers(0, 256, (48, 64, 3), np.uint8) for _ in range(16)]
     write_video(tmp_path / "clip.mov", frames, 2, (rng.standard_normal(16000 * 8) * 3000).astype(np.int16))
     runtime, model = GenaiRuntime(tmp_path / "onnx"), load_model(checkpoint)
-    decoded = decode_media(Media(video=tmp_path / "clip.mov"), checkpoint, model.config)
-    context = graph_context(runtime.graphs, tmp_path / "onnx", model.config, decoded)
-    tokenizer = load_tokenizer(checkpoint, model.config)
+    processor = load_processor(checkpoint, model.config)
+    decoded = decode_media(Media(video=tmp_path / "clip.mov"), processor)
+    context = graph_context(runtime.graphs, load_processor(tmp_path / "onnx", model.config), decoded)
+    tokenizer = processor.tokenizer
     with torch.no_grad():
-        streams = encode_media(model, checkpoint, decoded, {})
+        streams = encode_media(model, processor, decoded, {})
         for prompt in [VIDEO_PROMPT, PROMPTS[1]] * 2:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
             tokens, logits = runtime.generate(ids.numpy(), context, 12)

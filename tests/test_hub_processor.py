@@ -24,7 +24,7 @@ from dattn_export.media import decode_media, encode_media
 from dattn_export.media_options import Media
 from dattn_export.modeling.processing_dattn import DAttnProcessor, audio_features, default_audio_processor
 from dattn_export.modeling.sound_decoding import load_audio
-from dattn_export.processing import load_audio_processor
+from dattn_export.processing import load_audio_processor, load_processor
 from dattn_export.prompts import Prompt
 from dattn_export.stages.convert import convert
 from dattn_export.stages.generate import run_prompt
@@ -87,7 +87,8 @@ def test_the_processor_s_inputs_are_generate_s(folders, media, family, kind):
 
     given = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
     context, segments = model.model.encode_inputs(**given)
-    reference = encode_media(model, folder, decode_media(cli_media(kind, media), folder, model.config), {})
+    cli = load_processor(folder, model.config)
+    reference = encode_media(model, cli, decode_media(cli_media(kind, media), cli), {})
     if kind == "text":
         assert context is None and reference == {}
         return

@@ -1,9 +1,8 @@
 """A user's picture becomes the pixels the released code makes of it (`img_utils.process_images`, written out in
 `helpers/released_images.py`), for every `mm_image_aspect_ratio` (resize, pad, crop, anyres), CLIP and SigLIP
 processors (tiny and at their released sizes), square, wide, tall and odd-sized pictures, RGBA and greyscale files:
-bit for bit, in the preparation itself and through `generate`, `validate --image` and the model's own
-`encode_pictures` (what the pushed repo's usage calls; `test_push.py` runs it in a fresh process, `test_vllm.py`
-through vLLM)."""
+bit for bit, in the preparation itself and through `generate`, `validate --image` and the processor every command and
+the pushed repo prepare pictures with (`test_push.py` runs it in a fresh process, `test_vllm.py` through vLLM)."""
 
 import json
 import re
@@ -20,10 +19,17 @@ from transformers import CLIPImageProcessorPil, SiglipImageProcessorPil
 
 from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint
-from dattn_export.media import open_image
+from dattn_export.media import decode_media, open_image
 from dattn_export.media_options import Media
 from dattn_export.modeling.images import anyres_tiles, prepare_pictures
-from dattn_export.processing import load_image_processor, load_tokenizer, normalize_pixels, picture_bytes, tiles_bytes
+from dattn_export.processing import (
+    load_image_processor,
+    load_processor,
+    load_tokenizer,
+    normalize_pixels,
+    picture_bytes,
+    tiles_bytes,
+)
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.validate import ValidationReport, image_context
@@ -136,16 +142,18 @@ def test_generate_sees_the_released_pixels(clip_model, tmp_path):
 
 @pytest.mark.slow
 def test_validate_and_the_model_see_the_released_pixels(clip_model, tmp_path):
-    """`validate --image`'s context (the reference's and ONNX Runtime's) and `encode_pictures` (the pushed repo's
-    usage) give the K/V of the released pixels."""
+    """`validate --image`'s context (the reference's and ONNX Runtime's) and the processor's pictures (every
+    command's and the pushed repo's) give the K/V of the released pixels."""
     rule, checkpoint, exported = clip_model
     path = picture_file(tmp_path, (47, 81), "L")
     model = load_model(checkpoint)
     with torch.no_grad():
         expected, _ = model.model.encode_images(released_pixels(checkpoint, rule, path))
-        mine, _ = model.model.encode_pictures([open_image(path)], load_image_processor(checkpoint, model.config))
+        mine, _ = model.model.encode_inputs(**load_processor(checkpoint, model.config).pictures([[open_image(path)]]))
     report = ValidationReport("", "", "ort", "float32", 1e-4, 0, 0)
-    streams, got_kv, _ = image_context(OrtModel(exported), model, exported, Media(images=[path]), report)
+    processor = load_processor(exported, model.config)
+    decoded = decode_media(Media(images=[path]), processor)
+    streams, got_kv, _ = image_context(OrtModel(exported), model, processor, decoded, report)
     flat = [t for layer in expected for t in layer]
     assert all(torch.equal(a, b) for a, b in zip([t for kv in streams["context_key_values"] for t in kv], flat))
     assert all(torch.equal(a, b) for a, b in zip([t for kv in mine for t in kv], flat))

@@ -27,9 +27,9 @@ from dattn_export.media_options import Media
 from dattn_export.modeling import context
 from dattn_export.modeling import streams as stream_specs
 from dattn_export.modeling.families import FAMILIES
-from dattn_export.modeling.images import prepare_pictures
+from dattn_export.modeling.images import PreparedFrames, prepare_pictures
 from dattn_export.modeling.streams import AUDIO, FRAMES
-from dattn_export.processing import load_image_processor, load_tokenizer
+from dattn_export.processing import load_image_processor, load_processor, load_tokenizer
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.generate import run_prompt
 from dattn_export.stages.info import describe
@@ -296,7 +296,7 @@ def test_frames_are_held_at_the_tower_s_square_from_decoding_on(tmp_path):
     processor = load_image_processor(folder, config)
     expected = prepare_pictures([Image.fromarray(f) for f in full], "resize", processor)
     for media in (Media(video=tmp_path / "clip.mov"), Media(frames=tmp_path / "frames")):
-        frames = decode_media(media, folder, config).frames
+        frames = decode_media(media, load_processor(folder, config)).frames
         assert [frame.size for frame in frames] == [(square, square)] * 3  # 2.4 KB a frame held, not 173 KB
         assert torch.equal(prepare_pictures(frames, "resize", processor), expected)
 
@@ -353,7 +353,7 @@ def test_frames_are_prepared_a_part_at_a_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(FRAMES, "parts_per_run", 2)
     with torch.no_grad():
-        got = model.model.encode_frames(pictures, Recording())
+        got = model.model.encode_video([PreparedFrames(pictures, "resize", Recording())])
         expected = model.model.encode_video([prepare_pictures(pictures, "resize", processor)])
     assert max(seen) == 2 and sum(seen) == 5
     assert torch.equal(got[1], expected[1])
@@ -474,7 +474,7 @@ def test_generate_prints_a_video_s_answer_as_time_ranges(tmp_path, family, monke
         def decode(self, *args, **kwargs):
             return answer
 
-    monkeypatch.setattr(generate, "load_tokenizer", lambda *args: Answering(load_tokenizer(*args)))
+    monkeypatch.setattr(generate.Asker, "tokenizer", property(lambda asker: Answering(asker.processor.tokenizer)))
     expected = released_answer_ranges(answer, 3.0, family)
     args = ["generate", str(folder), "--prompt", "when", "--video", str(tmp_path / "clip.mov"), "--max-new-tokens", "2"]
     printed = CliRunner().invoke(cli.main, args)

@@ -48,7 +48,7 @@ from dattn_export.modeling.marked_prompts import prompt_ids
 from dattn_export.modeling.media_files import media_duration
 from dattn_export.modeling.processing_dattn import audio_features
 from dattn_export.modeling.streams import TILES
-from dattn_export.processing import load_audio_processor, load_image_processor, load_tokenizer
+from dattn_export.processing import load_audio_processor, load_image_processor, load_processor, load_tokenizer
 from dattn_export.prompts import Prompt
 from dattn_export.stages.convert import convert
 from dattn_export.vllm_plugin.video import DEFAULT_MAX_FRAMES, longest_sound_track, max_video_frames
@@ -114,7 +114,7 @@ def reference(folder: Path, prompt: str | list[int], media: DecodedMedia, steps:
             process_images(media.images, processor, rule)[None]
         )))  # fmt: skip
     else:
-        streams = encode_media(model, folder, media, {})  # visual (and audio) K/V and masks
+        streams = encode_media(model, load_processor(folder, model.config), media, {})  # visual (and audio) K/V
     out = model(ids, **streams)
     tokens, logprobs = [], []
     for _ in range(steps):
@@ -548,7 +548,8 @@ def test_serve_answers_about_a_video_file(served, tmp_path):
     with serving(folder, tmp_path / "serve.log", *limit, *local, "--context-cache-gib", "0.5") as chat:
         text = "what is in the video"
         asked = question_ids(folder, text, media=True)  # the chat template's, with no --chat-template given
-        expected = expected_ids(folder, text, decode_media(Media(video=clip), folder, folder_config(folder)))
+        decoded = decode_media(Media(video=clip), load_processor(folder, folder_config(folder)))
+        expected = expected_ids(folder, text, decoded)
         request = video_part(data_url(clip.read_bytes(), "video/quicktime"))
         assert answer_ids(chat(text, request)) == expected and chat.prompt_ids == asked
         text_only = reference(folder, question_ids(folder, text, media=False), DecodedMedia([], None, None), 8)[0]

@@ -14,12 +14,11 @@ from torch import Tensor, nn
 from transformers import CLIPVisionModel, PretrainedConfig, SiglipVisionModel
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-from .images import PreparedFrames, anyres_grid, anyres_tiles, prepare_pictures
+from .images import anyres_grid
 from .streams import (
     AUDIO,
     CONTEXT_CHUNK,
     FRAMES,
-    TILES,
     AudioStream,
     FramesStream,
     ImageStream,
@@ -386,21 +385,6 @@ class ContextCaches:
     config: PretrainedConfig
     layers: nn.ModuleList
     rotary_emb: nn.Module
-
-    def encode_pictures(self, pictures: list, processor) -> tuple[list[KV], Tensor]:
-        """Every layer's visual K/V for one prompt's pictures (RGB PIL images) and the visual mask, each picture
-        prepared as the released code prepares it (`images.py`, by mm_image_aspect_ratio; an anyres model takes one)."""
-        if self.config.streams[0].name != TILES.name:
-            return self.encode_images(prepare_pictures(pictures, self.config.mm_image_aspect_ratio, processor)[None])
-        if len(pictures) != TILES.pictures:
-            raise ValueError(f"an anyres model takes one picture a prompt, not {len(pictures)}")
-        tiles, _ = anyres_tiles(pictures[0], processor, self.config.mm_image_grid_points)
-        return self.encode_anyres([tiles], [pictures[0].size])
-
-    def encode_frames(self, frames: list, processor) -> tuple[list[KV], Tensor]:
-        """A video model: every layer's K/V for one video's frames (RGB PIL images, one a second) and their mask, each
-        frame prepared as a picture is (mm_image_aspect_ratio)."""
-        return self.encode_video([PreparedFrames(frames, self.config.mm_image_aspect_ratio, processor)])
 
     def encode_anyres(self, tiles: list[Tensor], image_sizes: list[tuple[int, int]]) -> tuple[list[KV], Tensor]:
         """Every layer's visual K/V for anyres images, and the visual mask."""

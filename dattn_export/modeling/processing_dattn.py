@@ -37,7 +37,7 @@ from transformers import (
 from transformers.image_transforms import to_pil_image
 
 from .configuration_dattn import CONFIG_CLASSES
-from .images import anyres_tiles, prepare_pictures, tower_side
+from .images import PreparedFrames, anyres_tiles, prepare_pictures, tower_side
 from .marked_prompts import media_marker, prompt_ids
 from .media_files import FileBytes, MediaError, resized_to_tower
 from .sound_decoding import AUDIO_RATE, load_audio
@@ -274,15 +274,32 @@ class DAttnProcessor(ProcessorMixin):
         if config.mm_image_aspect_ratio != "anyres":
             rule = config.mm_image_aspect_ratio
             return {"pixel_values": torch.stack([prepare_pictures(p, rule, self.image_processor) for p in pictures])}
-        tiles = [anyres_tiles(p[0], self.image_processor, config.mm_image_grid_points)[0] for p in pictures]
+        tiles = [self.anyres(p[0])[0] for p in pictures]
         return {"pixel_values": padded(tiles), "image_sizes": torch.tensor([p[0].size for p in pictures])}
+
+    def anyres(self, picture: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
+        """An anyres model's picture as its thumbnail and tiles (tiles + 1, 3, H, W), and the tiling (columns, rows)."""
+        return anyres_tiles(picture, self.image_processor, self.model_config.mm_image_grid_points)
+
+    @property
+    def frame_square(self) -> int | None:
+        """The side a video model's frames are resized to before the tower where they are prepared by `resize` (as
+        the released video models' are), else None: a frame can then be resized as it is decoded, and an hour of
+        1080p holds 3600 squares, not 3600 x 6.2 MB of RGB (the preparation's own resize leaves it as it is)."""
+        config = self.model_config
+        if config.modality != "video" or config.mm_image_aspect_ratio != "resize":
+            return None
+        return tower_side(self.image_processor)
+
+    def prepared_frames(self, frames: list[Image.Image]) -> PreparedFrames:
+        """A video's frames (RGB, at `frame_square`) as the tower reads them, each part prepared when it is read: an
+        hour of frames never held as float pixels at once."""
+        return PreparedFrames(frames, self.model_config.mm_image_aspect_ratio, self.image_processor)
 
     def video(self, video, fps: float, sound: bool) -> tuple[torch.Tensor, np.ndarray | None]:
         """One video's pixel values (frames, 3, H, W), and its sound track where `sound` and the model has an audio
         stream (None otherwise, or for a file without one)."""
-        config = self.model_config
-        square = tower_side(self.image_processor) if config.mm_image_aspect_ratio == "resize" else None
-        sound = sound and AUDIO in config.streams
+        square, sound = self.frame_square, sound and AUDIO in self.model_config.streams
         if isinstance(video, (str, Path, FileBytes)):
             source = read_url(video) if is_url(video) else video
             frames, samples = load_video(source, fps=fps, square=square, sound=sound)
@@ -290,7 +307,7 @@ class DAttnProcessor(ProcessorMixin):
             frames = [load_picture(frame) for frame in video]
             frames = frames if square is None else [resized_to_tower(frame, square) for frame in frames]
             samples = None
-        return prepare_pictures(frames, config.mm_image_aspect_ratio, self.image_processor), samples
+        return self.prepared_frames(frames)[:], samples
 
     @staticmethod
     def samples(item) -> np.ndarray:
@@ -299,10 +316,13 @@ class DAttnProcessor(ProcessorMixin):
             return load_audio(read_url(item) if is_url(item) else item)
         return np.asarray(item, dtype=np.float32)
 
+    def sound_features(self, samples: np.ndarray) -> tuple[torch.Tensor, int]:
+        """A sound track's log-mel 30 s chunks (chunks, mel bins, chunk frames) and its length in mel frames."""
+        return audio_features(samples, self.feature_extractor)
+
     def audio(self, sounds: list[np.ndarray | None]) -> dict:
         """Each prompt's sound track as Whisper's log-mel chunks (zeros: none) and its length in mel frames."""
-        extractor = self.feature_extractor
-        features = [audio_features(s, extractor) if s is not None else None for s in sounds]
+        features = [self.sound_features(s) if s is not None else None for s in sounds]
         shape = next(f[0] for f in features if f is not None).shape[1:]
         chunks = [f[0] if f is not None else torch.zeros(1, *shape) for f in features]
         lengths = [f[1] if f is not None else 0 for f in features]

@@ -30,7 +30,7 @@ from ..modeling.attention import dattn_op, segment_shares
 from ..modeling.marked_prompts import media_marker, prompt_ids
 from ..modeling.streams import AUDIO
 from ..plugins.contract import using_op
-from ..processing import load_tokenizer
+from ..processing import load_processor
 from ..prompts import PROMPT_KINDS, Prompt, as_prompt
 
 PLOT_SIZE = {"visual_mass.png": (1200, 600), "laws.png": (900, 500)}  # pixels, at 100 dpi
@@ -83,8 +83,8 @@ def analyze(checkpoint: Path, media: Media, prompt: str | Prompt, out: Path, for
     media.check(source.config, prompt)
     if not (media.images or media.video or media.frames):
         raise InputError("--image", "nothing to analyze: pass an image (a video model: --video or --frames)")
-    decoded = decode_media(media, checkpoint, source.config, [prompt])
-    tokenizer = load_tokenizer(checkpoint, source.config)
+    processor = load_processor(checkpoint, source.config)
+    tokenizer, decoded = processor.tokenizer, decode_media(media, processor, [prompt])
     text = prompt.text_for(tokenizer, source.config.family, media=True, length=decoded.duration)
     model = build_model(source)
     marker = media_marker(text)
@@ -93,7 +93,7 @@ def analyze(checkpoint: Path, media: Media, prompt: str | Prompt, out: Path, for
     ids = prompt_ids(tokenizer, text)
     if len(ids) == image_after:
         raise InputError(PROMPT_KINDS[prompt.kind], "has no text after the image: nothing attends to it")
-    streams = encode_media(model, checkpoint, decoded, {})
+    streams = encode_media(model, processor, decoded, {})
     heard = "context_mask" in streams and bool((streams["context_mask"] == AUDIO.segment).any())
     calls = []  # every attention call's inputs, layer by layer
 

@@ -21,7 +21,7 @@ from ..media import DecodedMedia, context_tokens, decode_media, encode_media, gr
 from ..media_options import Media
 from ..modeling.marked_prompts import prompt_ids
 from ..plugins.torch_op import model_op
-from ..processing import load_tokenizer
+from ..processing import load_processor
 from ..prompts import Prompt, as_prompt, prompt_texts
 from ..runtime.static_decode import static_generate
 from ..sidefiles import read_json
@@ -109,8 +109,12 @@ class Asker:
         self.parameters: dict[str, int] = {}
 
     @cached_property
+    def processor(self):
+        return load_processor(self.folder, self.config)
+
+    @property
     def tokenizer(self):
-        return load_tokenizer(self.folder, self.config)
+        return self.processor.tokenizer
 
     @cached_property
     def eos(self) -> int | None:
@@ -120,7 +124,7 @@ class Asker:
         """The media checked against the model for each prompt, then read and decoded."""
         for prompt in prompts:
             media.check(self.config, prompt)
-        return decode_media(media, self.folder, self.config, prompts)
+        return decode_media(media, self.processor, prompts)
 
     def texts(self, prompts: list[Prompt], given: bool, decoded: DecodedMedia) -> list[str]:
         return prompt_texts(prompts, self.tokenizer, self.config.family, given, decoded.duration)
@@ -143,10 +147,10 @@ class Asker:
     def encode(self, decoded: DecodedMedia, seconds: dict[str, float]):
         """The context of `decoded` (every layer's K/V; none without media) and its keys' segment ids."""
         if self.backend == "torch":
-            streams = encode_media(self.model, self.folder, decoded, seconds)
+            streams = encode_media(self.model, self.processor, decoded, seconds)
             return streams, streams.get("context_mask", torch.zeros(1, 0, dtype=torch.long))
         with stage("encode the context: K/V for every layer (our graphs)", seconds):
-            context = graph_context(self.graphs, self.folder, self.config, decoded)
+            context = graph_context(self.graphs, self.processor, decoded)
         return context, context[1]
 
     @torch.no_grad()

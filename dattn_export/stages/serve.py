@@ -14,7 +14,7 @@ from ..checkpoints.source import folder_config
 from ..errors import InputError
 from ..extras import require
 from ..folders import CONVERTED, check_kind
-from ..processing import frame_square, load_audio_processor
+from ..processing import load_processor
 from ..sidefiles import read_json
 from ..ui import err
 from ..vllm_plugin import DEFAULT_CONTEXT_CACHE_GIB, MEDIA_CONNECTOR, VIDEO_BACKEND, unsupported
@@ -69,12 +69,13 @@ def requested_frames(extra: tuple[str, ...]) -> int | None:
     return frames if isinstance(frames, int) else None
 
 
-def longest_video_budget(folder: Path, config, frames: int, extra: tuple[str, ...]) -> list[str]:
+def longest_video_budget(processor, frames: int, extra: tuple[str, ...]) -> list[str]:
     """vLLM takes a request's encoder tokens in one step (no chunked prefill on its encoder-decoder path), so its
     token budget must hold those of the video of at most `frames` frames that has the most (`longest_video`); its
     own default is sized by the context length (--max-model-len), which is larger unless set small
     (`encoder_token_budget`). The option where it is needed, else nothing."""
-    tokens = encoder_token_budget(config, frames, load_audio_processor(folder, config).hop_length)
+    config = processor.model_config
+    tokens = encoder_token_budget(config, frames, processor.feature_extractor.hop_length)
     given = option_value(extra, "--max-model-len") or ""
     context = int(given) if given.isdigit() else config.max_position_embeddings  # "32k", "auto": the config's
     return ["--max-num-batched-tokens", str(tokens)] if tokens > context else []
@@ -132,15 +133,15 @@ def vllm_serve_command(
             raise InputError("--hf-overrides", 'given with --context-cache-gib: put "context_cache_gib" in it instead')
         command += ["--hf-overrides", json.dumps({"context_cache_gib": context_cache_gib})]
     if config.modality == "video":
-        frames = max_video_frames(requested_frames(extra))
+        processor, frames = load_processor(folder, config), max_video_frames(requested_frames(extra))
         if option_value(extra, "--media-io-kwargs") is None:  # frames and sound, as Vidi reads them
             cache_gib = DEFAULT_CONTEXT_CACHE_GIB if context_cache_gib is None else context_cache_gib
             loader = {"video_backend": VIDEO_BACKEND, "cache_gib": cache_gib}  # decoded videos kept, by file content
-            if square := frame_square(folder, config):
+            if square := processor.frame_square:
                 loader["frame_size"] = square
             command += ["--media-io-kwargs", json.dumps({"video": loader | {"max_frames": frames}})]
         if option_value(extra, "--max-num-batched-tokens") is None:
-            command += longest_video_budget(folder, config, frames, extra)
+            command += longest_video_budget(processor, frames, extra)
     import torch
 
     env = {"VLLM_MEDIA_CONNECTOR": os.environ.get("VLLM_MEDIA_CONNECTOR", MEDIA_CONNECTOR)}

@@ -23,12 +23,11 @@ from ..checkpoints.source import load_model
 from ..demo_model import DEMO_VIDEO_FPS, demo_audio, demo_frames, demo_image, demo_prompt
 from ..errors import InputError
 from ..graphs import layer_caches
-from ..media import DecodedMedia, context_tokens, decode_media, encode_media, graph_context, open_image
+from ..media import DecodedMedia, context_tokens, decode_media, encode_media, graph_context
 from ..media_options import Media
-from ..modeling.images import anyres_tiles, prepare_pictures
 from ..modeling.marked_prompts import prompt_ids
 from ..modeling.media_files import media_duration
-from ..processing import load_image_processor, load_tokenizer
+from ..processing import load_processor, load_tokenizer
 from ..prompts import Prompt, as_prompt
 from ..runtime import open_graphs
 from ..runtime.graph import GraphRuntime
@@ -184,6 +183,7 @@ def validate(
     media = media or Media()
     media.check(config)
     tokenizer = load_tokenizer(folder if (folder / "tokenizer_config.json").is_file() else against, config)
+    processor = load_processor(folder, config, tokenizer)
     prompt = as_prompt(prompt) if prompt else demo_prompt(config.modality, tokenizer)
     length = media_duration(media.video) if media.video else None  # a retrieval query's task prompt states it
     text = prompt.text_for(tokenizer, config.family, media=True, length=length)  # the default media when none given
@@ -196,7 +196,7 @@ def validate(
         str(folder), str(against), backend, dtype, atol, ids.shape[1], 0, rtol=rtol, device=device
     )
     with recording(runtime) if save_polygraphy else contextlib.nullcontext() as calls:
-        got_kv, got_mask, expected_tokens = compare_runs(runtime, reference, folder, media, report, inputs, steps)
+        got_kv, got_mask, expected_tokens = compare_runs(runtime, reference, processor, media, report, inputs, steps)
     if save_polygraphy:
         report.polygraphy_commands = polygraphy_data.save(calls, reference, folder, save_polygraphy, report.bounds)
     if manifest.quantization:
@@ -229,12 +229,13 @@ def gate_graphs(runtime, reference, tokenizer, scheme: str, prompt: str, steps: 
     return accuracy_gate.gate(scheme, expected, got)
 
 
-def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport, inputs, steps):
-    """The context graphs, the prefill and every decode step on the reference's tokens, compared with the
-    reference: (the graphs' context K/V and mask, the reference's greedy tokens)."""
+def compare_runs(runtime: GraphRuntime, reference, processor, media: Media, report: ValidationReport, inputs, steps):
+    """The context graphs (on `media`, else `default_media`), the prefill and every decode step on the reference's
+    tokens, compared with the reference: (the graphs' context K/V and mask, the reference's greedy tokens)."""
     config, ids, mask = reference.config, inputs["input_ids"], inputs["attention_mask"]
+    decoded = decode_media(media, processor) if media.given else default_media(config)
     context_check = CONTEXT_CHECKS[config.streams[0].name]  # a video model's frames check its audio too
-    visual, got_kv, got_mask = context_check(runtime, reference, folder, media, report)
+    visual, got_kv, got_mask = context_check(runtime, reference, processor, decoded, report)
 
     with torch.no_grad():
         expected = reference(ids, attention_mask=mask, **visual)
@@ -261,11 +262,10 @@ def compare_runs(runtime: GraphRuntime, reference, folder: Path, media: Media, r
 
 
 @torch.no_grad()
-def image_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
-    """The image through vision and context_kv, compared: (the reference's streams, the graphs' K/V and mask)."""
-    processor, config = load_image_processor(folder, reference.config), reference.config
-    pictures = [open_image(path) for path in media.images] or [demo_image()]  # by default, the demo's picture
-    pixels = prepare_pictures(pictures, config.mm_image_aspect_ratio, processor)[None]
+def image_context(runtime: GraphRuntime, reference, processor, media: DecodedMedia, report: ValidationReport):
+    """The pictures (the demo's by default) through vision and context_kv, compared: (the reference's streams, the
+    graphs' K/V and mask)."""
+    pixels = processor.pictures([media.images or [demo_image()]])["pixel_values"]
     context_embeds, context_mask = reference.model.embed_images(pixels), reference.model.image_mask(pixels)
     context_kv = reference.model.encode_context(context_embeds, context_mask)
     report.visual_tokens = context_embeds.shape[1]
@@ -279,7 +279,7 @@ def image_context(runtime: GraphRuntime, reference, folder: Path, media: Media, 
     return dict(context_key_values=context_kv, context_mask=context_mask), got_kv, got_mask
 
 
-def default_media(folder: Path, config) -> DecodedMedia:
+def default_media(config) -> DecodedMedia:
     """What a model is validated on when no media is given: the demo's picture, or the demo video's frames (one a
     second) and sound."""
     if config.modality != "video":
@@ -289,13 +289,11 @@ def default_media(folder: Path, config) -> DecodedMedia:
 
 
 @torch.no_grad()
-def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
+def video_context(runtime: GraphRuntime, reference, processor, media: DecodedMedia, report: ValidationReport):
     """A video model's frames and audio through vision, audio and context_kv, each stream's K/V compared with the
     reference's (worst of every layer's): (the reference's streams, the graphs' context K/V and mask)."""
-    config = reference.config
-    decoded = decode_media(media, folder, config) if media.given else default_media(folder, config)
-    streams = encode_media(reference, folder, decoded, {})
-    got_kv, got_mask = graph_context(runtime, folder, reference.config, decoded)
+    streams = encode_media(reference, processor, media, {})
+    got_kv, got_mask = graph_context(runtime, processor, media)
     report.visual_tokens, report.audio_tokens = context_tokens(reference.config, got_mask)
     expected_segments = streams["context_mask"][0]
     for stream in reference.config.streams:
@@ -309,12 +307,11 @@ def video_context(runtime: GraphRuntime, reference, folder: Path, media: Media, 
 
 
 @torch.no_grad()
-def anyres_context(runtime: GraphRuntime, reference, folder: Path, media: Media, report: ValidationReport):
+def anyres_context(runtime: GraphRuntime, reference, processor, media: DecodedMedia, report: ValidationReport):
     """An anyres image's thumbnail and tiles (the demo's picture by default) through vision and context_kv, its K/V
     compared with the reference's (worst of every layer's)."""
-    image = open_image(media.images[0]) if media.images else demo_image()
-    processor, points = load_image_processor(folder, reference.config), reference.config.mm_image_grid_points
-    tiles, (columns, rows) = anyres_tiles(image, processor, points)
+    image = media.images[0] if media.images else demo_image()
+    tiles, (columns, rows) = processor.anyres(image)
     context_kv, context_mask = reference.model.encode_anyres([tiles], [image.size])
     got_kv, got_mask = runtime.encode_anyres(tiles.numpy(), columns, rows)
     report.visual_tokens = got_mask.shape[1]

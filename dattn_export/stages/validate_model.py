@@ -21,7 +21,7 @@ from ..media import context_tokens, decode_media, encode_media
 from ..media_options import Media
 from ..modeling.marked_prompts import prompt_ids
 from ..plugins.torch_op import model_op
-from ..processing import load_tokenizer
+from ..processing import load_processor
 from ..prompts import Prompt, as_prompt
 from ..runtime.static_decode import static_generate
 from .generate import gpu_dtype
@@ -40,20 +40,21 @@ def validate_model(folder: Path, device: str = "cpu", steps: int = 20, prompt: s
     config = source.config
     media = media or Media()
     media.check(config)  # a prompt is asked about the default media where none is given
-    tokenizer = load_tokenizer(folder, config)
+    processor = load_processor(folder, config)
+    tokenizer = processor.tokenizer
     prompt = as_prompt(prompt) if prompt else demo_prompt(config.modality, tokenizer)
-    decoded = decode_media(media, folder, config, [prompt]) if media.given else default_media(folder, config)
+    decoded = decode_media(media, processor, [prompt]) if media.given else default_media(config)
     text = prompt.text_for(tokenizer, config.family, media=True, length=decoded.duration)
     dtype = gpu_dtype(source)
     reference = build_model(source, torch.float32, device=device)
     ids = torch.tensor([prompt_ids(tokenizer, text)], device=device)
-    streams = encode_media(reference, folder, decoded, {})
+    streams = encode_media(reference, processor, decoded, {})
     expected_tokens = reference.greedy(ids, max_new_tokens=steps, **streams)[0].tolist()
     expected = [reference(ids, **streams).logits[:, -1].float()]
     expected += step_logits(reference, ids, expected_tokens, streams)
     del reference
     deployed = build_model(source, dtype, device=device)
-    deployed_streams = encode_media(deployed, folder, decoded, {})
+    deployed_streams = encode_media(deployed, processor, decoded, {})
     graph = device == "cuda"
     forced = static_generate(deployed, ids, len(expected_tokens), op=model_op, cuda_graph=graph, keep_logits=True,
                              forced=expected_tokens, **deployed_streams)  # fmt: skip

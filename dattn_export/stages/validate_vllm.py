@@ -27,7 +27,8 @@ from ..errors import InputError
 from ..media import DecodedMedia, decode_media
 from ..media_options import Media
 from ..modeling.marked_prompts import prompt_ids
-from ..processing import load_audio_processor, load_tokenizer
+from ..modeling.processing_dattn import DAttnProcessor
+from ..processing import load_processor
 from ..prompts import Prompt, as_prompt
 from ..ui import quiet
 from ..vllm_plugin import unsupported
@@ -79,19 +80,20 @@ def validate_vllm(
         check_cpu_attention(folder, config)  # imports vLLM: after what needs no engine
     media = media or Media()
     media.check(config)
-    tokenizer = load_tokenizer(folder, config)
+    processor = load_processor(folder, config)
+    tokenizer = processor.tokenizer
     prompt = as_prompt(prompt) if prompt else demo_prompt(config.modality, tokenizer)
-    decoded = decode_media(media, folder, config, [prompt]) if media.given else default_media(folder, config)
+    decoded = decode_media(media, processor, [prompt]) if media.given else default_media(config)
     text = prompt.text_for(tokenizer, config.family, media=True, length=decoded.duration)
     prompts = [prompt_ids(tokenizer, t) for t in [text, *accuracy_gate.GATE_PROMPTS]]
     report.prompt_tokens = len(prompts[0])
     with progress("serving both folders with vLLM", 4, "runs") as advance:
-        with Engine(against, config, decoded, prompts, steps, report.dtype, verbose) as engine:
+        with Engine(against, processor, decoded, prompts, steps, report.dtype, verbose) as engine:
             continuations = engine.greedy(prompts, steps)
             advance(1, "vLLM: the unquantized folder, teacher-forced")
             expected = engine.distributions(prompts, continuations)
         advance(1, f"vLLM: the {scheme} folder's greedy tokens")
-        with Engine(folder, config, decoded, prompts, steps, report.dtype, verbose) as engine:
+        with Engine(folder, processor, decoded, prompts, steps, report.dtype, verbose) as engine:
             report.backend_tokens = engine.greedy(prompts[:1], steps)[0]
             advance(1, f"vLLM: the {scheme} folder, teacher-forced")
             got = engine.distributions(prompts, continuations)
@@ -116,9 +118,10 @@ class Engine:
     """`vllm.LLM` on one folder for the gate's requests, in this process (its engine shut down on leaving, so that
     the next folder's starts on a free machine)."""
 
-    def __init__(self, folder: Path, config, media: DecodedMedia, prompts: list[list[int]], steps: int, dtype: str,
-                 verbose: bool = False):  # fmt: skip
-        self.folder, self.config, self.media, self.dtype, self.verbose = folder, config, media, dtype, verbose
+    def __init__(self, folder: Path, processor: DAttnProcessor, media: DecodedMedia, prompts: list[list[int]],
+                 steps: int, dtype: str, verbose: bool = False):  # fmt: skip
+        self.folder, self.processor, self.media, self.dtype, self.verbose = folder, processor, media, dtype, verbose
+        self.config = processor.model_config
         self.length = max(map(len, prompts)) + steps + 1
         if media.frames:  # as vLLM takes them, once for every request
             frames = np.stack([np.asarray(f.convert("RGB")) for f in media.frames])
@@ -136,7 +139,7 @@ class Engine:
         if self.media.frames:  # a video's encoder tokens are taken in one step: the budget holds them
             from ..vllm_plugin.video import encoder_token_budget
 
-            hop = load_audio_processor(self.folder, self.config).hop_length
+            hop = self.processor.feature_extractor.hop_length
             budget = encoder_token_budget(self.config, len(self.media.frames), hop)
             options = {"limit_mm_per_prompt": {"video": {"count": 1, "num_frames": len(self.media.frames)}},
                        "max_num_batched_tokens": max(budget, self.length)}  # fmt: skip

@@ -25,9 +25,9 @@ from vllm.multimodal.processing import (
 )
 
 from ..modeling.marked_prompts import media_marker, prompt_ids
-from ..modeling.processing_dattn import audio_features
+from ..modeling.processing_dattn import DAttnProcessor
 from ..modeling.streams import AUDIO
-from ..processing import load_audio_processor, load_image_processor, picture_bytes, tiles_bytes
+from ..processing import load_processor, picture_bytes, tiles_bytes
 from . import VIDEO_BACKEND
 from .context_cache import ByteBoundCache, context_cache_bytes, media_digest, named_digest
 from .inputs import VIDEO_FIELDS, picture_parts, video_field_parts
@@ -55,12 +55,12 @@ class DAttnProcessingInfo(BaseProcessingInfo):
         )
 
     @cached_property
-    def image_processor(self):
-        return load_image_processor(Path(self.ctx.model_config.model), self.get_hf_config())
+    def processor(self) -> DAttnProcessor:
+        """The folder's processor, as every dattn-export command prepares media with it (vLLM's tokenizer its own)."""
+        return load_processor(Path(self.ctx.model_config.model), self.get_hf_config(), self.get_tokenizer())
 
-    @cached_property
-    def audio_processor(self):
-        return load_audio_processor(Path(self.ctx.model_config.model), self.get_hf_config())
+    def get_hf_processor(self, **kwargs: object) -> DAttnProcessor:
+        return self.processor
 
     @cached_property
     def processed_media(self) -> ByteBoundCache:
@@ -94,7 +94,7 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
         config = self.info.get_hf_config()
         size = config.vision_config["image_size"]
         if config.modality == "video":
-            frames, _ = longest_video(config, self.info.max_frames(), self.info.audio_processor.hop_length)
+            frames, _ = longest_video(config, self.info.max_frames(), self.info.processor.feature_extractor.hop_length)
             video = self._get_dummy_videos(width=size, height=size, num_frames=frames, num_videos=1)[0]
             audio = np.random.default_rng(0).uniform(-0.5, 0.5, longest_sound_track(frames))
             metadata = {"audio": audio.astype(np.float32), PROFILING: True}
@@ -162,11 +162,11 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         """A picture as the released code prepares one (mm_image_aspect_ratio), as bytes until the model normalizes
         it (a quarter of what is kept, sent and batched): (1, 3, H, W)."""
         config = self.info.get_hf_config()
-        return picture_bytes([image], config.mm_image_aspect_ratio, self.info.image_processor), (0, 0)
+        return picture_bytes([image], config.mm_image_aspect_ratio, self.info.processor.image_processor), (0, 0)
 
     def process_tiles(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
         """An anyres picture's thumbnail and tiles, as bytes, and its tiling (columns, rows)."""
-        return tiles_bytes(image, self.info.image_processor, self.info.get_hf_config().mm_image_grid_points)
+        return tiles_bytes(image, self.info.processor.image_processor, self.info.get_hf_config().mm_image_grid_points)
 
     def video_features(self, videos: list[tuple[np.ndarray, dict]]) -> BatchFeature:
         """The videos' fields (`inputs.VideoInputs`): frames as bytes, a quarter of the memory and of what is sent
@@ -201,16 +201,17 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         """The frames as bytes (F, 3, side, side), and their count."""
         config = self.info.get_hf_config()
         pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
-        return picture_bytes(pictures, config.mm_image_aspect_ratio, self.info.image_processor), len(pictures)
+        return picture_bytes(pictures, config.mm_image_aspect_ratio, self.info.processor.image_processor), len(pictures)
 
     def process_sound(self, video: np.ndarray, samples: np.ndarray | None) -> tuple[torch.Tensor, int]:
         """The sound track's log-mel chunks and its length in mel frames; one chunk of zeros and 0 without one (or
         with one too short for a token)."""
-        config, extractor = self.info.get_hf_config(), self.info.audio_processor
+        config, processor = self.info.get_hf_config(), self.info.processor
         if samples is not None:
-            mels, mel_frames = audio_features(samples, extractor)
+            mels, mel_frames = processor.sound_features(samples)
             if mel_frames >= config.mel_frames_per_audio_token:
                 return mels, mel_frames
+        extractor = processor.feature_extractor
         return torch.zeros(1, extractor.feature_size, extractor.nb_max_frames), 0
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs) -> Mapping[str, MultiModalFieldConfig]:

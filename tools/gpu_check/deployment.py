@@ -216,7 +216,7 @@ def hour_rows(sizes: Deployment, device: str) -> list[dict]:
     from dattn_export.media_options import Media
     from dattn_export.modeling.marked_prompts import prompt_ids
     from dattn_export.plugins.torch_op import model_op
-    from dattn_export.processing import load_tokenizer
+    from dattn_export.processing import load_processor
     from dattn_export.runtime.static_decode import static_generate
     from dattn_export.stages.generate import gpu_dtype
 
@@ -232,11 +232,12 @@ def hour_rows(sizes: Deployment, device: str) -> list[dict]:
             start = synchronize(device)
             model = build_model(source, gpu_dtype(source), device=device)
             loaded = synchronize(device)
-            decoded = decode_media(Media(video=video), checkpoint, source.config)
+            processor = load_processor(checkpoint, source.config)
+            decoded = decode_media(Media(video=video), processor)
             read = synchronize(device)
-            streams = encode_media(model, checkpoint, decoded, {})
+            streams = encode_media(model, processor, decoded, {})
             encoded = synchronize(device)
-            tokenizer = load_tokenizer(checkpoint, source.config)
+            tokenizer = processor.tokenizer
             prompt = "USER: <image>\nDuring which time segments in the video can we see a clock?\nASSISTANT:"
             ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=device)
             answer = static_generate(model, ids, 33, op=model_op, cuda_graph=device == "cuda", **streams)

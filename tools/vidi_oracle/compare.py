@@ -10,8 +10,8 @@ import torch
 
 from dattn_export.checkpoints.source import load_model
 from dattn_export.media import open_image
-from dattn_export.modeling.images import anyres_grid, prepare_pictures
-from dattn_export.processing import load_image_processor
+from dattn_export.modeling.images import anyres_grid
+from dattn_export.processing import load_processor
 from dattn_export.runtime.ort import OrtModel
 
 root = Path(sys.argv[1])
@@ -85,13 +85,13 @@ def vllm_logprob_errors(cases) -> dict:
 
 
 if pictures:  # the released path made the pixels from picture files; ours makes them from the same files
-    processor = load_image_processor(conv, model.config)
+    processor = load_processor(conv, model.config)  # every command's (generate's, validate's)
     vllm_errors = vllm_logprob_errors(oracle["cases"])
     for name, (ids, path, released, expected) in oracle["cases"].items():
-        pixels = prepare_pictures([open_image(path)], model.config.mm_image_aspect_ratio, processor)
+        pixels = processor.pictures([[open_image(path)]])["pixel_values"][0]
         pixel_error = float((pixels - released).abs().max())
-        with torch.no_grad():  # generate's path: the model prepares the picture itself
-            visual, context_mask = model.model.encode_pictures([open_image(path)], processor)
+        with torch.no_grad():  # generate's path: the processor's pixels
+            visual, context_mask = model.model.encode_images(pixels[None])
             got = model(ids, context_key_values=visual, context_mask=context_mask).logits
         ours = runtime.encode_images(pixels[None].numpy())  # validate's and genai's path: our graphs
         vllm = vllm_errors.get(name)

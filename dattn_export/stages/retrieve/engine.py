@@ -26,7 +26,7 @@ from ...media import decode_media
 from ...media_options import Media
 from ...modeling.marked_prompts import prompt_ids
 from ...modeling.media_files import MediaError, media_duration
-from ...processing import load_audio_processor, load_tokenizer
+from ...processing import load_processor, load_tokenizer
 from ...prompts import Prompt
 from ...retrieval import Query
 from ...vllm_plugin import unsupported
@@ -57,7 +57,8 @@ class Engine:
         import torch
 
         self.folder, self.config = Path(folder), folder_config(folder)
-        self.tokenizer, self.dtype = load_tokenizer(self.folder, self.config), engine_dtype(self.config)
+        self.processor, self.dtype = load_processor(self.folder, self.config), engine_dtype(self.config)
+        self.tokenizer = self.processor.tokenizer
         self.max_new_tokens, self.frames, self.tensor_parallel = max_new_tokens, frames, tensor_parallel
         if not torch.cuda.is_available():
             check_cpu_attention(self.folder, self.config)
@@ -69,7 +70,7 @@ class Engine:
         from vllm import LLM
 
         length = min(prompt_tokens + max_new_tokens + 1, self.config.max_position_embeddings)
-        hop = load_audio_processor(self.folder, self.config).hop_length
+        hop = self.processor.feature_extractor.hop_length
         self.llm = LLM(
             str(self.folder),
             dtype=self.dtype,
@@ -98,7 +99,7 @@ class Engine:
     def prepare(self, video: Video) -> tuple[list[dict], float]:
         """A video's requests (each query's prompt ids, the decoded frames and sound track, named by the file) and
         the file's length; raises what makes the video unusable."""
-        decoded = decode_media(Media(video=video.path), self.folder, self.config)
+        decoded = decode_media(Media(video=video.path), self.processor)
         if len(decoded.frames) > self.frames:
             raise InputError(video.path, f"has {len(decoded.frames)} frames at 1 frame/s, more than the engine was "
                              f"sized for ({self.frames})")  # fmt: skip
