@@ -43,7 +43,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from ..modeling.context import ContextStreams
 from ..modeling.marked_prompts import MEDIA_MARKERS
 from ..modeling.streams import AUDIO
-from ..processing import load_processor, normalize_pixels
+from ..processing import load_image_processor, normalize_pixels
 from . import unsupported
 from .context_cache import ContextBatch, ContextCache, context_cache_bytes, digest_keys
 from .inputs import PictureInputs, VideoInputs
@@ -160,7 +160,7 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.logits_softcap)
         self.context_cache = ContextCache(context_cache_bytes(config))
         # pictures and frames arrive as bytes (`pixels`)
-        self.image_processor = load_processor(Path(vllm_config.model_config.model), config).image_processor
+        self.image_processor = load_image_processor(Path(vllm_config.model_config.model), config)
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
