@@ -1,7 +1,7 @@
 """The checkpoint's processor, offline (`load_processor`: the shipped DAttnProcessor, its components found in a folder
 of any layout): its tokenizer (a prompt's ids: `prompts.py`), its image processor (pictures prepared as the released
-code prepares them, and as bytes for vLLM) and its audio feature extractor (Whisper's log-mel chunks). Opening media
-files is `media.py`'s and the shipped decoders'."""
+code prepares them; their bytes finished on vLLM's workers by `normalize_pixels`) and its audio feature extractor
+(Whisper's log-mel chunks). Opening media files is `media.py`'s and the shipped decoders'."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import json
 from pathlib import Path
 
 import torch
-from PIL import Image
 from transformers import AutoTokenizer, CLIPImageProcessorPil, SiglipImageProcessorPil, WhisperFeatureExtractor
 
 from .checkpoints.towers import tower_folder
 from .errors import InputError
-from .modeling.images import anyres_tiles, squared
 from .modeling.processing_dattn import (
     FEATURE_EXTRACTOR,
     DAttnProcessor,
@@ -83,31 +81,10 @@ def save_processor_files(out: Path, folder: Path, config) -> None:
     (Path(out) / PROCESSOR_CONFIG).write_text(json.dumps(fields, indent=2) + "\n")
 
 
-UNSCALED = {"do_rescale": False, "do_normalize": False}  # a processor's call that stops at the pixels' bytes
-
-
-def picture_bytes(pictures: list[Image.Image], rule: str, image_processor) -> torch.Tensor:
-    """(N, 3, H, W) uint8: the pictures as `prepare_pictures` prepares them, before the processor rescales and
-    normalizes them (`normalize_pixels`): a quarter of the bytes, for many frames held or sent at once."""
-    pixels = image_processor(squared(pictures, rule, image_processor), return_tensors="pt", **UNSCALED)
-    return as_bytes(pixels["pixel_values"])
-
-
-def tiles_bytes(picture: Image.Image, image_processor, grid_points: list) -> tuple[torch.Tensor, tuple[int, int]]:
-    """`anyres_tiles`' thumbnail and tiles as uint8, before the processor rescales and normalizes them, and the
-    tiling."""
-    pixels, tiling = anyres_tiles(picture, image_processor, grid_points, **UNSCALED)
-    return as_bytes(pixels), tiling
-
-
-def as_bytes(pixels: torch.Tensor) -> torch.Tensor:
-    """A processor's pixel values that it neither rescaled nor normalized (whole numbers 0-255) as uint8."""
-    return pixels.round().to(torch.uint8) if pixels.is_floating_point() else pixels.to(torch.uint8)
-
-
 def normalize_pixels(pixels: torch.Tensor, image_processor) -> torch.Tensor:
-    """`picture_bytes`' pixels as `prepare_pictures` gives them, float32: rescaled (in float64, then float32) and
-    normalized, as the processor computes them (tests/test_vllm.py compares the two)."""
+    """`DAttnProcessor.picture_bytes`' (or `anyres_bytes`') pixels as its `pictures` gives them, float32: rescaled
+    (in float64, then float32) and normalized, as the image processor computes them (tests/test_images.py compares
+    the two)."""
     scale = image_processor.rescale_factor if image_processor.do_rescale else 1.0
     x = (pixels.double() * scale).float()
     if not image_processor.do_normalize:

@@ -18,18 +18,12 @@ from PIL import Image
 from transformers import CLIPImageProcessorPil, SiglipImageProcessorPil
 
 from dattn_export.checkpoints.source import load_model
-from dattn_export.demo_model import DEMO_QUESTIONS, write_demo_checkpoint
+from dattn_export.demo_model import DEMO_QUESTIONS, build_tokenizer, write_demo_checkpoint
 from dattn_export.media import decode_media, open_image
 from dattn_export.media_options import Media
 from dattn_export.modeling.images import anyres_tiles, prepare_pictures
-from dattn_export.processing import (
-    load_image_processor,
-    load_processor,
-    load_tokenizer,
-    normalize_pixels,
-    picture_bytes,
-    tiles_bytes,
-)
+from dattn_export.modeling.processing_dattn import DAttnProcessor, default_audio_processor
+from dattn_export.processing import load_image_processor, load_processor, load_tokenizer, normalize_pixels
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.onnx_export import export_onnx
 from dattn_export.stages.validate import ValidationReport, image_context
@@ -66,12 +60,19 @@ def released_config(rule: str, side: int):
     return SimpleNamespace(mm_image_aspect_ratio=rule, mm_image_grid_res=[[c * side, r * side] for c, r in GRID_POINTS])
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(512)
+
+
 @pytest.mark.parametrize("processor", list(PROCESSORS))
 @pytest.mark.parametrize("rule", ["resize", "pad", "crop", "anyres"])
-def test_pictures_become_the_released_pixels(tmp_path, processor, rule):
+def test_pictures_become_the_released_pixels(tmp_path, processor, rule, tokenizer):
     made = PROCESSORS[processor]()
     released = with_output_size(PROCESSORS[processor]())
     side = released.output_size
+    ours_processor = DAttnProcessor(made, default_audio_processor(None), tokenizer)  # vLLM's requests carry its bytes
+    ours_processor.model_config = SimpleNamespace(mm_image_aspect_ratio=rule, mm_image_grid_points=GRID_POINTS)
     for name, size in SIZES.items():
         for mode in MODES:
             path = picture_file(tmp_path, size, mode)
@@ -82,11 +83,11 @@ def test_pictures_become_the_released_pixels(tmp_path, processor, rule):
                 got, (columns, rows) = anyres_tiles(ours, made, GRID_POINTS)
                 assert got.shape[0] == 1 + columns * rows
                 expected = expected[0]
-                as_bytes, tiling = tiles_bytes(ours, made, GRID_POINTS)
+                as_bytes, tiling = ours_processor.anyres_bytes(ours)
                 assert tiling == (columns, rows)
             else:
                 got = prepare_pictures([ours], rule, made)
-                as_bytes = picture_bytes([ours], rule, made)
+                as_bytes = ours_processor.picture_bytes([ours])
             assert got.shape == expected.shape and torch.equal(got, expected), (name, mode, rule)
             # vLLM's pictures and frames travel as bytes and are normalized on the workers: the same pixels, bit for
             # bit

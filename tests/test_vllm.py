@@ -243,17 +243,18 @@ def test_tensor_parallel_across_two_ray_nodes(served, tmp_path):
 
 @vllm_missing
 def test_every_stream_has_its_part_in_the_plugin():
-    """The plugin's part of each stream on each side, by the input it comes in: a video's streams (the field they
-    travel in, the processor's and the model's parts), and an image model's one (test_layout.py checks the other
-    floors' tables)."""
+    """The plugin's part of each stream on each side, by the input it comes in: a video's streams (the processor's and
+    the model's parts) and an image model's one (test_layout.py checks the other floors' tables); and the field each
+    stream travels in (its `served_field`) is one its input's TensorSchema declares."""
+    from typing import get_type_hints
+
     from dattn_export.modeling import streams
-    from dattn_export.vllm_plugin.inputs import VIDEO_FIELDS
+    from dattn_export.vllm_plugin.inputs import PictureInputs, VideoInputs
     from dattn_export.vllm_plugin.model import PICTURE_EMBEDDING, VIDEO_EMBEDDING
     from dattn_export.vllm_plugin.processor import PICTURE_PROCESSING, VIDEO_PROCESSING
 
     every = [stream for stream in vars(streams).values() if isinstance(stream, streams.ContextStream)]
     sides = [
-        {"video": VIDEO_FIELDS, "image": PICTURE_PROCESSING},
         {"video": VIDEO_PROCESSING, "image": PICTURE_PROCESSING},
         {"video": VIDEO_EMBEDDING, "image": PICTURE_EMBEDDING},
     ]
@@ -261,6 +262,11 @@ def test_every_stream_has_its_part_in_the_plugin():
         assert {stream.modality for stream in every} == set(tables)
         assert [stream.name for stream in every if stream.name not in tables[stream.modality]] == []
         assert set(tables["video"]) | set(tables["image"]) == {stream.name for stream in every}
+    schemas = {"video": VideoInputs, "image": PictureInputs}
+    fields = {modality: set(get_type_hints(schema, include_extras=True)) for modality, schema in schemas.items()}
+    assert [stream.name for stream in every if stream.served_field not in fields[stream.modality]] == []
+    video_fields = {stream.served_field for stream in every if stream.modality == "video"}
+    assert fields["video"] - video_fields == {"sizes", "digest"}  # every other field is a stream's
 
 
 @vllm_missing

@@ -52,9 +52,18 @@ def squared(pictures: list[Image.Image], rule: str, processor) -> list[Image.Ima
     raise ValueError(f"mm_image_aspect_ratio {rule!r}: pictures are prepared by one of {ASPECT_RATIOS}")
 
 
-def prepare_pictures(pictures: list[Image.Image], rule: str, processor) -> torch.Tensor:
-    """(N, 3, H, W) pixel values of RGB pictures under `rule` (resize, pad or crop; anyres: `anyres_tiles`)."""
-    return processor(squared(pictures, rule, processor), return_tensors="pt")["pixel_values"]
+UNSCALED = {"do_rescale": False, "do_normalize": False}  # an image processor's call that stops at the pixels' bytes
+
+
+def prepare_pictures(pictures: list[Image.Image], rule: str, processor, **options) -> torch.Tensor:
+    """(N, 3, H, W) pixel values of RGB pictures under `rule` (resize, pad or crop; anyres: `anyres_tiles`).
+    `options` go to the processor's call."""
+    return processor(squared(pictures, rule, processor), return_tensors="pt", **options)["pixel_values"]
+
+
+def as_bytes(pixels: torch.Tensor) -> torch.Tensor:
+    """Pixel values an image processor neither rescaled nor normalized (UNSCALED: whole numbers 0-255) as uint8."""
+    return pixels.round().to(torch.uint8) if pixels.is_floating_point() else pixels.to(torch.uint8)
 
 
 class PreparedFrames:

@@ -37,7 +37,7 @@ from transformers import (
 from transformers.image_transforms import to_pil_image
 
 from .configuration_dattn import CONFIG_CLASSES
-from .images import PreparedFrames, anyres_tiles, prepare_pictures, tower_side
+from .images import UNSCALED, PreparedFrames, anyres_tiles, as_bytes, prepare_pictures, tower_side
 from .marked_prompts import media_marker, prompt_ids
 from .media_files import FileBytes, MediaError, resized_to_tower
 from .sound_decoding import AUDIO_RATE, load_audio
@@ -277,9 +277,22 @@ class DAttnProcessor(ProcessorMixin):
         tiles = [self.anyres(p[0])[0] for p in pictures]
         return {"pixel_values": padded(tiles), "image_sizes": torch.tensor([p[0].size for p in pictures])}
 
-    def anyres(self, picture: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
-        """An anyres model's picture as its thumbnail and tiles (tiles + 1, 3, H, W), and the tiling (columns, rows)."""
-        return anyres_tiles(picture, self.image_processor, self.model_config.mm_image_grid_points)
+    def anyres(self, picture: Image.Image, **options) -> tuple[torch.Tensor, tuple[int, int]]:
+        """An anyres model's picture as its thumbnail and tiles (tiles + 1, 3, H, W), and the tiling (columns, rows).
+        `options` go to the image processor's call."""
+        return anyres_tiles(picture, self.image_processor, self.model_config.mm_image_grid_points, **options)
+
+    def picture_bytes(self, pictures: list[Image.Image]) -> torch.Tensor:
+        """(N, 3, H, W) uint8: pictures prepared as the `pictures` method prepares them (the aspect rule, not
+        anyres), before the image processor rescales and normalizes them: a quarter of the bytes, for many frames held
+        or sent at once (vLLM's requests: its workers normalize them)."""
+        rule = self.model_config.mm_image_aspect_ratio
+        return as_bytes(prepare_pictures(pictures, rule, self.image_processor, **UNSCALED))
+
+    def anyres_bytes(self, picture: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
+        """`anyres`' thumbnail and tiles as uint8, before they are rescaled and normalized, and the tiling."""
+        pixels, tiling = self.anyres(picture, **UNSCALED)
+        return as_bytes(pixels), tiling
 
     @property
     def frame_square(self) -> int | None:

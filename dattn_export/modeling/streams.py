@@ -70,6 +70,7 @@ class ContextStream:
     modality: ClassVar[str]  # the input a prompt gives: image | video (vLLM's modality; a video carries its sound)
     media: ClassVar[tuple[str, ...]]  # the prompt's media (media.Media's fields, the CLI's options) it reads
     pictures: ClassVar[int | None] = None  # the most pictures a prompt may give it (None: no limit)
+    served_field: ClassVar[str]  # the field its media travels in to vLLM's model (the plugin's TensorSchemas)
 
     def __eq__(self, other) -> bool:
         return getattr(other, "name", None) == self.name
@@ -100,7 +101,7 @@ class ContextStream:
 class ImageStream(ContextStream):
     """Pictures, each prepared as mm_image_aspect_ratio says: projected, with row and column embeddings."""
 
-    modality, media = "image", ("images",)
+    modality, media, served_field = "image", ("images",), "pixel_values"
 
     def position_grid(self, config) -> int:
         """How many positions the row / column embeddings spread over."""
@@ -130,7 +131,7 @@ class TilesStream(ImageStream):
 class FramesStream(ContextStream):
     """A video's frames, one a second: pooled (`mm_pool_rule`), with row, column and time embeddings."""
 
-    modality, media = "video", ("video", "frames")
+    modality, media, served_field = "video", ("video", "frames"), "frame_pixels"
 
     def check(self, config) -> None:
         needed = ("mm_image_pool_size", "mm_time_interval")
@@ -165,7 +166,7 @@ class FramesStream(ContextStream):
 class AudioStream(ContextStream):
     """A video's sound track (or an audio file): every 30 s Whisper chunk, pooled, with time embeddings."""
 
-    modality, media = "video", ("video", "audio")
+    modality, media, served_field = "video", ("video", "audio"), "audio_mels"
 
     def check(self, config) -> None:
         if missing := [key for key in ("audio_config", "mm_audio_pool_size") if getattr(config, key) is None]:

@@ -144,7 +144,7 @@ class ContextCache(ByteBoundCache):
     def stats(self) -> dict[str, int]:
         return {
             "contexts": len(self.entries),
-            "bytes": sum(entry.nbytes for entry, _ in self.entries.values()),  # what the tensors hold
+            "bytes": self.nbytes,  # what the kept tensors hold
             "peak_bytes": self.peak_bytes,
             "limit_bytes": self.limit_bytes,
             "hits": self.hits,

@@ -12,9 +12,6 @@ from vllm.utils.tensor_schema import TensorSchema, TensorShape
 from ..modeling.streams import ContextStream
 from .context_cache import DIGEST_BYTES
 
-# a video stream's field (its media, a video's parts after another's), by stream name
-VIDEO_FIELDS = {"frames": "frame_pixels", "audio": "audio_mels"}
-
 
 def picture_parts(tiling: torch.Tensor) -> torch.Tensor:
     """Each picture's parts from its tiling (columns, rows): an anyres picture's thumbnail and tiles; one for a
@@ -25,7 +22,7 @@ def picture_parts(tiling: torch.Tensor) -> torch.Tensor:
 def video_field_parts(streams: Sequence[ContextStream], sizes: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each video stream's field -> each video's parts in it, from the videos' sizes (videos, [parts, amount] per
     stream)."""
-    return {VIDEO_FIELDS[stream.name]: parts for stream, parts in zip(streams, sizes[:, 0::2].T, strict=True)}
+    return {stream.served_field: parts for stream, parts in zip(streams, sizes[:, 0::2].T, strict=True)}
 
 
 class PictureInputs(TensorSchema):
@@ -53,7 +50,7 @@ class PictureInputs(TensorSchema):
 
 
 class VideoInputs(TensorSchema):
-    """Videos as the processor sends them: each stream's media in its field (`VIDEO_FIELDS`), a video's parts after
+    """Videos as the processor sends them: each stream's media in its field (its `served_field`), a video's parts after
     another's: the frames as the tower's squares, bytes until the model normalizes them; the sound track's log-mel
     chunks (a video without one: one chunk of zeros); each video's sizes (per stream, in the model's order: its
     parts, and the amount its tokens count) and digest (`context_cache`).
@@ -68,7 +65,7 @@ class VideoInputs(TensorSchema):
     @classmethod
     def parse(cls, streams: Sequence[ContextStream], inputs: Mapping[str, object]) -> VideoInputs:
         """A model's (its `streams`) batch of videos; a stream the model lacks has no field."""
-        fields = {VIDEO_FIELDS[stream.name]: inputs[VIDEO_FIELDS[stream.name]] for stream in streams}
+        fields = {stream.served_field: inputs[stream.served_field] for stream in streams}
         sizes = inputs["sizes"]
         return cls(
             **fields, sizes=sizes, digest=inputs["digest"], streams=streams, resolve_bindings={"k": 2 * len(streams)}

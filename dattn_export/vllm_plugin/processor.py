@@ -27,10 +27,10 @@ from vllm.multimodal.processing import (
 from ..modeling.marked_prompts import media_marker, prompt_ids
 from ..modeling.processing_dattn import DAttnProcessor
 from ..modeling.streams import AUDIO
-from ..processing import load_processor, picture_bytes, tiles_bytes
+from ..processing import load_processor
 from . import VIDEO_BACKEND
 from .context_cache import ByteBoundCache, context_cache_bytes, media_digest, named_digest
-from .inputs import VIDEO_FIELDS, picture_parts, video_field_parts
+from .inputs import picture_parts, video_field_parts
 from .media import FILE_DIGEST
 from .video import FRAME_LIMIT_OPTION, longest_sound_track, longest_video, max_video_frames, video_tokens
 
@@ -156,17 +156,17 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         process = PICTURE_PROCESSING[self.info.get_hf_config().streams[0].name].process
         processed = [self.info.processed(d, partial(process, self, i)) for d, i in zip(digests, images)]
         pixels, tilings = zip(*processed)
-        return BatchFeature({"pixel_values": joined(pixels), "tiling": torch.tensor(tilings), "digest": digests})
+        field = self.info.get_hf_config().streams[0].served_field
+        return BatchFeature({field: joined(pixels), "tiling": torch.tensor(tilings), "digest": digests})
 
     def process_picture(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
         """A picture as the released code prepares one (mm_image_aspect_ratio), as bytes until the model normalizes
         it (a quarter of what is kept, sent and batched): (1, 3, H, W)."""
-        config = self.info.get_hf_config()
-        return picture_bytes([image], config.mm_image_aspect_ratio, self.info.processor.image_processor), (0, 0)
+        return self.info.processor.picture_bytes([image]), (0, 0)
 
     def process_tiles(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
         """An anyres picture's thumbnail and tiles, as bytes, and its tiling (columns, rows)."""
-        return tiles_bytes(image, self.info.processor.image_processor, self.info.get_hf_config().mm_image_grid_points)
+        return self.info.processor.anyres_bytes(image)
 
     def video_features(self, videos: list[tuple[np.ndarray, dict]]) -> BatchFeature:
         """The videos' fields (`inputs.VideoInputs`): frames as bytes, a quarter of the memory and of what is sent
@@ -184,7 +184,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
             process = partial(self.process_video, video, samples)
             processed.append(self.info.processed(digest, process, keep=not metadata.get(PROFILING)))
         *fields, sizes = zip(*processed)
-        names = [VIDEO_FIELDS[stream.name] for stream in self.info.get_hf_config().streams]
+        names = [stream.served_field for stream in self.info.get_hf_config().streams]
         flat = {name: joined(parts) for name, parts in zip(names, fields, strict=True)}
         return BatchFeature(flat | {"sizes": torch.tensor(sizes), "digest": torch.stack(digests)})
 
@@ -199,9 +199,8 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
 
     def process_frames(self, video: np.ndarray, samples: np.ndarray | None) -> tuple[torch.Tensor, int]:
         """The frames as bytes (F, 3, side, side), and their count."""
-        config = self.info.get_hf_config()
         pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
-        return picture_bytes(pictures, config.mm_image_aspect_ratio, self.info.processor.image_processor), len(pictures)
+        return self.info.processor.picture_bytes(pictures), len(pictures)
 
     def process_sound(self, video: np.ndarray, samples: np.ndarray | None) -> tuple[torch.Tensor, int]:
         """The sound track's log-mel chunks and its length in mel frames; one chunk of zeros and 0 without one (or
@@ -221,9 +220,9 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
                 "sizes": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
                 "digest": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
             }
-        per_image = picture_parts(hf_inputs["tiling"])
+        per_image, field = picture_parts(hf_inputs["tiling"]), self.info.get_hf_config().streams[0].served_field
         return {
-            "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", per_image),
+            field: MultiModalFieldConfig.flat_from_sizes("image", per_image),
             "tiling": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
             "digest": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
         }
