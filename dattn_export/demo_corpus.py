@@ -7,7 +7,6 @@ one. Every clip is a function of its seed alone."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,13 +177,13 @@ def tokenizer_texts(family) -> list[str]:
 
 
 def answer(truth: list[list[float]], seconds: float) -> str:
-    """The ranges as the released models answer: fractions of the video to two places, written strictly inside the
-    whole second each end falls in, so that the released scorer's floor of a start and ceiling of an end give the
-    truth's seconds back (0.35 x 20 is 7.000000000000001 in floats: an end of exactly 0.35 would ceil to 8)."""
+    """The ranges as the released models answer: fractions of the video to two places. Each end is written at the
+    middle of the whole second it falls in (a range's first second, its last), so the released scorer's floor of a
+    start and ceiling of an end give the truth's seconds back with half a second to spare either way: an answer a
+    little early or late still scores whole, where an end written at the edge of its second loses the second."""
     parts = []
     for start, end in truth:
-        first, last = math.floor(100 * start / seconds) + 1, math.ceil(100 * end / seconds) - 1
-        parts.append(f"{first / 100:.2f}-{last / 100:.2f}")
+        parts.append(f"{(start + 0.5) / seconds:.2f}-{(end - 0.5) / seconds:.2f}")
     return ", ".join(parts)
 
 

@@ -9,6 +9,7 @@ import click
 from ..extras import require, require_backend
 from ..folders import BACKENDS, CONVERTED, TRAINING_OUTPUT, resolve
 from ..media_options import Media, check_early
+from ..stages.task_gate import gates_text
 from .common import (
     MEDIA_PATH,
     check_device,
@@ -91,7 +92,7 @@ SERVED = {"vllm": (CONVERTED,)}  # the engines that serve a converted folder, wh
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="The task gate: a retrieval benchmark (as `retrieve` takes it) answered by FOLDER and by its PyTorch "
     "reference; FOLDER passes when its answers, scored against the reference's as VUE-TR scores (IoU), reach its "
-    "weights' least agreement (fp32 0.98; fp16, int8, w8a8 0.95; int4, w4a16 0.85). Needs --videos.",
+    f"weights' least agreement ({gates_text()}). Needs --videos.",
 )
 @click.option(
     "--videos",
