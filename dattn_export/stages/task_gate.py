@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..retrieval import read_benchmark, read_predictions
-from ..ui import quiet
 
 # The least IoU of a deployment's answers against its reference's (`score --against`; answers all alike score 0.995,
 # VUE-TR counting an IoU strictly above each threshold), by its weights. Measured by bench/retrieval_task.py on the
@@ -51,12 +50,17 @@ class TaskGate:
 
 
 def task_gate(deployment: Path, backend: str, reference: Path, benchmark: Path, videos: Path, weights: str,
-              max_new_tokens: int, device: str = "cpu", show=quiet) -> TaskGate:  # fmt: skip
+              max_new_tokens: int, device: str = "cpu", show=None) -> TaskGate:  # fmt: skip
     """`deployment` on `backend` (on `device`) and `reference` on torch (fp32 on the CPU) answer `benchmark`'s queries
     about the files in `videos`; the deployment judged by `weights`' row of TASK_GATES. `show`: `ui.progress` for the
-    CLI."""
-    from .retrieve.job import retrieve  # here: validate reads TaskGate whether or not a benchmark is given
+    CLI (default `ui.quiet`)."""
+    # here, not above: validate reads TaskGate whether or not a benchmark is given, and the CLI's help reads
+    # TASK_GATES at start-up, before rich or torch is needed
+    from ..ui import quiet
+    from .retrieve.job import retrieve
     from .score import score
+
+    show = show or quiet
 
     with tempfile.TemporaryDirectory(prefix="dattn-task-") as scratch:
         answers = {}
