@@ -6,6 +6,7 @@ the export writes from these specs. The op inside is `plugins/contract.py`'s."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 from torch import nn
@@ -140,7 +141,7 @@ def graph_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
         examples = (torch.randn(b, heads[part], length, config.head_dim, dtype=dtype) for part in parts)
         return {name: (x, {0: batch, 2: axis}) for name, x in zip(kv_names(prefix, config), examples, strict=True)}
 
-    streams = {stream.graph: STREAM_GRAPHS[stream.name](model, dtype) for stream in config.streams}
+    streams = {stream.graph: stream.part_on(sys.modules[__name__], "spec")(model, dtype) for stream in config.streams}
     visual_inputs = {
         "context_embeds": (torch.randn(b, v, config.hidden_size, dtype=dtype), {0: batch, 1: visual}),
         "context_attention_mask": (torch.ones(b, v, dtype=torch.int64), {0: batch, 1: visual}),
@@ -166,7 +167,7 @@ def graph_specs(model, dtype: torch.dtype) -> dict[str, GraphSpec]:
     }
 
 
-def image_spec(model, dtype: torch.dtype) -> GraphSpec:
+def spec_image(model, dtype: torch.dtype) -> GraphSpec:
     """An image model's vision graph: a batch of samples' images, each sample as many."""
     size = model.config.vision_config["image_size"]
     pixels = torch.randn(2, 2, 3, size, size, dtype=dtype)
@@ -174,7 +175,7 @@ def image_spec(model, dtype: torch.dtype) -> GraphSpec:
     return GraphSpec(VisionGraph(model), inputs, ["context_embeds", "context_attention_mask"], (None,))
 
 
-def anyres_spec(model, dtype: torch.dtype) -> GraphSpec:
+def spec_tiles(model, dtype: torch.dtype) -> GraphSpec:
     """An anyres model's vision graph: one image's thumbnail and its tiles, rows x columns of them."""
     size = model.config.vision_config["image_size"]
     inputs = {
@@ -184,7 +185,7 @@ def anyres_spec(model, dtype: torch.dtype) -> GraphSpec:
     return stream_spec(model, "anyres_stream", inputs, ["context_embeds"])
 
 
-def frames_spec(model, dtype: torch.dtype) -> GraphSpec:
+def spec_frames(model, dtype: torch.dtype) -> GraphSpec:
     """A video model's frames graph: part of one video's frames."""
     config = model.config
     size, frames = config.vision_config["image_size"], Dim("frames")
@@ -199,7 +200,7 @@ def frames_spec(model, dtype: torch.dtype) -> GraphSpec:
     return stream_spec(model, "frame_stream", frame_inputs, ["context_embeds"])
 
 
-def audio_spec(model, dtype: torch.dtype) -> GraphSpec:
+def spec_audio(model, dtype: torch.dtype) -> GraphSpec:
     """A video model's audio graph: part of one sample's log-mel 30 s chunks."""
     audio = model.config.audio_config
     chunk_frames = 2 * audio["max_source_positions"]  # Whisper's 30 s of log-mel frames
@@ -209,7 +210,3 @@ def audio_spec(model, dtype: torch.dtype) -> GraphSpec:
         "mel_frames": (torch.tensor(3 * chunk_frames), None),
     }
     return stream_spec(model, "audio_stream", inputs, ["audio_embeds", "audio_attention_mask"])
-
-
-# each stream's graph, by stream (`streams.py`)
-STREAM_GRAPHS = {"image": image_spec, "tiles": anyres_spec, "frames": frames_spec, "audio": audio_spec}

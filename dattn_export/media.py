@@ -6,6 +6,7 @@ or from the graphs (`graph_context`). generate, validate, analyze and retrieve s
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,26 +127,24 @@ def video_inputs(processor: DAttnProcessor, media: DecodedMedia) -> tuple[Prepar
 
 def graph_context(graphs, processor: DAttnProcessor, media: DecodedMedia) -> tuple[list[np.ndarray], np.ndarray]:
     """The context our graphs compute for decoded media (`GraphRuntime`'s caches and mask), by the model's first
-    stream: a video model's frames and audio, an anyres image, images (each prepared by the processor), or none."""
-    return GRAPH_CONTEXTS[processor.model_config.streams[0].name](graphs, processor, media)
+    stream (`graph_context_{its name}`): a video model's frames and audio, an anyres image, images (each prepared by
+    the processor), or none."""
+    return processor.model_config.streams[0].part_on(sys.modules[__name__], "graph_context")(graphs, processor, media)
 
 
-def video_graph_context(graphs, processor: DAttnProcessor, media: DecodedMedia):
+def graph_context_frames(graphs, processor: DAttnProcessor, media: DecodedMedia):
     pixels, audio = video_inputs(processor, media)
     return graphs.encode_streams({"frames": pixels, "audio": None if audio is None else (audio[0].numpy(), audio[1])})
 
 
-def tiles_graph_context(graphs, processor: DAttnProcessor, media: DecodedMedia):
+def graph_context_tiles(graphs, processor: DAttnProcessor, media: DecodedMedia):
     if not media.images:
         return graphs.no_context(1)
     tiles, (columns, rows) = processor.anyres(media.images[0])
     return graphs.encode_anyres(tiles.numpy(), columns, rows)
 
 
-def images_graph_context(graphs, processor: DAttnProcessor, media: DecodedMedia):
+def graph_context_image(graphs, processor: DAttnProcessor, media: DecodedMedia):
     if not media.images:
         return graphs.no_context(1)
     return graphs.encode_images(processor.pictures([media.images])["pixel_values"].numpy())
-
-
-GRAPH_CONTEXTS = {"image": images_graph_context, "tiles": tiles_graph_context, "frames": video_graph_context}

@@ -26,7 +26,7 @@ from dattn_export.modeling.processing_dattn import DAttnProcessor, default_audio
 from dattn_export.processing import load_image_processor, load_processor, load_tokenizer, normalize_pixels
 from dattn_export.runtime.ort import OrtModel
 from dattn_export.stages.onnx_export import export_onnx
-from dattn_export.stages.validate import ValidationReport, image_context
+from dattn_export.stages.validate import ValidationReport, context_check_image
 
 PROCESSORS = {  # as the towers' Hub folders configure them
     "clip-32": lambda: CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
@@ -154,7 +154,7 @@ def test_validate_and_the_model_see_the_released_pixels(clip_model, tmp_path):
     report = ValidationReport("", "", "ort", "float32", 1e-4, 0, 0)
     processor = load_processor(exported, model.config)
     decoded = decode_media(Media(images=[path]), processor)
-    streams, got_kv, _ = image_context(OrtModel(exported), model, processor, decoded, report)
+    streams, got_kv, _ = context_check_image(OrtModel(exported), model, processor, decoded, report)
     flat = [t for layer in expected for t in layer]
     assert all(torch.equal(a, b) for a, b in zip([t for kv in streams["context_key_values"] for t in kv], flat))
     assert all(torch.equal(a, b) for a, b in zip([t for kv in mine for t in kv], flat))

@@ -75,25 +75,36 @@ def test_no_module_imports_above_its_floor():
             assert not any(t.startswith("dattn_export.cli") for t in targets), (module, targets)
 
 
+def missing_parts(parts: list[tuple[object, str, set]]) -> list[str]:
+    """Each (floor, role, streams): the parts the floor lacks, by the names `ContextStream.part_on` looks up."""
+    return [f"{floor.__name__}.{role}_{s.name}" for floor, role, needed in parts for s in needed
+            if not hasattr(floor, f"{role}_{s.name}")]  # fmt: skip
+
+
 def test_every_stream_has_its_part_on_every_floor():
-    """A context stream is its class in modeling/streams.py plus its part on each floor above, each in one table
-    keyed by its name (or by what it gives: its modality, its media): a stream added without one of them fails here,
-    and the message names every table that lacks it. (vLLM's table is checked in test_vllm.py, which imports vLLM.)"""
+    """A context stream is its class in modeling/streams.py plus its part on each floor above, named after it
+    (`ContextStream.part_on`: `modules_frames`), or, for what is keyed by what it gives (its modality, its media), an
+    entry in one table: a stream added without one of them fails here, and the message names every part that it
+    lacks. (vLLM's parts are checked in test_vllm.py, which imports vLLM.)"""
     from dattn_export import demo_model, graphs, media, media_options
     from dattn_export.modeling import context, streams
-    from dattn_export.runtime import graph
+    from dattn_export.runtime.graph import GraphRuntime
     from dattn_export.stages import push, validate, verify
 
     every = {s for s in vars(streams).values() if isinstance(s, streams.ContextStream)}
     first = {streams.streams_of(kind, ratio)[0] for kind in streams.STREAMS for ratio in ("resize", "anyres")}
     video = set(streams.STREAMS["video"])
     assert {s.name for s in every} == {"image", "tiles", "frames", "audio"} and len(first) == 3  # the sets are read
+    parts = [
+        (context.ContextStreams, "modules", every),
+        (graphs, "spec", every),
+        (media, "graph_context", first),  # by a model's first stream
+        (validate, "context_check", first),
+        (GraphRuntime, "parts", video),  # a video's streams, through their graphs a part at a time
+        (GraphRuntime, "amount", video),
+    ]
+    assert missing_parts(parts) == []
     tables = {
-        "context.STREAM_MODULES": (context.STREAM_MODULES, every, "name"),
-        "graphs.STREAM_GRAPHS": (graphs.STREAM_GRAPHS, every, "name"),
-        "media.GRAPH_CONTEXTS": (media.GRAPH_CONTEXTS, first, "name"),
-        "validate.CONTEXT_CHECKS": (validate.CONTEXT_CHECKS, first, "name"),
-        "runtime.graph.STREAM_PARTS": (graph.STREAM_PARTS, video, "name"),
         "media_options.MODEL_KINDS": (media_options.MODEL_KINDS, every, "modality"),
         "push.MEDIA_PARTS": (push.MEDIA_PARTS, every, "modality"),
         "verify.PROBES": (verify.PROBES, every, "modality"),

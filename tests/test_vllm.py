@@ -243,25 +243,23 @@ def test_tensor_parallel_across_two_ray_nodes(served, tmp_path):
 
 @vllm_missing
 def test_every_stream_has_its_part_in_the_plugin():
-    """The plugin's part of each stream on each side, by the input it comes in: a video's streams (the processor's and
-    the model's parts) and an image model's one (test_layout.py checks the other floors' tables); and the field each
-    stream travels in (its `served_field`) is one its input's TensorSchema declares."""
+    """The plugin's part of each stream on each side (the processor's, the model's; an image model's stream: the
+    largest picture, for vLLM's profiling run), named after it as on the other floors (test_layout.py); and the
+    field each stream travels in (its `served_field`) is one its input's TensorSchema declares."""
     from typing import get_type_hints
+
+    from test_layout import missing_parts
 
     from dattn_export.modeling import streams
     from dattn_export.vllm_plugin.inputs import PictureInputs, VideoInputs
-    from dattn_export.vllm_plugin.model import PICTURE_EMBEDDING, VIDEO_EMBEDDING
-    from dattn_export.vllm_plugin.processor import PICTURE_PROCESSING, VIDEO_PROCESSING
+    from dattn_export.vllm_plugin.model import DAttnForCausalLM
+    from dattn_export.vllm_plugin.processor import DAttnDummyInputsBuilder, DAttnMultiModalProcessor
 
-    every = [stream for stream in vars(streams).values() if isinstance(stream, streams.ContextStream)]
-    sides = [
-        {"video": VIDEO_PROCESSING, "image": PICTURE_PROCESSING},
-        {"video": VIDEO_EMBEDDING, "image": PICTURE_EMBEDDING},
-    ]
-    for tables in sides:
-        assert {stream.modality for stream in every} == set(tables)
-        assert [stream.name for stream in every if stream.name not in tables[stream.modality]] == []
-        assert set(tables["video"]) | set(tables["image"]) == {stream.name for stream in every}
+    every = {stream for stream in vars(streams).values() if isinstance(stream, streams.ContextStream)}
+    pictures = {stream for stream in every if stream.modality == "image"}
+    parts = [(DAttnMultiModalProcessor, "process", every), (DAttnDummyInputsBuilder, "largest", pictures),
+             (DAttnForCausalLM, "embed", every)]  # fmt: skip
+    assert missing_parts(parts) == [] and len(pictures) == 2
     schemas = {"video": VideoInputs, "image": PictureInputs}
     fields = {modality: set(get_type_hints(schema, include_extras=True)) for modality, schema in schemas.items()}
     assert [stream.name for stream in every if stream.served_field not in fields[stream.modality]] == []

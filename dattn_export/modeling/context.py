@@ -173,9 +173,9 @@ class ContextStreams:
             self.mm_aud = self.audio_tower(config)
         self.mm_rand_llm_norm = MMRMSNorm(hidden, config.mm_std)
         for stream in config.streams:
-            STREAM_MODULES[stream.name](self, config, stream)
+            stream.part_on(self, "modules")(config, stream)
 
-    def image_modules(self, config, stream: ImageStream) -> None:
+    def modules_image(self, config, stream: ImageStream) -> None:
         """A picture's (or its tiles'): projected, normed, with row and column embeddings."""
         hidden = config.hidden_size
         self.mm_rand_projector = MLPProjector(config.vision_config["hidden_size"], hidden)
@@ -183,7 +183,9 @@ class ContextStreams:
         self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, stream.position_grid(config))
         self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, stream.position_grid(config))
 
-    def frame_modules(self, config, stream: FramesStream) -> None:
+    modules_tiles = modules_image  # the thumbnail's and tiles' the picture's, their embeddings over the joined grid
+
+    def modules_frames(self, config, stream: FramesStream) -> None:
         """A frame's: pooled, projected, normed, with row and column embeddings (over the pooled grid)."""
         hidden = config.hidden_size
         self.mm_rand_img_pool = FramePool(config)
@@ -192,7 +194,7 @@ class ContextStreams:
         self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
         self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, config.mm_image_pool_size)
 
-    def audio_modules(self, config, stream: AudioStream) -> None:
+    def modules_audio(self, config, stream: AudioStream) -> None:
         """The sound's: pooled, projected, normed; and the time embeddings frames and audio both add."""
         hidden, whisper, pool = config.hidden_size, config.audio_config["d_model"], config.mm_audio_pool_size
         audio_width = whisper if config.mm_pool_rule == "conv-interpolate" else hidden
@@ -367,15 +369,6 @@ class ContextStreams:
         x = nn.utils.rnn.pad_sequence(samples, batch_first=True)
         mask = (x.abs().sum(-1) != 0) & torch.stack(present)[:, None]
         return x * mask[..., None], mask
-
-
-# each stream's modules, by stream (`streams.py`), under the names the released checkpoints give them
-STREAM_MODULES = {
-    "image": ContextStreams.image_modules,
-    "tiles": ContextStreams.image_modules,
-    "frames": ContextStreams.frame_modules,
-    "audio": ContextStreams.audio_modules,
-}
 
 
 class ContextCaches:

@@ -4,8 +4,8 @@ carry in the context mask (the op gives each segment its own softmax with the su
 it, what its config must hold and the sizes it reports.
 
 A model's streams follow its config (`streams_of`); every layer iterates over them, and one that adds its own part of
-a stream (modules, graph, runtime loop) keys it by the stream's name. Plain Python, no imports: it ships in a Hub
-repo beside the model files.
+a stream (modules, graph, runtime loop) names it after the stream (`ContextStream.part_on`). Plain Python, no
+imports: it ships in a Hub repo beside the model files.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ POOL_RULES = ("conv-interpolate", "space-to-depth")
 @dataclass(eq=False)  # not frozen: tests shrink parts_per_run to exercise the part loops on tiny inputs
 class ContextStream:
     """One context stream: its facts here, and in its subclass what differs between streams: the media a prompt
-    gives it, the config keys it needs, the sizes it reports. The layers above key their own part of a stream (its
-    modules, graph, runtime loop, vLLM fields) by its `name`. Streams are equal by name, and code tells them apart
-    by name or attribute, never by class: a Hub repo's remote code loads copies of this module, whose classes are
-    others than the package's."""
+    gives it, the config keys it needs, the sizes it reports. The layers above name their own part of a stream (its
+    modules, graph, runtime loop, vLLM processing) after it (`part_on`). Streams are equal by name, and code tells
+    them apart by name or attribute, never by class: a Hub repo's remote code loads copies of this module, whose classes
+    are others than the package's."""
 
     name: str  # image | tiles | frames | audio
     segment: int  # its keys' id in the context mask (0 marks no key)
@@ -77,6 +77,12 @@ class ContextStream:
 
     def __hash__(self) -> int:
         return hash(self.name)
+
+    def part_on(self, floor, role: str):
+        """Its part on a floor above (a class or a module), found as ast.NodeVisitor finds a node's visitor: the
+        floor's attribute `{role}_{name}` (`modules_frames`, `spec_audio`). Adding a stream adds its parts under
+        those names; no floor keeps a table of streams."""
+        return getattr(floor, f"{role}_{self.name}")
 
     def tokens(self, config, amount: int) -> int:
         """The tokens of `amount` parts (or, with units_per_token, of that many input units); `config`: the model's

@@ -4,8 +4,7 @@ logic; a backend only says how to run one graph: ONNX Runtime (`ort.py`) or Tens
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
 
@@ -87,15 +86,16 @@ class GraphRuntime:
         return caches
 
     def encode_streams(self, inputs: dict[str, object]) -> tuple[list[np.ndarray], np.ndarray]:
-        """A sample's context from its streams' inputs by stream name (`STREAM_PARTS` says what each takes; one
-        absent or None gives no tokens) -> every layer's K/V over the streams end to end, in the model's order, and
-        the (1, V) mask giving each key its stream's segment. Built a part at a time (a stream's `parts_per_run` a
-        run): memory beyond the caches does not grow with the length."""
+        """A sample's context from its streams' inputs by stream name (each stream's `parts_{name}` says what it
+        takes, `amount_{name}` how much of it its tokens count; one absent or None gives no tokens) -> every layer's
+        K/V over the streams end to end, in the model's order, and the (1, V) mask giving each key its stream's
+        segment. Built a part at a time (a stream's `parts_per_run` a run): memory beyond the caches does not grow
+        with the length."""
         model = self.manifest.model
-        given = [(s, STREAM_PARTS[s.name], inputs[s.name]) for s in model.streams if inputs.get(s.name) is not None]
-        segments = [np.full(s.tokens(model, parts.amount(x)), s.segment, np.int64) for s, parts, x in given]
+        given = [(s, inputs[s.name]) for s in model.streams if inputs.get(s.name) is not None]
+        segments = [np.full(s.tokens(model, s.part_on(self, "amount")(x)), s.segment, np.int64) for s, x in given]
         mask = np.concatenate([np.zeros(0, np.int64), *segments])[None]
-        return self.fill_caches(chain.from_iterable(parts.run(self, s, x) for s, parts, x in given), mask), mask
+        return self.fill_caches(chain.from_iterable(s.part_on(self, "parts")(s, x) for s, x in given), mask), mask
 
     def encode_anyres(self, tiles: np.ndarray, columns: int, rows: int) -> tuple[list[np.ndarray], np.ndarray]:
         """An anyres image's context: its thumbnail and tiles (1 + columns x rows, 3, H, W), the tiling chosen for
@@ -118,7 +118,14 @@ class GraphRuntime:
         caches = [np.concatenate([padded(c, 2) for c in parts]) for parts in zip(*(kv for kv, _ in contexts))]
         return caches, np.concatenate([padded(mask, 1) for _, mask in contexts])
 
-    def frame_parts(self, stream: ContextStream, frames: np.ndarray | PreparedFrames) -> Iterator[np.ndarray]:
+    amount_frames = staticmethod(len)  # frames (F, 3, H, W): the frames its tokens count
+
+    @staticmethod
+    def amount_audio(audio: tuple[np.ndarray, int]) -> int:
+        """(log-mel chunks, mel frames): the mel frames its tokens count."""
+        return audio[1]
+
+    def parts_frames(self, stream: ContextStream, frames: np.ndarray | PreparedFrames) -> Iterator[np.ndarray]:
         """A video's frames (F, 3, H, W; an array, or read a part at a time by slices as images.PreparedFrames is)
         through vision.onnx: (1, n * tokens per frame, hidden) a run; a space-to-depth pool's graph is told each
         frame's pooled side (`pooled_grid`'s length, of the video's length)."""
@@ -134,7 +141,7 @@ class GraphRuntime:
             (embeds,) = self._run("vision", feeds | (side if model.pool_rule == "space-to-depth" else {}))
             yield embeds
 
-    def audio_parts(self, stream: ContextStream, audio: tuple[np.ndarray, int]) -> Iterator[np.ndarray]:
+    def parts_audio(self, stream: ContextStream, audio: tuple[np.ndarray, int]) -> Iterator[np.ndarray]:
         """A sound track's log-mel 30 s chunks (C, bins, frames) and its length in mel frames through audio.onnx:
         its tokens a run, cut to its length."""
         features, mel_frames = audio
@@ -214,19 +221,3 @@ class GraphRuntime:
             attention_mask = np.concatenate([attention_mask, np.ones_like(next_token)], axis=1)
             logits, past = self.decode(next_token, attention_mask, past, context, context_mask)
         return np.concatenate(tokens, axis=1)
-
-
-@dataclass(frozen=True)
-class StreamParts:
-    """How the runtime runs a stream's graph a part at a time: the amount of its input that its tokens count
-    (`ContextStream.tokens`), and the method giving its parts' tokens in order."""
-
-    amount: Callable[[object], int]
-    run: Callable[[GraphRuntime, ContextStream, object], Iterator[np.ndarray]]
-
-
-# what each stream a runtime encodes a part at a time takes (`encode_streams`), by stream name
-STREAM_PARTS = {
-    "frames": StreamParts(len, GraphRuntime.frame_parts),  # frames (F, 3, H, W)
-    "audio": StreamParts(lambda audio: audio[1], GraphRuntime.audio_parts),  # (log-mel chunks, mel frames)
-}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -234,7 +235,7 @@ def compare_runs(runtime: GraphRuntime, reference, processor, media: Media, repo
     tokens, compared with the reference: (the graphs' context K/V and mask, the reference's greedy tokens)."""
     config, ids, mask = reference.config, inputs["input_ids"], inputs["attention_mask"]
     decoded = decode_media(media, processor) if media.given else default_media(config)
-    context_check = CONTEXT_CHECKS[config.streams[0].name]  # a video model's frames check its audio too
+    context_check = config.streams[0].part_on(sys.modules[__name__], "context_check")  # a video's checks its audio
     visual, got_kv, got_mask = context_check(runtime, reference, processor, decoded, report)
 
     with torch.no_grad():
@@ -262,7 +263,7 @@ def compare_runs(runtime: GraphRuntime, reference, processor, media: Media, repo
 
 
 @torch.no_grad()
-def image_context(runtime: GraphRuntime, reference, processor, media: DecodedMedia, report: ValidationReport):
+def context_check_image(runtime: GraphRuntime, reference, processor, media: DecodedMedia, report: ValidationReport):
     """The pictures (the demo's by default) through vision and context_kv, compared: (the reference's streams, the
     graphs' K/V and mask)."""
     pixels = processor.pictures([media.images or [demo_image()]])["pixel_values"]
@@ -289,7 +290,7 @@ def default_media(config) -> DecodedMedia:
 
 
 @torch.no_grad()
-def video_context(runtime: GraphRuntime, reference, processor, media: DecodedMedia, report: ValidationReport):
+def context_check_frames(runtime: GraphRuntime, reference, processor, media: DecodedMedia, report: ValidationReport):
     """A video model's frames and audio through vision, audio and context_kv, each stream's K/V compared with the
     reference's (worst of every layer's): (the reference's streams, the graphs' context K/V and mask)."""
     streams = encode_media(reference, processor, media, {})
@@ -307,7 +308,7 @@ def video_context(runtime: GraphRuntime, reference, processor, media: DecodedMed
 
 
 @torch.no_grad()
-def anyres_context(runtime: GraphRuntime, reference, processor, media: DecodedMedia, report: ValidationReport):
+def context_check_tiles(runtime: GraphRuntime, reference, processor, media: DecodedMedia, report: ValidationReport):
     """An anyres image's thumbnail and tiles (the demo's picture by default) through vision and context_kv, its K/V
     compared with the reference's (worst of every layer's)."""
     image = media.images[0] if media.images else demo_image()
@@ -318,9 +319,6 @@ def anyres_context(runtime: GraphRuntime, reference, processor, media: DecodedMe
     output = f"visual K/V ({columns} x {rows} tiles)"
     compare_stream(report, "vision + context_kv", output, got_kv, context_kv, slice(None))
     return dict(context_key_values=context_kv, context_mask=context_mask), got_kv, got_mask
-
-
-CONTEXT_CHECKS = {"image": image_context, "tiles": anyres_context, "frames": video_context}  # by the first stream
 
 
 def compare_stream(report: ValidationReport, graph: str, output: str, got_kv: list, expected: list, keys: slice):

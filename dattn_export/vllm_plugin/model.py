@@ -178,16 +178,16 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
             embed = lambda new: [self.video_stream(*items[i]) for i in new]
             return self.context_cache.hand_over(digest_keys(videos.digest), embed)
         pictures = PictureInputs.parse(inputs)
-        items, embed_pictures = pictures.items(), PICTURE_EMBEDDING[self.config.streams[0].name]
-        embed = lambda new: embed_pictures(self, [items[i] for i in new])
+        items, embed_pictures = pictures.items(), self.config.streams[0].part_on(self, "embed")
+        embed = lambda new: embed_pictures([items[i] for i in new])
         return self.context_cache.hand_over(digest_keys(pictures.digest), embed)
 
-    def embed_pictures(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    def embed_image(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Pictures that are not tiled, (1, 3, H, W) each: through the tower at once."""
         segment, pixels = self.config.streams[0].segment, self.pixels(torch.stack([p for p, _ in pictures]))
         return [with_segment(stream, segment) for stream in self.model.embed_images(pixels)]
 
-    def embed_tiled(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    def embed_tiles(self, pictures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """anyres pictures, each its thumbnail and tiles (1 + columns x rows, 3, side, side) and its tiling."""
         segment, streams = self.config.streams[0].segment, []
         for pixels, (columns, rows) in pictures:
@@ -206,7 +206,7 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         *media, sizes = item
         streams = []
         for stream, tensor, amount in zip(self.config.streams, media, sizes[1::2].tolist(), strict=True):
-            if (embedded := VIDEO_EMBEDDING[stream.name](self, tensor, amount)) is not None:
+            if (embedded := stream.part_on(self, "embed")(tensor, amount)) is not None:
                 tokens, mask = embedded
                 streams.append(with_segment(tokens, stream.segment * mask))
         return torch.cat(streams)
@@ -215,7 +215,7 @@ class DAttnForCausalLM(nn.Module, SupportsMultiModal):
         """The frames' stream tokens and mask: the frames come as bytes, normalized as the processor would have."""
         return self.model.embed_video([self.pixels(frames)])
 
-    def embed_sound(self, mels: torch.Tensor, mel_frames: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def embed_audio(self, mels: torch.Tensor, mel_frames: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sound track's stream tokens and mask (None: a video without one)."""
         return self.model.embed_audio([mels], [mel_frames]) if mel_frames else None
 
@@ -298,10 +298,3 @@ def with_segment(stream: torch.Tensor, segment: torch.Tensor | int) -> torch.Ten
     stream = stream.reshape(-1, stream.shape[-1])
     column = torch.as_tensor(segment, dtype=stream.dtype, device=stream.device).reshape(-1, 1).expand(len(stream), 1)
     return torch.cat([stream, column], dim=-1)
-
-
-# a video stream's part in the model, by stream name: (model, its processed media, the amount its tokens count) -> its
-# tokens and mask (None: the video has none of it)
-VIDEO_EMBEDDING = {"frames": DAttnForCausalLM.embed_frames, "audio": DAttnForCausalLM.embed_sound}
-# an image model's stream (its only one) in the model: (model, pictures: each its parts and tiling) -> their streams
-PICTURE_EMBEDDING = {"image": DAttnForCausalLM.embed_pictures, "tiles": DAttnForCausalLM.embed_tiled}

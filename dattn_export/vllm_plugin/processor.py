@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
 
@@ -99,7 +98,7 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
             audio = np.random.default_rng(0).uniform(-0.5, 0.5, longest_sound_track(frames))
             metadata = {"audio": audio.astype(np.float32), PROFILING: True}
             return {"video": [(video, metadata)] * mm_counts.get("video", 0)}
-        columns, rows = PICTURE_PROCESSING[config.streams[0].name].largest(config)
+        columns, rows = config.streams[0].part_on(self, "largest")(config)
         images = self._get_dummy_images(
             width=columns * size,
             height=rows * size,
@@ -107,6 +106,16 @@ class DAttnDummyInputsBuilder(BaseDummyInputsBuilder[DAttnProcessingInfo]):
             overrides=mm_options.get("image"),
         )
         return {"image": images}
+
+    @staticmethod
+    def largest_image(config) -> tuple[int, int]:
+        """The largest picture's size in tower squares (columns, rows): a picture is resized to one."""
+        return 1, 1
+
+    @staticmethod
+    def largest_tiles(config) -> tuple[int, int]:
+        """An anyres model's: its widest tiling, filled exactly."""
+        return max(config.mm_image_grid_points, key=lambda point: point[0] * point[1])
 
 
 class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
@@ -153,15 +162,15 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
                 raise ValueError(f"image of {image.width}x{image.height} pixels: at most {MAX_IMAGE_PIXELS} are taken")
         images = [image if image.mode == "RGB" else image.convert("RGB") for image in images]
         digests = torch.stack(self.digests(images, lambda image: media_digest(np.asarray(image))))
-        process = PICTURE_PROCESSING[self.info.get_hf_config().streams[0].name].process
-        processed = [self.info.processed(d, partial(process, self, i)) for d, i in zip(digests, images)]
+        process = self.info.get_hf_config().streams[0].part_on(self, "process")
+        processed = [self.info.processed(d, partial(process, i)) for d, i in zip(digests, images)]
         pixels, tilings = zip(*processed)
         field = self.info.get_hf_config().streams[0].served_field
         return BatchFeature({field: joined(pixels), "tiling": torch.tensor(tilings), "digest": digests})
 
-    def process_picture(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
+    def process_image(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
         """A picture as the released code prepares one (mm_image_aspect_ratio), as bytes until the model normalizes
-        it (a quarter of what is kept, sent and batched): (1, 3, H, W)."""
+        it (a quarter of what is kept, sent and batched): (1, 3, H, W), and its tiling ((0, 0): not tiled)."""
         return self.info.processor.picture_bytes([image]), (0, 0)
 
     def process_tiles(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -192,7 +201,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         """A video's processed media, a tensor per stream, and its sizes [parts, amount] per stream."""
         tensors, sizes = [], []
         for stream in self.info.get_hf_config().streams:
-            tensor, amount = VIDEO_PROCESSING[stream.name](self, video, samples)
+            tensor, amount = stream.part_on(self, "process")(video, samples)
             tensors.append(tensor)
             sizes += [len(tensor), amount]
         return *tensors, sizes
@@ -202,7 +211,7 @@ class DAttnMultiModalProcessor(EncDecMultiModalProcessor[DAttnProcessingInfo]):
         pictures = [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video]
         return self.info.processor.picture_bytes(pictures), len(pictures)
 
-    def process_sound(self, video: np.ndarray, samples: np.ndarray | None) -> tuple[torch.Tensor, int]:
+    def process_audio(self, video: np.ndarray, samples: np.ndarray | None) -> tuple[torch.Tensor, int]:
         """The sound track's log-mel chunks and its length in mel frames; one chunk of zeros and 0 without one (or
         with one too short for a token)."""
         config, processor = self.info.get_hf_config(), self.info.processor
@@ -271,27 +280,3 @@ def sound_track(metadata: Mapping[str, object]) -> np.ndarray | None:
         )
     samples = metadata["audio"]
     return None if samples is None else np.asarray(samples, dtype=np.float32)
-
-
-# a video stream's part in the processor, by stream name: (processor, the video's frames, its sound track) -> its
-# media as a tensor of parts, and the amount its tokens count
-VIDEO_PROCESSING = {"frames": DAttnMultiModalProcessor.process_frames, "audio": DAttnMultiModalProcessor.process_sound}
-
-
-@dataclass(frozen=True)
-class PictureProcessing:
-    """An image model's stream (its only one) in the processor: the largest picture's size in tower squares (vLLM's
-    profiling run), and how a picture is prepared (its bytes, an anyres picture's thumbnail then tiles, and its
-    tiling: columns, rows; (0, 0): not tiled)."""
-
-    largest: Callable[[object], tuple[int, int]]
-    process: Callable[[DAttnMultiModalProcessor, Image.Image], tuple[torch.Tensor, tuple[int, int]]]
-
-
-PICTURE_PROCESSING = {  # by stream name
-    "image": PictureProcessing(lambda config: (1, 1), DAttnMultiModalProcessor.process_picture),
-    "tiles": PictureProcessing(
-        lambda config: max(config.mm_image_grid_points, key=lambda point: point[0] * point[1]),
-        DAttnMultiModalProcessor.process_tiles,
-    ),
-}
