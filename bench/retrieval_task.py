@@ -11,7 +11,7 @@ one run: the synthetic benchmark's held-out split (20 clips, about 130 queries) 
 each scored by `score` as VUE-TR scores (IoU: the area under the curve over 101 thresholds) against the truth and
 against the reference's own answers (`score --against`), with how many answers are the reference's, text for text.
 
-    python bench/retrieval_task.py                       # both families, about 11 minutes on 2 cores
+    python bench/retrieval_task.py                       # both families, about 8 minutes on 2 cores
     python bench/retrieval_task.py --family gemma2 --deployments torch,ort,int4
 """
 

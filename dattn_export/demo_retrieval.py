@@ -13,10 +13,17 @@ import numpy as np
 from .demo_corpus import SPLITS, make_clip, queries, tokenizer_texts, write_clip
 from .demo_model import CORPUS, write_demo_checkpoint
 from .modeling.families import FAMILIES
+from .presets import TINY_AUDIO
 
 WEIGHTS = Path(__file__).parent / "demo_weights"  # {family}.safetensors: what the tool trained, its names released
 DEMO_CLIP = SPLITS["held-out"]  # the held-out clip the demo asks about: the seed of demo.mov
 HELD_OUT_CLIPS = 20  # the held-out split the tool and the demo score on
+# What the retrieval model changes in the tiny video config, towards the released models' time resolution. Their
+# towers hear 10 tokens a second (Whisper's 50 positions pooled by 5), the tests' tiny Whisper one every 2 s (30
+# positions a 30 s chunk, pooled by 2), so no sound's edge on an odd second could be found: here 10 positions a
+# second, a token every 0.2 s. Their time embedding spreads a video over 10000 positions, the tiny config's over 8
+# (neighbouring frames 0.3 radians apart at its finest frequency): here 32, more than a clip's frames.
+RETRIEVAL_CONFIG = {"audio_config": {**TINY_AUDIO, "max_source_positions": 300}, "mm_time_interval": 32}
 ANSWER_TOKENS = 24  # retrieve's new tokens: a truth holds two ranges at most, "0.31-0.53, 0.84-0.99" and EOS in 22
 
 
@@ -28,7 +35,8 @@ def write_retrieval_checkpoint(out: Path, family: str, weights: Path | None = No
     """The family's demo video checkpoint (released layout) with a tokenizer that knows the benchmark's words and its
     family's task prompt, as a real model's does; `weights`: a safetensors file of its tensors (released names) in
     place of the random ones. Its demo.mov is the held-out clip DEMO_CLIP."""
-    out = write_demo_checkpoint(out, family, video=True, tokenizer_texts=CORPUS + tokenizer_texts(FAMILIES[family]))
+    texts = CORPUS + tokenizer_texts(FAMILIES[family])
+    out = write_demo_checkpoint(out, family, video=True, tokenizer_texts=texts, **RETRIEVAL_CONFIG)
     if weights is not None:
         for shard in out.glob("model*.safetensors*"):
             shard.unlink()

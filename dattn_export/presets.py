@@ -48,7 +48,8 @@ def tiny_config(
     fields |= overrides
     fields.setdefault("vision_config", dict(TINY_VISION[vision]))
     if audio:
-        fields |= {"mm_audio_tower": "dattn-export/tiny-whisper", "audio_config": dict(TINY_AUDIO)}
+        fields["mm_audio_tower"] = "dattn-export/tiny-whisper"
+        fields.setdefault("audio_config", dict(TINY_AUDIO))
     return CONFIG_CLASSES[spec.model_type](**fields)
 
 
