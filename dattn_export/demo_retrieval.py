@@ -20,9 +20,9 @@ DEMO_CLIP = SPLITS["held-out"]  # the held-out clip the demo asks about: the see
 HELD_OUT_CLIPS = 20  # the held-out split the tool and the demo score on
 # What the retrieval model changes in the tiny video config, towards the released models' time resolution. Their
 # towers hear 10 tokens a second (Whisper's 50 positions pooled by 5), the tests' tiny Whisper one every 2 s (30
-# positions a 30 s chunk, pooled by 2), so no sound's edge on an odd second could be found: here 10 positions a
-# second, a token every 0.2 s. Their time embedding spreads a video over 10000 positions, the tiny config's over 8
-# (neighbouring frames 0.3 radians apart at its finest frequency): here 32, more than a clip's frames.
+# positions a 30 s chunk, pooled by 2), so a sound that starts or ends on an odd second fell inside a token: here 10
+# positions a second, a token every 0.2 s. Their time embedding spreads a video over 10000 positions, the tiny
+# config's over 8 (neighbouring frames 0.3 radians apart at its finest frequency): here 32, more than a clip's frames.
 RETRIEVAL_CONFIG = {"audio_config": {**TINY_AUDIO, "max_source_positions": 300}, "mm_time_interval": 32}
 ANSWER_TOKENS = 24  # retrieve's new tokens: a truth holds two ranges at most, "0.31-0.53, 0.84-0.99" and EOS in 22
 

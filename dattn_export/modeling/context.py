@@ -183,7 +183,7 @@ class ContextStreams:
         self.mm_rand_pos_w = LearnablePositionEmbedding(hidden, stream.position_grid(config))
         self.mm_rand_pos_h = LearnablePositionEmbedding(hidden, stream.position_grid(config))
 
-    modules_tiles = modules_image  # the thumbnail's and tiles' the picture's, their embeddings over the joined grid
+    modules_tiles = modules_image  # a tiled picture's are a picture's; its embeddings span the joined grid
 
     def modules_frames(self, config, stream: FramesStream) -> None:
         """A frame's: pooled, projected, normed, with row and column embeddings (over the pooled grid)."""
