@@ -1,6 +1,7 @@
-"""The accuracy gate's figures: healthy and broken quantized exports of tiny models trained on two corpora, two seeds
-each, every metric the gate judges (and the plain agreement and top-5 overlap it does not), against its thresholds.
-These measurements chose the thresholds in `dattn_export/stages/accuracy_gate.py`.
+"""The accuracy gate's figures: healthy and broken quantized exports of tiny models trained on two sets of questions
+and answers (asked through the chat template, as the gate asks), two seeds each, every metric the gate judges (and
+the plain agreement and top-5 overlap it does not), against its thresholds. These measurements chose the thresholds
+in `dattn_export/stages/accuracy_gate.py`.
 
 Healthy: int8 and int4 exports as `dattn-export onnx --quantize` writes them. Broken (int4): one matrix's scales
 shifted a row (`shift-one`), every matrix's (`shift`), the first two layers' weights exchanged (`swap`). Each export

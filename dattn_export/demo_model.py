@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import CLIPVisionConfig, PreTrainedTokenizerFast, SiglipVisionConfig, WhisperConfig
@@ -16,13 +17,12 @@ from .checkpoints.released import OWN_KEYS, released_config
 from .checkpoints.safetensors_writer import PlannedTensor, plan_shards, write_shards
 from .checkpoints.source import saved_state_dict
 from .modeling.families import DEFAULT_FAMILY, FAMILIES
-from .modeling.marked_prompts import MEDIA_MARKERS
 from .modeling.modeling_dattn import MODEL_CLASSES
 from .modeling.processing_dattn import default_audio_processor
 from .modeling.sound_decoding import AUDIO_RATE
 from .presets import randomize_weights, tiny_config
 from .processing import IMAGE_PROCESSORS
-from .prompts import Prompt
+from .prompts import Prompt, asked
 
 DEMO_QUESTIONS = {  # by what the model takes (its modality)
     "image": "Describe the image in one sentence.",
@@ -32,20 +32,35 @@ DEMO_VIDEO_FPS = 2  # the file's rate: generate takes one frame a second
 TOWER_FOLDER_SUFFIX = {"image": "", "video": "-video"}  # a video model's tower: smaller frames
 SHARD_BYTES = 256 * 1024  # small, so the demo checkpoint has several shards like a real one
 
-CORPUS = [
-    "USER: Describe the image in one sentence.\nASSISTANT: A red circle on a blue and green gradient.",
-    "USER: What is in the picture?\nASSISTANT: There is a round shape in the middle of the picture.",
-    "USER: How many objects are there?\nASSISTANT: One object, a circle, near the center.",
+DEMO_TURNS = [  # questions about the demo's picture and their answers (the accuracy gate's tests train on them)
+    (DEMO_QUESTIONS["image"], "A red circle on a blue and green gradient."),
+    ("What is in the picture?", "There is a round shape in the middle of the picture."),
+    ("How many objects are there?", "One object, a circle, near the center."),
+]
+CORPUS = [  # the texts the demo's tokenizer learns its merges from
+    *(f"USER: {question}\nASSISTANT: {answer}" for question, answer in DEMO_TURNS),
     "The quick brown fox jumps over the lazy dog. Vision and text tokens attend differently.",
     "Decomposed attention: visual tokens see themselves, text tokens see the image and earlier text.",
 ]
 
 
 def demo_prompt(modality: str, tokenizer) -> Prompt:
-    """The demo's question about its media (validate's default): through the checkpoint's chat template, or where it
-    has none, as the released scripts' text before their template (the media's marker, a newline, the question)."""
-    question = DEMO_QUESTIONS[modality]
-    return Prompt(question) if tokenizer.chat_template else Prompt(f"{MEDIA_MARKERS[0]}\n{question}", "raw")
+    """The demo's question about its media (validate's default), as the checkpoint is asked it (`prompts.asked`)."""
+    return asked(DEMO_QUESTIONS[modality], tokenizer)
+
+
+def supervised_batch(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training rows of (prompt ids, answer ids) as the demo's models are trained on them: left-padded ids, their
+    mask, and labels on the answers alone (-100 elsewhere)."""
+    longest = max(len(p) + len(a) for p, a in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, (prompt, reply) in enumerate(rows):
+        start = longest - len(prompt) - len(reply)
+        ids[i, start:] = torch.tensor(prompt + reply)
+        mask[i, start:] = 1
+        labels[i, start + len(prompt) :] = torch.tensor(reply)
+    return ids, mask, labels
 
 
 def build_tokenizer(

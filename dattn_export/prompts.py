@@ -76,6 +76,12 @@ def task_prompt(family, query: str, length: float) -> str:
     return task_template(family.released_task).render(text=query, video_length=length)
 
 
+def asked(question: str, tokenizer) -> Prompt:
+    """A question about media as the checkpoint is asked it: through its chat template, or where it has none, as the
+    released scripts' text before their template (the media's marker, a newline, the question)."""
+    return Prompt(question) if tokenizer.chat_template else Prompt(f"{MEDIA_MARKERS[0]}\n{question}", "raw")
+
+
 def as_prompt(prompt: str | Prompt) -> Prompt:
     """A prompt given as a plain string is a finished one (raw), as it always was in the Python API."""
     return prompt if isinstance(prompt, Prompt) else Prompt(prompt, "raw")

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from dattn_export.checkpoints.source import load_model, saved_state_dict
 from dattn_export.demo_corpus import SPLITS, answer, write_benchmark, written_clip
+from dattn_export.demo_model import supervised_batch
 from dattn_export.demo_retrieval import ANSWER_TOKENS, HELD_OUT_CLIPS, trained_weights, write_retrieval_checkpoint
 from dattn_export.modeling.marked_prompts import prompt_ids
 from dattn_export.modeling.processing_dattn import DAttnProcessor
@@ -48,19 +49,6 @@ def example(seed: int, scratch: Path, processor, family) -> tuple[dict, list[tup
     return {k: v for k, v in media.items() if k not in ("input_ids", "attention_mask")}, rows
 
 
-def batch(rows):
-    """Left-padded ids, their mask, and labels on the answers only."""
-    longest = max(len(p) + len(a) for p, a in rows)
-    ids = torch.zeros(len(rows), longest, dtype=torch.long)
-    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-    for i, (prompt, reply) in enumerate(rows):
-        start = longest - len(prompt) - len(reply)
-        ids[i, start:] = torch.tensor(prompt + reply)
-        mask[i, start:] = 1
-        labels[i, start + len(prompt) :] = torch.tensor(reply)
-    return ids, mask, labels
-
-
 def train(folder: Path, clips: int, steps: int, lr: float, scratch: Path) -> torch.nn.Module:
     """AdamW with a one-cycle schedule, a clip a step (its context once for all its queries): the train split's first
     `clips` clips in a seeded order, each made afresh when its turn comes."""
@@ -74,7 +62,7 @@ def train(folder: Path, clips: int, steps: int, lr: float, scratch: Path) -> tor
         if not seeds:
             seeds = order.sample(range(SPLITS["train"], SPLITS["train"] + clips), clips)
         media, rows = example(seeds.pop(), scratch, processor, processor.model_config.family)
-        ids, mask, labels = batch(rows)
+        ids, mask, labels = supervised_batch(rows)
         context, segments = model.model.encode_inputs(**media)
         expand = lambda t: t.expand(len(ids), *t.shape[1:])  # noqa: E731
         context = [tuple(expand(t) for t in layer) for layer in context]

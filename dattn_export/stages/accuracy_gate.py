@@ -9,12 +9,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# asked after the user's prompt about the same media, so that a gate never rests on one prompt
-GATE_PROMPTS = [
-    "USER: What is in the picture?\nASSISTANT:",
-    "USER: How many objects are there?\nASSISTANT:",
-    "USER: Describe the colours, one by one.\nASSISTANT:",
-]
+from ..prompts import asked
+
+# asked after the user's prompt about the same media, as the checkpoint is asked (its chat template), so that a gate
+# never rests on one prompt
+GATE_QUESTIONS = ("What is in the picture?", "How many objects are there?", "Describe the colours, one by one.")
+
+
+def gate_texts(prompt: str, tokenizer, family) -> list[str]:
+    """The texts the gate asks about one medium: the user's prompt (its text), then GATE_QUESTIONS as the checkpoint
+    is asked them."""
+    return [prompt, *(asked(q, tokenizer).text_for(tokenizer, family, media=True) for q in GATE_QUESTIONS)]
 
 
 @dataclass(frozen=True)
@@ -25,11 +30,11 @@ class Thresholds:
       greedy_mass  the mean of p_ref(the quantized model's greedy token) / p_ref(the reference's greedy token);
       top5_mass    the mean of p_ref(the quantized top 5) / p_ref(the reference's top 5);
       mean_kl      the mean KL(reference || quantized) of the next-token distributions (nats).
-    Measured (`bench/quantize_gate.py`, tiny models trained on two corpora, two seeds each; 80 positions each):
-    healthy int4 exports 0.951-0.998 / 0.9772-0.9992 / 0.009-0.069, healthy int8 >= 0.996 / >= 0.9999 / <= 0.0007;
-    broken int4 exports (one matrix's scales shifted a row, every matrix's, two layers swapped) <= 0.682 / <= 0.874
-    / >= 1.13. The plain agreement and top-5 overlap judged noise: healthy int4 exports gave as low as 0.81 and
-    0.82."""
+    Measured (`bench/quantize_gate.py`, tiny models trained on two sets of questions through the chat template, two
+    seeds each; 80 positions each): healthy int4 exports 0.980-0.994 / 0.9926-0.9981 / 0.013-0.026, healthy int8
+    >= 0.999 / >= 0.9999 / <= 0.0003; broken int4 exports (one matrix's scales shifted a row, every matrix's, two
+    layers swapped) <= 0.882 / <= 0.889 / >= 0.61. The plain agreement and top-5 overlap judged noise: healthy int4
+    exports gave as low as 0.81 and 0.82."""
 
     greedy_mass: float
     top5_mass: float
@@ -38,12 +43,12 @@ class Thresholds:
 
 GATES = {
     "int8": Thresholds(greedy_mass=0.98, top5_mass=0.99, mean_kl=0.01),
-    "int4": Thresholds(greedy_mass=0.85, top5_mass=0.95, mean_kl=0.25),
+    "int4": Thresholds(greedy_mass=0.90, top5_mass=0.95, mean_kl=0.25),
     # compressed-tensors' w4a16 served by vLLM against its 16-bit folder served alike (`validate --backend vllm`),
-    # measured by bench/vllm_quantize_gate.py (both families, two seeds): healthy >= 0.945 / >= 0.9963 / <= 0.031;
-    # every matrix's scales a row off <= 0.977 / <= 0.9977 / >= 0.10, which int4's row (16-bit activations here, where
-    # the ONNX decoders compute with int8 ones) lets pass; every matrix of two layers swapped <= 0.513 / <= 0.9232 /
-    # >= 1.51. w8a8 and fp8 folders keep int8's row: healthy >= 0.995 / >= 0.9998 / <= 0.0050.
+    # measured by bench/vllm_quantize_gate.py (both families, two seeds): healthy >= 0.975 / >= 0.9963 / <= 0.018;
+    # every matrix's scales a row off <= 0.989 / <= 0.9985 / >= 0.089, which int4's row (16-bit activations here, where
+    # the ONNX decoders compute with int8 ones) lets pass; every matrix of two layers swapped <= 0.801 / <= 0.9726 /
+    # >= 0.72. w8a8 and fp8 folders keep int8's row: healthy >= 0.997 / >= 0.9991 / <= 0.0039.
     "w4a16": Thresholds(greedy_mass=0.90, top5_mass=0.98, mean_kl=0.08),
 }
 

@@ -213,12 +213,13 @@ def validate(
 
 @torch.no_grad()
 def gate_graphs(runtime, reference, tokenizer, scheme: str, prompt: str, steps: int, got_kv, got_mask):
-    """The quantized decoder against the reference over the prompt and the gate's own (GATE_PROMPTS), with the same
-    context: next-token distributions at every position of the reference's greedy continuation (teacher-forced)."""
+    """The quantized decoder against the reference over the prompt and the gate's own (`accuracy_gate.gate_texts`),
+    with the same context: next-token distributions at every position of the reference's greedy continuation
+    (teacher-forced)."""
     layers = [tuple(torch.from_numpy(t) for t in layer) for layer in layer_caches(got_kv, reference.config)]
     visual = dict(context_key_values=layers, context_mask=torch.from_numpy(got_mask))  # both sides: the same context
     expected, got = [], []
-    for text in [prompt, *accuracy_gate.GATE_PROMPTS]:
+    for text in accuracy_gate.gate_texts(prompt, tokenizer, reference.config.family):
         ids = torch.tensor([prompt_ids(tokenizer, text)])
         continuation = reference.greedy(ids, max_new_tokens=steps, **visual)
         full = torch.cat([ids, continuation], dim=1)[:, :-1]

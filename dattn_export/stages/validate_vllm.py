@@ -2,7 +2,7 @@
 runs), held to its 16-bit folder served alike.
 
 The same accuracy gate as a quantized ONNX export's (`accuracy_gate.GATES`, the scheme's row), over the prompt and
-`GATE_PROMPTS` with the same media: each engine's full next-token distribution at every position of the 16-bit
+`GATE_QUESTIONS` with the same media: each engine's full next-token distribution at every position of the 16-bit
 model's greedy continuation, teacher-forced (one request per position, the continuation so far in its prompt, since
 the engine decodes only its own tokens). The free-running greedy tokens are reported, not gated: quantized weights
 may part from the 16-bit model's at a near tie and never meet again. Both engines run in the same dtype (bfloat16 on
@@ -85,7 +85,7 @@ def validate_vllm(
     prompt = as_prompt(prompt) if prompt else demo_prompt(config.modality, tokenizer)
     decoded = decode_media(media, processor, [prompt]) if media.given else default_media(config)
     text = prompt.text_for(tokenizer, config.family, media=True, length=decoded.duration)
-    prompts = [prompt_ids(tokenizer, t) for t in [text, *accuracy_gate.GATE_PROMPTS]]
+    prompts = [prompt_ids(tokenizer, t) for t in accuracy_gate.gate_texts(text, tokenizer, config.family)]
     report.prompt_tokens = len(prompts[0])
     with progress("serving both folders with vLLM", 4, "runs") as advance:
         with Engine(against, processor, decoded, prompts, steps, report.dtype, verbose) as engine:

@@ -1,8 +1,10 @@
 """Trained tiny models and damaged quantized exports, for the accuracy gate's tests and its bench.
 
 A random model's next-token distributions are nearly flat, so a gate on them means nothing: the gate is held on
-tiny models trained first, 150 AdamW steps on a short corpus with the demo image, until they predict its answers
-with confidence, as a trained model predicts its domain."""
+tiny models trained first on a few questions about the demo image and their answers, asked through the checkpoint's
+chat template as the gate asks its own, until they predict the answers with confidence (a loss under 0.1), as a
+trained model predicts its domain; and no further: trained on, they give their answers' tokens a probability of 0.995
+and more, which even damaged weights keep, and a gate on them would pass those too."""
 
 import shutil
 from pathlib import Path
@@ -12,28 +14,39 @@ import onnx
 import torch
 
 from dattn_export.checkpoints.source import load_model
-from dattn_export.demo_model import CORPUS
+from dattn_export.demo_model import DEMO_TURNS, supervised_batch
+from dattn_export.modeling.marked_prompts import prompt_ids
 from dattn_export.processing import load_tokenizer
+from dattn_export.prompts import asked
 from helpers.builders import picture_pixels
 
-CORPORA = {
-    "demo": CORPUS[:3],  # the demo's questions and answers, which the gate's prompts ask
+CONFIDENT = 0.1  # the answers' loss (nats a token) training stops under
+CORPORA = {  # (question, answer) turns about the media
+    "demo": DEMO_TURNS,  # the demo's, whose questions the gate asks too
     "colours": [
-        "USER: What colour is the circle?\nASSISTANT: The circle is red, and the background fades from green to blue.",
-        "USER: Is there any writing in the image?\nASSISTANT: No writing, only a shape on a smooth gradient.",
-        "USER: Where is the circle?\nASSISTANT: In the centre, a quarter of the way in from each edge.",
+        ("What colour is the circle?", "The circle is red, and the background fades from green to blue."),
+        ("Is there any writing in the image?", "No writing, only a shape on a smooth gradient."),
+        ("Where is the circle?", "In the centre, a quarter of the way in from each edge."),
     ],
 }
 
 
-def train(folder: Path, corpus: list[str], steps: int = 150, seed: int = 0, video: Path | None = None):
-    """The model of the checkpoint at `folder` trained on `corpus` (the image as context; a video model: the frames
-    and sound of `video`, as the processor prepares them); returns it."""
+def question_texts(turns: list[tuple[str, str]], tokenizer, family) -> list[str]:
+    """The turns' questions as the checkpoint is asked them (its chat template, the media's marker first): the
+    prompts their answers are trained after."""
+    return [asked(question, tokenizer).text_for(tokenizer, family, media=True) for question, _ in turns]
+
+
+def train(folder: Path, turns: list[tuple[str, str]], steps: int = 150, seed: int = 0, video: Path | None = None):
+    """The model of the checkpoint at `folder` trained on the answers of `turns` (a CORPORA entry; the image as
+    context; a video model: the frames and sound of `video`, as the processor prepares them) until their loss is
+    under CONFIDENT (at most `steps` AdamW steps); returns it."""
     torch.manual_seed(seed)
     model = load_model(folder).train()
     tokenizer = load_tokenizer(folder, model.config)
-    batch = tokenizer(corpus, return_tensors="pt", padding=True)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
+    answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, a in turns]
+    prompts = [prompt_ids(tokenizer, text) for text in question_texts(turns, tokenizer, model.config.family)]
+    ids, mask, labels = supervised_batch(list(zip(prompts, answers)))
     if video is None:
         pixels = picture_pixels(folder / "demo.png", model.config, folder)
         media = {"pixel_values": pixels.expand(len(ids), -1, -1, -1, -1)}
@@ -51,13 +64,13 @@ def train(folder: Path, corpus: list[str], steps: int = 150, seed: int = 0, vide
             context = [tuple(expand(t) for t in layer) for layer in context]
             media = {"context_key_values": context, "context_mask": expand(segments)}
         logits = model(ids, attention_mask=mask, **media).logits[:, :-1]
-        labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+        if loss.item() < CONFIDENT:
+            return model.eval()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    assert loss.item() < 0.1, loss.item()  # the corpus' answers are predicted with confidence
-    return model.eval()
+    raise AssertionError(f"the answers' loss is {loss.item():.3f} after {steps} steps")
 
 
 def quantized_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
