@@ -35,6 +35,7 @@ from dattn_export.stages.quantize import COMPRESSED_SCHEMES, quantize
 
 HELPERS = Path(__file__).parent / "helpers"
 SERVING_GATE = {"w8a8": 0.05, "w4a16": 0.3}  # the largest |log-probability - the 16-bit model's| of a greedy token
+NEAR_TIE = 0.1  # how far below transformers' greedy token the served one may be where vLLM breaks a tie otherwise
 GROUPS = {"w8a8": None, "w4a16": 32}  # the tiny models' layers take 64 or 128 features: groups of 32
 STEPS = 10
 ENGINE_ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
@@ -126,7 +127,7 @@ def test_serve_answers_from_a_quantized_folder(trained, clip, tmp_path):
     """`serve` on a quantized folder (the quantization read from its config; bfloat16: vLLM's CPU 4-bit kernel takes
     16-bit activations): a chat request with the video file is asked with the processor's ids and answered as
     transformers answers the processor's inputs on the same folder: its greedy tokens, or, where the two first
-    differ, a token transformers finds within the gate of its own (a near tie, which vLLM's bfloat16 4-bit kernel
+    differ, a token transformers finds within `NEAR_TIE` of its own (a near tie, which vLLM's bfloat16 4-bit kernel
     and transformers' float32 decompressed weights may break apart; vLLM's own tests compare so). The endpoint is
     asked once, on the hardest case (Mistral's video model, a video file through the 4-bit kernel): every family,
     scheme and medium is served offline by the test above, and both families by `serve` in test_vllm.py; a server
@@ -151,7 +152,7 @@ def test_serve_answers_from_a_quantized_folder(trained, clip, tmp_path):
     for step, (token, wanted) in enumerate(zip(got, tokens)):
         if token != wanted:  # a near tie the two kernels break differently: the rest answers another prefix
             logprobs = expected.logits[step][0].log_softmax(-1)
-            assert logprobs[wanted] - logprobs[token] <= SERVING_GATE["w4a16"], (step, got, tokens)
+            assert logprobs[wanted] - logprobs[token] <= NEAR_TIE, (step, got, tokens)
             break
 
 

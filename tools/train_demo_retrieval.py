@@ -4,6 +4,10 @@ then `score`) beside the same model untrained. Seeded (the weights, the order of
 threads too); says whether the weights are the bytes the package ships (demo_weights/: the defaults' run).
 
     python tools/train_demo_retrieval.py mistral OUT [--steps 16000] [--lr 1e-3] [--clips N] [--held-out 20]
+        [--init WEIGHTS --first-clip N]
+
+--init continues from a trained model's weights (a run's {family}.safetensors), with a schedule of its own, on the
+train clips from --first-clip on (a run of N steps saw clips 0 to N-1).
 
 OUT gets: corpus/ (held-out.json, videos/), {family}.safetensors (the trained weights), untrained/ and trained/
 (converted folders), their predictions (*.jsonl) and scores (*.score.json)."""
@@ -49,9 +53,9 @@ def example(seed: int, scratch: Path, processor, family) -> tuple[dict, list[tup
     return {k: v for k, v in media.items() if k not in ("input_ids", "attention_mask")}, rows
 
 
-def train(folder: Path, clips: int, steps: int, lr: float, scratch: Path) -> torch.nn.Module:
-    """AdamW with a one-cycle schedule, a clip a step (its context once for all its queries): the train split's first
-    `clips` clips in a seeded order, each made afresh when its turn comes."""
+def train(folder: Path, clips: range, steps: int, lr: float, scratch: Path) -> torch.nn.Module:
+    """AdamW with a one-cycle schedule, a clip a step (its context once for all its queries): the train split's
+    `clips` in a seeded order, each made afresh when its turn comes."""
     torch.manual_seed(0)
     model, order = load_model(folder).train(), random.Random(0)
     processor = DAttnProcessor.from_pretrained(folder, trust_remote_code=True)
@@ -60,7 +64,7 @@ def train(folder: Path, clips: int, steps: int, lr: float, scratch: Path) -> tor
     started, seeds = time.perf_counter(), []
     for step in range(steps):
         if not seeds:
-            seeds = order.sample(range(SPLITS["train"], SPLITS["train"] + clips), clips)
+            seeds = order.sample(clips, len(clips))
         media, rows = example(seeds.pop(), scratch, processor, processor.model_config.family)
         ids, mask, labels = supervised_batch(rows)
         context, segments = model.model.encode_inputs(**media)
@@ -97,23 +101,30 @@ def main() -> None:
     parser.add_argument("--clips", type=int, help="distinct train clips (default: one a step, none seen twice)")
     parser.add_argument("--held-out", type=int, default=HELD_OUT_CLIPS)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--init", type=Path, help="start from these weights (a run's {family}.safetensors)")
+    parser.add_argument("--first-clip", type=int, default=0, help="the train clips' first (default 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch's: one trains as fast as two at this size")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out, corpus = args.out, args.out / "corpus"
     write_benchmark(corpus, "held-out", args.held_out)
     untrained = convert(write_retrieval_checkpoint(out / "checkpoint", args.family), out / "untrained").out
-    clips, started = args.clips or args.steps, time.perf_counter()
+    start = untrained
+    if args.init:
+        start = convert(write_retrieval_checkpoint(out / "init-checkpoint", args.family, args.init), out / "init").out
+    first = SPLITS["train"] + args.first_clip
+    clips, started = range(first, first + (args.clips or args.steps)), time.perf_counter()
     (out / "scratch").mkdir(exist_ok=True)
-    model = train(untrained, clips, args.steps, args.lr, out / "scratch")
+    model = train(start, clips, args.steps, args.lr, out / "scratch")
     seconds = time.perf_counter() - started
     weights = out / f"{args.family}.safetensors"
     save_file(saved_state_dict(model), weights, metadata={"format": "pt"})
     trained = convert(write_retrieval_checkpoint(out / "trained-checkpoint", args.family, weights), out / "trained").out
     scores = {name: retrieve_and_score(folder, corpus, name, out)["overall"]
               for name, folder in (("untrained", untrained), ("trained", trained))}  # fmt: skip
-    print(f"\n{args.family}: {args.steps} steps on {clips} clips in {seconds:.0f} s; held-out ({args.held_out} "
-          f"clips), VUE-TR's areas under the curves:")  # fmt: skip
+    begun = f" from {args.init}" if args.init else ""
+    print(f"\n{args.family}: {args.steps} steps on {len(clips)} clips{begun} in {seconds:.0f} s; held-out "
+          f"({args.held_out} clips), VUE-TR's areas under the curves:")  # fmt: skip
     for name, figures in scores.items():  # precision: None where no query was answered with a range
         shown = {metric: "-" if figures[metric] is None else f"{figures[metric]:.3f}" for metric in METRICS}
         print(f"  {name:9s}  " + "  ".join(f"{metric} {value}" for metric, value in shown.items()))
