@@ -6,6 +6,7 @@ torch is imported."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -80,6 +81,11 @@ def asked(question: str, tokenizer) -> Prompt:
     """A question about media as the checkpoint is asked it: through its chat template, or where it has none, as the
     released scripts' text before their template (the media's marker, a newline, the question)."""
     return Prompt(question) if tokenizer.chat_template else Prompt(f"{MEDIA_MARKERS[0]}\n{question}", "raw")
+
+
+def asked_texts(questions: Iterable[str], tokenizer, family) -> list[str]:
+    """Questions about media as the checkpoint is asked them (`asked`), as texts for `prompt_ids`."""
+    return prompt_texts([asked(question, tokenizer) for question in questions], tokenizer, family, True, None)
 
 
 def as_prompt(prompt: str | Prompt) -> Prompt:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..prompts import asked
+from ..prompts import asked_texts
 
 # asked after the user's prompt about the same media, as the checkpoint is asked (its chat template), so that a gate
 # never rests on one prompt
@@ -19,7 +19,7 @@ GATE_QUESTIONS = ("What is in the picture?", "How many objects are there?", "Des
 def gate_texts(prompt: str, tokenizer, family) -> list[str]:
     """The texts the gate asks about one medium: the user's prompt (its text), then GATE_QUESTIONS as the checkpoint
     is asked them."""
-    return [prompt, *(asked(q, tokenizer).text_for(tokenizer, family, media=True) for q in GATE_QUESTIONS)]
+    return [prompt, *asked_texts(GATE_QUESTIONS, tokenizer, family)]
 
 
 @dataclass(frozen=True)

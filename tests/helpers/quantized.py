@@ -17,7 +17,7 @@ from dattn_export.checkpoints.source import load_model
 from dattn_export.demo_model import DEMO_TURNS, supervised_batch
 from dattn_export.modeling.marked_prompts import prompt_ids
 from dattn_export.processing import load_tokenizer
-from dattn_export.prompts import asked
+from dattn_export.prompts import asked_texts
 from helpers.builders import picture_pixels
 
 CONFIDENT = 0.1  # the answers' loss (nats a token) training stops under
@@ -34,7 +34,7 @@ CORPORA = {  # (question, answer) turns about the media
 def question_texts(turns: list[tuple[str, str]], tokenizer, family) -> list[str]:
     """The turns' questions as the checkpoint is asked them (its chat template, the media's marker first): the
     prompts their answers are trained after."""
-    return [asked(question, tokenizer).text_for(tokenizer, family, media=True) for question, _ in turns]
+    return asked_texts([question for question, _ in turns], tokenizer, family)
 
 
 def train(folder: Path, turns: list[tuple[str, str]], steps: int = 150, seed: int = 0, video: Path | None = None):
