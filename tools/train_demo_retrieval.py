@@ -105,6 +105,12 @@ def main() -> None:
     parser.add_argument("--first-clip", type=int, default=0, help="the train clips' first (default 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch's: one trains as fast as two at this size")
     args = parser.parse_args()
+    first = SPLITS["train"] + args.first_clip
+    clips = range(first, first + (args.clips or args.steps))
+    if clips.stop > SPLITS["held-out"]:  # the train split's seeds end where the held-out split's begin
+        parser.error(
+            f"train clips {clips.start}-{clips.stop - 1} reach the held-out split's seeds ({SPLITS['held-out']} on)"
+        )
     torch.set_num_threads(args.threads)
     out, corpus = args.out, args.out / "corpus"
     write_benchmark(corpus, "held-out", args.held_out)
@@ -112,8 +118,7 @@ def main() -> None:
     start = untrained
     if args.init:
         start = convert(write_retrieval_checkpoint(out / "init-checkpoint", args.family, args.init), out / "init").out
-    first = SPLITS["train"] + args.first_clip
-    clips, started = range(first, first + (args.clips or args.steps)), time.perf_counter()
+    started = time.perf_counter()
     (out / "scratch").mkdir(exist_ok=True)
     model = train(start, clips, args.steps, args.lr, out / "scratch")
     seconds = time.perf_counter() - started
