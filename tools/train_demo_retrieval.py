@@ -77,7 +77,7 @@ class BindingLosses(nn.Module):
     `ground`: minus the log of the share the last `ground_layers` layers' context softmax puts on the keys of the
     answer's first range (the frames' for a shape, the audio's for a sound, both for a shape heard with a sound),
     so their attention finds it. Trained without either, the answers' positions never learn which colour was asked,
-    and with one alone the model still answers another event of the clip as often."""
+    and with one alone the model still answers another event of the clip nearly as often."""
 
     def __init__(self, model: nn.Module, ground_layers: int, recall_layer: int):
         super().__init__()
