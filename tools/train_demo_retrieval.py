@@ -3,12 +3,13 @@ retrieval benchmark (demo_corpus.py), and score it on the held-out split through
 then `score`) beside the same model untrained. Seeded (the weights, the order of clips; the bits depend on torch's
 threads too); says whether the weights are the bytes the package ships (demo_weights/: the defaults' run).
 
-    python tools/train_demo_retrieval.py mistral OUT [--steps 16000] [--lr 1e-3] [--clips N] [--held-out 20]
-        [--init WEIGHTS --first-clip N] [--ground 1 --recall 1]
+    python tools/train_demo_retrieval.py mistral OUT [--steps 8000] [--lr 1e-3] [--clips N] [--held-out 20]
+        [--init WEIGHTS --first-clip N] [--ground 1] [--recall 1]
 
 --init continues from a trained model's weights (a run's {family}.safetensors), with a schedule of its own, on the
-train clips from --first-clip on (a run of N steps saw clips 0 to N-1). --ground and --recall add the losses that teach
-the model which event a query means (`BindingLosses`; docs/benchmarks.md, "supervising the binding").
+train clips from --first-clip on (a run of N steps saw clips 0 to N-1). --ground and --recall weigh the losses that
+teach the model which event a query means (`BindingLosses`; docs/benchmarks.md, "supervising the binding"); 0 turns
+one off.
 
 OUT gets: corpus/ (held-out.json, videos/), {family}.safetensors (the trained weights), untrained/ and trained/
 (converted folders), their predictions (*.jsonl) and scores (*.score.json)."""
@@ -184,15 +185,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("family", choices=["mistral", "gemma2"])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=16000)
+    parser.add_argument("--steps", type=int, default=8000)
     parser.add_argument("--clips", type=int, help="distinct train clips (default: one a step, none seen twice)")
     parser.add_argument("--held-out", type=int, default=HELD_OUT_CLIPS)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--init", type=Path, help="start from these weights (a run's {family}.safetensors)")
     parser.add_argument("--first-clip", type=int, default=0, help="the train clips' first (default 0)")
-    parser.add_argument("--ground", type=float, default=0.0, help="BindingLosses' grounding weight (0: none)")
+    parser.add_argument("--ground", type=float, default=1.0, help="BindingLosses' grounding weight (default 1; 0 off)")
     parser.add_argument("--ground-layers", type=int, default=1, help="the last layers it holds (default 1)")
-    parser.add_argument("--recall", type=float, default=0.0, help="BindingLosses' recall weight (0: none)")
+    parser.add_argument("--recall", type=float, default=1.0, help="BindingLosses' recall weight (default 1; 0 off)")
     parser.add_argument("--recall-layer", type=int, default=2, help="the layer whose input names the query's words")
     parser.add_argument("--threads", type=int, default=1, help="torch's: one trains as fast as two at this size")
     args = parser.parse_args()
