@@ -130,8 +130,8 @@ class BindingLosses(nn.Module):
         return torch.stack(losses).mean()
 
 
-def train(folder: Path, clips: range, steps: int, lr: float, scratch: Path, ground: float = 0.0, ground_layers: int = 1,
-          recall: float = 0.0, recall_layer: int = 2) -> nn.Module:  # fmt: skip
+def train(folder: Path, clips: range, steps: int, lr: float, scratch: Path, ground: float, ground_layers: int,
+          recall: float, recall_layer: int) -> nn.Module:  # fmt: skip
     """AdamW with a one-cycle schedule, a clip a step (its context once for all its queries): the train split's
     `clips` in a seeded order, each made afresh when its turn comes; `ground`, `recall`: BindingLosses' weights."""
     torch.manual_seed(0)
